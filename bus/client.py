@@ -1,0 +1,69 @@
+"""A typed request/reply client.
+
+    client = BusClient(nc, prefix="berth")
+    reply = await client.request("resource.add-node", AddNode(...), AddNodeReply, timeout=2.0)
+
+An error reply raises `BusError` with the code, message and details the service sent. The timeout
+is explicit on every call (nats-py's own default, 0.5 s, is too short for real work).
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import msgspec
+from nats.aio.client import Client
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+from nats.micro.request import ERROR_CODE_HEADER, ERROR_HEADER
+
+from bus.codec import encode
+from bus.errors import BusError, NoResponders, RequestTimeout
+from schemas.common import ErrorBody
+
+T = TypeVar("T")
+
+DEFAULT_TIMEOUT = 5.0
+
+
+class BusClient:
+    def __init__(self, nc: Client, *, prefix: str = "berth", timeout: float = DEFAULT_TIMEOUT) -> None:
+        self.nc = nc
+        self.prefix = prefix
+        self.timeout = timeout
+
+    def subject(self, name: str) -> str:
+        return f"{self.prefix}.{name}"
+
+    async def request(self, subject: str, payload: Any, response: type[T] = dict, *, timeout: float | None = None) -> T:
+        """Send `payload` (a Struct or map) to `<prefix>.<subject>` and decode the reply as `response`."""
+        return decode_reply(await self.request_raw(subject, encode(payload), timeout=timeout), response)
+
+    async def request_raw(self, subject: str, data: bytes, *, timeout: float | None = None):
+        """The raw reply message (headers and bytes) for already-encoded `data`."""
+        full = self.subject(subject)
+        wait = self.timeout if timeout is None else timeout
+        try:
+            return await self.nc.request(full, data, timeout=wait)
+        except NoRespondersError:
+            raise NoResponders(full) from None
+        except NatsTimeout:
+            raise RequestTimeout(full, wait) from None
+
+
+def decode_reply(msg, response: type[T]) -> T:
+    """The reply body as `response`, or the `BusError` an error reply carries."""
+    headers = msg.headers or {}
+    if ERROR_CODE_HEADER in headers:
+        raise error_from(headers, msg.data)
+    return msgspec.msgpack.decode(msg.data, type=response)
+
+
+def error_from(headers: dict[str, str], data: bytes) -> BusError:
+    status = int(headers.get(ERROR_CODE_HEADER, "500") or 500)
+    try:
+        info = msgspec.msgpack.decode(data, type=ErrorBody).error
+        return BusError(info.code, info.message, info.details, status=status)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        # An error from a plain nats.micro responder (no berth body): keep what the headers say.
+        return BusError("internal", headers.get(ERROR_HEADER, ""), {}, status=status)

@@ -1,0 +1,56 @@
+"""Connecting to NATS the way a long-running worker should.
+
+Workers reconnect forever with a short ping interval, so a restarted nats-server costs seconds,
+not a crash; disconnects, reconnects and asynchronous errors (slow consumers above all) are logged,
+never silent.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import nats
+from nats.aio.client import Client
+from nats.errors import SlowConsumerError
+
+log = logging.getLogger("berth.bus")
+
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+
+
+def nats_url(explicit: str | None = None) -> str:
+    return explicit or os.environ.get("NATS_URL") or DEFAULT_NATS_URL
+
+
+async def connect(url: str | None = None, *, name: str = "berth", worker: bool = True, **options) -> Client:
+    """Open a NATS connection. `worker=False` suits short-lived clients: they give up after a few tries."""
+
+    async def on_error(error: Exception) -> None:
+        if isinstance(error, SlowConsumerError):
+            log.error("slow consumer on %s (sid %s): messages were dropped", error.subject, error.sid)
+        else:
+            log.error("nats error: %r", error)
+
+    async def on_disconnect() -> None:
+        log.warning("nats disconnected")
+
+    async def on_reconnect() -> None:
+        log.warning("nats reconnected to %s", nc.connected_url.netloc if nc.connected_url else "?")
+
+    settings = dict(
+        servers=[nats_url(url)],
+        name=name,
+        error_cb=on_error,
+        disconnected_cb=on_disconnect,
+        reconnected_cb=on_reconnect,
+        ping_interval=5,
+        max_outstanding_pings=3,
+        reconnect_time_wait=0.5,
+        max_reconnect_attempts=-1 if worker else 3,
+        allow_reconnect=True,
+        connect_timeout=5,
+    )
+    settings.update(options)
+    nc = await nats.connect(**settings)
+    return nc

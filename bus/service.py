@@ -1,0 +1,257 @@
+"""The service runtime: typed endpoints on top of `nats.micro`.
+
+    service = Service("berth-allocation", prefix="berth")
+
+    @service.endpoint("resource.cpumem.calculate-deploy", CalculateDeploy, DeployReply)
+    async def calculate_deploy(req: CalculateDeploy) -> DeployReply: ...
+
+    await service.start(nc)
+    await service.serve_until_signalled()      # SIGTERM/SIGINT -> drain
+
+What the runtime adds to `nats.micro`:
+- each request runs in its own task under a bounded concurrency limit (a NATS subscription
+  otherwise handles one message at a time, so one slow request would block the rest);
+- typed decode: a payload that does not decode or validate becomes an `invalid_argument` reply
+  naming the field; the endpoint keeps serving;
+- domain errors (`BerthError`) become the error headers and body of DESIGN.md §2; anything else
+  becomes `internal` with the traceback logged;
+- optional idempotency by `request_id` (see `bus.idempotency`);
+- drain: queued requests finish and their replies flush before the connection closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+from nats.aio.client import Client
+from nats.micro import ServiceConfig
+from nats.micro.request import ERROR_CODE_HEADER, ERROR_HEADER, Request
+from nats.micro.service import Endpoint as MicroEndpoint
+from nats.micro.service import Service as MicroService
+
+from bus.codec import decode, encode
+from bus.errors import BerthError
+from bus.idempotency import IdempotencyStore, Reply
+from schemas.common import ErrorBody, ErrorInfo
+
+log = logging.getLogger("berth.service")
+
+Handler = Callable[[Any], Awaitable[Any]]
+
+
+@dataclass(frozen=True)
+class EndpointSpec:
+    """One command: its subject (below the prefix), request and response types, and handler."""
+
+    name: str
+    subject: str
+    request: type
+    response: type
+    handler: Handler
+    idempotent: bool
+
+
+@dataclass(frozen=True)
+class Command:
+    """A command declared as data, so that schemas can be exported without running the service.
+
+    `handler` names the method of the object passed to `Service.bind` that serves it.
+    """
+
+    subject: str
+    request: type
+    response: type
+    handler: str
+    idempotent: bool = False
+
+
+def error_reply(error: BerthError) -> Reply:
+    """The wire form of a domain error: status and message headers plus the error body."""
+    headers = {ERROR_CODE_HEADER: str(error.status), ERROR_HEADER: error.message}
+    body = encode(ErrorBody(ErrorInfo(code=error.code, message=error.message, details=error.details)))
+    return Reply(body=body, headers=headers)
+
+
+class Service:
+    def __init__(
+        self,
+        name: str,
+        *,
+        prefix: str = "berth",
+        version: str = "0.1.0",
+        description: str = "",
+        concurrency: int = 64,
+        idempotency: IdempotencyStore | None = None,
+        metadata: dict[str, str] | None = None,
+    ) -> None:
+        self.name = name
+        self.prefix = prefix
+        self.version = version
+        self.description = description
+        self.concurrency = concurrency
+        self.idempotency = idempotency
+        self.metadata = metadata or {}
+        self.specs: list[EndpointSpec] = []
+        self._micro: MicroService | None = None
+        self._nc: Client | None = None
+        self._slots = asyncio.Semaphore(concurrency)
+        self._tasks: set[asyncio.Task] = set()
+        self._stats: dict[str, MicroEndpoint] = {}
+
+    # -- declaring endpoints -------------------------------------------------------------
+
+    def endpoint(
+        self, subject: str, request: type, response: type, *, name: str | None = None, idempotent: bool = False
+    ) -> Callable[[Handler], Handler]:
+        """Declare a command on `<prefix>.<subject>`; `idempotent` replays answers by `request_id`."""
+
+        def register(handler: Handler) -> Handler:
+            self.add_endpoint(subject, request, response, handler, name=name, idempotent=idempotent)
+            return handler
+
+        return register
+
+    def add_endpoint(
+        self,
+        subject: str,
+        request: type,
+        response: type,
+        handler: Handler,
+        *,
+        name: str | None = None,
+        idempotent: bool = False,
+    ) -> None:
+        if idempotent and self.idempotency is None:
+            raise ValueError(f"endpoint {subject} is idempotent but the service has no idempotency store")
+        endpoint_name = name or subject.replace(".", "-")
+        self.specs.append(EndpointSpec(endpoint_name, subject, request, response, handler, idempotent))
+
+    def bind(self, commands: list[Command], target: object) -> None:
+        """Serve each command with the method of `target` that it names."""
+        for command in commands:
+            handler = getattr(target, command.handler)
+            self.add_endpoint(command.subject, command.request, command.response, handler, idempotent=command.idempotent)
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self, nc: Client) -> None:
+        self._nc = nc
+        config = ServiceConfig(
+            name=self.name, version=self.version, description=self.description, metadata=self.metadata
+        )
+        self._micro = MicroService(nc, config)
+        await self._micro.start()
+        for spec in self.specs:
+            await self._micro.add_endpoint(
+                name=spec.name, subject=f"{self.prefix}.{spec.subject}", handler=self._dispatcher(spec)
+            )
+            # nats.micro keeps per-endpoint stats on its Endpoint object; since the real work runs in
+            # our own task, we complete those stats ourselves when the task ends (see _account).
+            self._stats[spec.name] = self._micro._endpoints[-1]
+        await nc.flush()
+        log.info("%s serving %d endpoints under %s (id %s)", self.name, len(self.specs), self.prefix, self.id)
+
+    @property
+    def id(self) -> str:
+        return self._micro.id if self._micro else ""
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._tasks)
+
+    async def drain(self, timeout: float = 10.0) -> None:
+        """Stop taking requests, let queued and running ones finish (within `timeout`), flush replies."""
+        if self._micro is None or self._nc is None:
+            return
+        deadline = time.monotonic() + timeout
+        for endpoint in self._micro._endpoints:
+            if endpoint._subscription is not None:
+                try:
+                    await asyncio.wait_for(endpoint._subscription.drain(), max(0.1, deadline - time.monotonic()))
+                except Exception as error:  # a drain that cannot finish must not stop the others
+                    log.warning("drain of %s: %r", endpoint._subject, error)
+                endpoint._subscription = None
+        if self._tasks:
+            _, pending = await asyncio.wait(set(self._tasks), timeout=max(0.1, deadline - time.monotonic()))
+            if pending:
+                log.error("%d requests still running after %.1f s; cancelling them", len(pending), timeout)
+                for task in pending:
+                    task.cancel()
+        await self._nc.flush(timeout=max(1, int(deadline - time.monotonic())))
+        self._micro._stopped.set()
+        self._micro = None
+
+    async def serve_until_signalled(self, drain_timeout: float = 10.0) -> None:
+        """Serve until SIGTERM or SIGINT, then drain; the caller closes the connection."""
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await stop.wait()
+            log.info("%s draining", self.name)
+            await self.drain(drain_timeout)
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+
+    # -- serving one request ---------------------------------------------------------------
+
+    def _dispatcher(self, spec: EndpointSpec) -> Callable[[Request], Awaitable[None]]:
+        async def dispatch(request: Request) -> None:
+            # Waiting for a slot here is the backpressure: the subscription queues what we cannot take.
+            await self._slots.acquire()
+            task = asyncio.create_task(self._serve(spec, request))
+            self._tasks.add(task)
+            task.add_done_callback(self._finished)
+
+        return dispatch
+
+    def _finished(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        self._slots.release()
+
+    async def _serve(self, spec: EndpointSpec, request: Request) -> None:
+        started = time.perf_counter_ns()
+        reply = await self._answer(spec, request.data)
+        try:
+            await request.respond(reply.body, headers=reply.headers)
+        except Exception as error:  # no reply subject, or the connection is closing
+            log.warning("%s: could not reply: %r", spec.subject, error)
+        self._account(spec, time.perf_counter_ns() - started, reply)
+
+    async def _answer(self, spec: EndpointSpec, data: bytes) -> Reply:
+        try:
+            req = decode(data, spec.request)
+            if spec.idempotent and getattr(req, "request_id", None):
+                return await self.idempotency.run(
+                    f"{self.name}:{spec.subject}", req.request_id, data, lambda: self._call(spec, req)
+                )
+            return await self._call(spec, req)
+        except BerthError as error:
+            return error_reply(error)
+        except Exception as error:
+            log.error("%s: unexpected error\n%s", spec.subject, traceback.format_exc())
+            return error_reply(BerthError(f"internal error: {type(error).__name__}: {error}", code="internal"))
+
+    async def _call(self, spec: EndpointSpec, req: Any) -> Reply:
+        try:
+            return Reply(body=encode(await spec.handler(req)))
+        except BerthError as error:
+            return error_reply(error)
+
+    def _account(self, spec: EndpointSpec, elapsed_ns: int, reply: Reply) -> None:
+        stats = self._stats.get(spec.name)
+        if stats is None:
+            return
+        stats._processing_time += elapsed_ns
+        stats._average_processing_time = int(stats._processing_time / max(1, stats._num_requests))
+        if reply.headers:
+            stats._num_errors += 1
+            stats._last_error = f"{reply.headers[ERROR_CODE_HEADER]}:{reply.headers[ERROR_HEADER]}"

@@ -1,0 +1,97 @@
+"""The pure calculation interface every resource plugin implements (eru's resource plugin, §1.2).
+
+Everything here is synchronous, deterministic and free of I/O: the service layer loads a node's
+record from Redis, calls one of these methods, and commits the result with a Lua script that
+re-checks the record's version. Values cross this boundary in their wire shape (plain maps of
+MessagePack builtins, keys as in DESIGN.md §3) so the service layer can stay plugin-agnostic;
+each plugin decodes them into its own typed Structs and raises `bus.errors.BerthError`
+subclasses naming the field at fault.
+
+`capacity` and `usage` are a node's stored NodeResource maps for this plugin.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import msgspec
+
+Raw = dict[str, Any]
+
+
+class EngineInfo(msgspec.Struct, forbid_unknown_fields=False):
+    """Node-level facts an engine reports at add-node (DESIGN.md §8)."""
+
+    ncpu: int = 0
+    memory_total: int = 0
+    storage_total: int = 0
+    resources: dict[str, Raw] = {}
+
+
+class DeployCapacity(msgspec.Struct):
+    """How many more instances of a request fit on a node, and what one instance weighs there."""
+
+    capacity: int
+    usage: float
+    rate: float
+    weight: float
+
+
+class ResourcePlugin(Protocol):
+    name: str
+    # Most-idle priority: the highest-priority plugin decides the most idle node (cpumem/gpu 100, storage 1).
+    priority: int
+
+    def add_node(self, resource: Raw | None, info: EngineInfo | None) -> tuple[Raw, Raw]:
+        """(capacity, usage) of a new node from its node request, else from engine info, else empty."""
+
+    def validate_record(self, capacity: Raw, usage: Raw) -> None:
+        """Reject a record that must not be stored (set-node-resource-info, after every change)."""
+
+    def calculate_deploy(
+        self, capacity: Raw, usage: Raw, deploy_count: int, request: Raw | None
+    ) -> tuple[list[Raw], list[Raw]]:
+        """(engines_params, workloads_resource), one of each per instance, or raise insufficient_capacity."""
+
+    def calculate_realloc(
+        self, capacity: Raw, usage: Raw, workload_resource: Raw, request: Raw | None
+    ) -> tuple[Raw, Raw, Raw]:
+        """(engine_params, delta_resource, workload_resource) for a delta request."""
+
+    def calculate_remap(self, capacity: Raw, usage: Raw, workloads: dict[str, Raw]) -> dict[str, Raw]:
+        """workload id -> new engine params, for the workloads whose binding changes."""
+
+    def deploy_capacity(self, capacity: Raw, usage: Raw, request: Raw | None) -> DeployCapacity: ...
+
+    def set_capacity(
+        self, capacity: Raw, usage: Raw, resource: Raw | None, request: Raw | None, delta: bool, incr: bool
+    ) -> tuple[Raw, Raw]:
+        """New (capacity, usage): capacity changes may add zero usage for new cores or drop empty ones."""
+
+    def set_usage(
+        self,
+        capacity: Raw,
+        usage: Raw,
+        resource: Raw | None,
+        request: Raw | None,
+        workloads: list[Raw],
+        delta: bool,
+        incr: bool,
+    ) -> Raw:
+        """New usage after the delta/incr matrix with source priority request > resource > workloads."""
+
+    def apply_workloads(self, usage: Raw, workloads: list[Raw], incr: bool) -> Raw:
+        """Usage with the workload resources added (incr) or returned (not incr); used by commit and release."""
+
+    def usage_from_workloads(self, capacity: Raw, workloads: list[Raw]) -> Raw:
+        """The usage the given workloads explain (fix-node-resource, ledger repair)."""
+
+    def diffs(self, capacity: Raw, usage: Raw, workloads: list[Raw]) -> list[str]:
+        """Human-readable differences between stored usage and what the workloads explain, in eru's order."""
+
+    def load(self, capacity: Raw, usage: Raw) -> float:
+        """How busy a node is for get-most-idle-node (eru §2.14): the smallest load is the most idle."""
+
+    def metrics_description(self) -> list[Raw]: ...
+
+    def metrics(self, podname: str, nodename: str, capacity: Raw, usage: Raw) -> list[Raw]: ...

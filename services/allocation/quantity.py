@@ -1,0 +1,69 @@
+"""Strict parsing of the quantities that allocation requests carry (DESIGN.md §8).
+
+eru coerces leniently (a size that does not parse becomes 0); berth rejects it with an
+`invalid_argument` error naming the field instead.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from bus.errors import InvalidArgument
+
+# Saturation bound for totals: eru's MaxInt, and the largest value a signed MessagePack int holds.
+MAX_INT = 2**63 - 1
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(?:i?B)?\s*$", re.IGNORECASE)
+_SHIFT = {"": 0, "K": 10, "M": 20, "G": 30, "T": 40, "P": 50}
+
+
+def parse_size(value: object, field: str, *, allow_negative: bool = False) -> int:
+    """Bytes from an int, an integral float, or a string such as "4G", "512MiB", "1024".
+
+    A leading "-" is accepted only where the request is a delta (`allow_negative`).
+    """
+    if isinstance(value, bool):
+        raise InvalidArgument(field, "a byte size must be an integer or a string like '4G', not a boolean")
+    if isinstance(value, float):
+        if not math.isfinite(value) or not value.is_integer():
+            raise InvalidArgument(field, f"a byte size must be integral, got {value!r}")
+        value = int(value)
+    if isinstance(value, int):
+        size = value
+    elif isinstance(value, str):
+        text = value.strip()
+        sign = -1 if text.startswith("-") else 1
+        match = _SIZE.match(text.lstrip("-"))
+        if not match:
+            raise InvalidArgument(field, f"{value!r} is not a byte size (use an integer or a suffix K, M, G, T, P)")
+        number, suffix = match.groups()
+        scaled = float(number) * (1 << _SHIFT[suffix.upper()])
+        if not scaled.is_integer():
+            raise InvalidArgument(field, f"{value!r} is not a whole number of bytes")
+        size = sign * int(scaled)
+    else:
+        raise InvalidArgument(field, f"a byte size must be an integer or a string, got {type(value).__name__}")
+    if size < 0 and not allow_negative:
+        raise InvalidArgument(field, f"must not be negative, got {size}")
+    if abs(size) > MAX_INT:
+        raise InvalidArgument(field, f"{size} is larger than {MAX_INT}")
+    return size
+
+
+def parse_cpu(value: object, field: str, *, allow_negative: bool = False) -> float:
+    """A CPU quantity: an int or a finite float, never a string or a boolean."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidArgument(field, f"a CPU quantity must be a number, got {type(value).__name__}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InvalidArgument(field, f"must be a finite number, got {value!r}")
+    if value < 0 and not allow_negative:
+        raise InvalidArgument(field, f"must not be negative, got {value}")
+    if abs(value) > 1e12:
+        raise InvalidArgument(field, f"{value} is unreasonably large")
+    return float(value)
+
+
+def saturating_add(a: int, b: int) -> int:
+    """a + b clamped to [-MAX_INT, MAX_INT]: totals saturate instead of overflowing."""
+    return max(-MAX_INT, min(MAX_INT, a + b))

@@ -1,0 +1,109 @@
+"""Running one worker process of a service: `python -m services.runner <module> [options]`.
+
+A service module defines `NAME`, `add_arguments(parser)` and `async build(ctx) -> bus.Service`.
+The runner connects to NATS and Redis, makes sure the events stream exists, builds and starts the
+service, serves until SIGTERM/SIGINT, drains, runs the service's clean-ups and closes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import logging
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+from nats.aio.client import Client
+from redis.asyncio import Redis
+
+from bus.connection import connect
+from bus.events import EventBus
+from bus.redis import connect_redis
+
+log = logging.getLogger("berth.runner")
+
+PREFIX_PATTERN = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+@dataclass
+class WorkerContext:
+    args: argparse.Namespace
+    nc: Client
+    redis: Redis
+    events: EventBus
+    prefix: str
+    cleanups: list[Callable[[], Awaitable[Any]]] = field(default_factory=list)
+
+
+def configure_logging(level: str = "INFO") -> None:
+    logging.basicConfig(
+        level=level,
+        format="%(asctime)s level=%(levelname)s logger=%(name)s pid=%(process)d msg=%(message)s",
+        stream=sys.stderr,
+    )
+
+
+def common_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nats", default=os.environ.get("NATS_URL"), help="NATS URL (env NATS_URL)")
+    parser.add_argument("--redis", default=os.environ.get("REDIS_URL"), help="Redis URL (env REDIS_URL)")
+    parser.add_argument(
+        "--prefix", default=os.environ.get("BERTH_PREFIX", "berth"), help="subject and key prefix (env BERTH_PREFIX)"
+    )
+    parser.add_argument(
+        "--concurrency", type=int, default=int(os.environ.get("BERTH_CONCURRENCY", "64")),
+        help="requests served at once per process",
+    )
+    parser.add_argument("--drain-timeout", type=float, default=10.0, help="seconds to finish requests on SIGTERM")
+    parser.add_argument("--memory-stream", action="store_true", help="keep the events stream in memory (tests)")
+
+
+def load(module_name: str):
+    module = importlib.import_module(module_name)
+    for attribute in ("NAME", "add_arguments", "build"):
+        if not hasattr(module, attribute):
+            raise SystemExit(f"{module_name} is not a berth service module: it has no {attribute}")
+    return module
+
+
+async def run(module, args: argparse.Namespace) -> None:
+    if not PREFIX_PATTERN.match(args.prefix):
+        raise SystemExit(f"--prefix {args.prefix!r} must match [A-Za-z0-9_-]+")
+    nc = await connect(args.nats, name=f"{args.prefix}-{module.NAME}")
+    redis = connect_redis(args.redis, max_connections=args.concurrency + 8)
+    events = EventBus(nc, prefix=args.prefix)
+    await events.ensure_stream(memory=args.memory_stream)
+    ctx = WorkerContext(args=args, nc=nc, redis=redis, events=events, prefix=args.prefix)
+    try:
+        service = await module.build(ctx)
+        await service.start(nc)
+        print(f"ready {service.name} {service.id}", flush=True)  # the supervisor and tests wait for this line
+        await service.serve_until_signalled(args.drain_timeout)
+    finally:
+        for cleanup in reversed(ctx.cleanups):
+            try:
+                await cleanup()
+            except Exception:
+                log.exception("clean-up failed")
+        await nc.drain()
+        await redis.aclose()
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        raise SystemExit("usage: python -m services.runner <service module> [options]")
+    module = load(argv[0])
+    parser = argparse.ArgumentParser(prog=f"berth worker {module.NAME}")
+    common_arguments(parser)
+    module.add_arguments(parser)
+    args = parser.parse_args(argv[1:])
+    configure_logging(os.environ.get("BERTH_LOG_LEVEL", "INFO"))
+    asyncio.run(run(module, args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""Test session: real nats-server and redis-server, a clean namespace per test.
+
+The servers are started once per session on free ports (or taken from NATS_URL / REDIS_URL).
+Every test gets its own subject/key prefix, so tests never see each other's requests, events or
+Redis keys; the prefix's keys and events stream are deleted afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from bus.client import BusClient
+from bus.connection import connect
+from bus.events import EventBus
+from bus.redis import connect_redis
+from services.servers import start_nats, start_redis
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def server_urls():
+    """(nats_url, redis_url): the environment's, else servers of our own for this session."""
+    if os.environ.get("NATS_URL") and os.environ.get("REDIS_URL"):
+        yield os.environ["NATS_URL"], os.environ["REDIS_URL"]
+        return
+    state = Path(tempfile.mkdtemp(prefix="berth-test-"))
+    nats = start_nats(state / "nats")
+    redis = start_redis(state / "redis", appendonly=False)
+    try:
+        yield nats.url, redis.url
+    finally:
+        nats.stop()
+        redis.stop()
+
+
+@pytest.fixture(scope="session")
+def nats_url(server_urls) -> str:
+    return server_urls[0]
+
+
+@pytest.fixture(scope="session")
+def redis_url(server_urls) -> str:
+    return server_urls[1]
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def nc(nats_url):
+    conn = await connect(nats_url, name="berth-tests", worker=False)
+    yield conn
+    await conn.drain()
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def redis(redis_url):
+    client = connect_redis(redis_url, max_connections=128)
+    yield client
+    await client.aclose()
+
+
+@pytest_asyncio.fixture
+async def prefix(nc, redis):
+    """A fresh namespace for one test; its Redis keys and events stream go away afterwards."""
+    name = f"t{uuid.uuid4().hex[:12]}"
+    yield name
+    keys = [k async for k in redis.scan_iter(match=f"{name}:*", count=1000)]
+    if keys:
+        await redis.delete(*keys)
+    try:
+        await nc.jetstream().delete_stream(f"{name}-events")
+    except Exception:
+        pass  # the test made no stream
+
+
+@pytest.fixture
+def client(nc, prefix) -> BusClient:
+    return BusClient(nc, prefix=prefix, timeout=5.0)
+
+
+@pytest.fixture
+def events(nc, prefix) -> EventBus:
+    return EventBus(nc, prefix=prefix)
+
+
+@pytest_asyncio.fixture
+async def serve(nc):
+    """Start a `bus.Service` in this process for the test; drained at the end."""
+    started = []
+
+    async def start(service):
+        await service.start(nc)
+        started.append(service)
+        return service
+
+    yield start
+    for service in started:
+        await service.drain(timeout=5)
+
+
+class Worker:
+    """A worker process started with `python -m services.runner`."""
+
+    def __init__(self, proc: subprocess.Popen, ready_line: str) -> None:
+        self.proc = proc
+        self.ready_line = ready_line
+
+    @property
+    def instance_id(self) -> str:
+        return self.ready_line.split()[-1]
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def wait(self, timeout: float = 15) -> int:
+        return self.proc.wait(timeout)
+
+
+@pytest.fixture
+def spawn_worker(nats_url, redis_url, prefix):
+    """Start a worker process of a service module in this test's namespace; stopped at the end."""
+    workers: list[Worker] = []
+
+    def spawn(module: str, *args: str, env: dict[str, str] | None = None) -> Worker:
+        argv = [
+            sys.executable, "-m", "services.runner", module,
+            "--nats", nats_url, "--redis", redis_url, "--prefix", prefix, "--memory-stream", *args,
+        ]
+        proc = subprocess.Popen(
+            argv, cwd=ROOT, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}
+        )
+        line = proc.stdout.readline()
+        if not line.startswith("ready"):
+            proc.kill()
+            raise RuntimeError(f"worker {module} did not start (exit {proc.wait()}): {line!r}")
+        worker = Worker(proc, line.strip())
+        workers.append(worker)
+        return worker
+
+    yield spawn
+    for worker in workers:
+        worker.signal(signal.SIGTERM)
+    for worker in workers:
+        try:
+            worker.wait(15)
+        except subprocess.TimeoutExpired:
+            worker.proc.kill()
+            worker.proc.wait()

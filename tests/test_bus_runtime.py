@@ -1,0 +1,151 @@
+"""The service runtime over a real nats-server: concurrency, errors, bad input, idempotency, drain."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import msgpack
+import pytest
+
+from bus.codec import encode
+from bus.errors import BusError, NoResponders, RequestTimeout
+from tests import echo_service
+from tests.echo_service import Counted, Served, Typed
+
+
+@pytest.fixture
+async def echo(serve, prefix, redis):
+    return await serve(echo_service.make_service(prefix, redis, concurrency=32))
+
+
+async def test_slow_requests_are_served_in_parallel(echo, client):
+    started = time.monotonic()
+    replies = await asyncio.gather(
+        *(client.request("echo.sleep", {"seconds": 0.5, "tag": str(i)}, Served) for i in range(20))
+    )
+    elapsed = time.monotonic() - started
+    assert sorted(int(r.tag) for r in replies) == list(range(20))
+    # Sequential service would need 10 s; in parallel it is about one sleep.
+    assert elapsed < 5.0
+
+
+async def test_concurrency_is_bounded(serve, prefix, redis, client):
+    service = await serve(echo_service.make_service(prefix, redis, concurrency=2))
+    peak = 0
+
+    async def watch():
+        nonlocal peak
+        while True:
+            peak = max(peak, service.in_flight)
+            await asyncio.sleep(0.01)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        await asyncio.gather(*(client.request("echo.sleep", {"seconds": 0.2}, Served) for _ in range(6)))
+    finally:
+        watcher.cancel()
+    assert peak == 2
+
+
+@pytest.mark.parametrize(
+    "code,status",
+    [
+        ("invalid_cpu", 400),
+        ("node_not_found", 404),
+        ("node_exists", 409),
+        ("insufficient_capacity", 409),
+        ("resource_already_released", 409),
+        ("resource_not_running", 412),
+        ("manager_not_running", 503),
+        ("broker_cooling", 503),
+        ("internal", 500),
+    ],
+)
+async def test_domain_errors_map_to_headers_and_body(echo, client, nc, prefix, code, status):
+    msg = await nc.request(f"{prefix}.echo.fail", encode({"code": code, "message": "nope"}), timeout=5)
+    assert msg.headers["Nats-Service-Error-Code"] == str(status)
+    assert msg.headers["Nats-Service-Error"] == "nope"
+    assert msgpack.unpackb(msg.data) == {"error": {"code": code, "message": "nope", "details": {"asked": code}}}
+    with pytest.raises(BusError) as caught:
+        await client.request("echo.fail", {"code": code, "message": "nope"})
+    assert (caught.value.code, caught.value.status, caught.value.details) == (code, status, {"asked": code})
+
+
+async def test_unexpected_exception_is_internal_and_endpoint_survives(echo, client):
+    with pytest.raises(BusError) as caught:
+        await client.request("echo.crash", {})
+    assert caught.value.code == "internal" and caught.value.status == 500
+    assert "RuntimeError: boom" in caught.value.message
+    assert (await client.request("echo.whoami", {}, Served)).pid > 0
+
+
+@pytest.mark.parametrize(
+    "payload,field",
+    [
+        (b"\xc1\x00garbage", "$"),
+        (b"", "$"),
+        (msgpack.packb([1, 2, 3]), "$"),
+        (msgpack.packb({"name": "a", "flag": True}), "count"),
+        (msgpack.packb({"count": "3", "name": "a", "flag": True}), "count"),
+        (msgpack.packb({"count": -1, "name": "a", "flag": True}), "count"),
+        (msgpack.packb({"count": 1, "name": 5, "flag": True}), "name"),
+        (msgpack.packb({"count": 1, "name": "a", "flag": None}), "flag"),
+        (msgpack.packb({"count": 1, "name": "a", "flag": 1}), "flag"),
+        (msgpack.packb({"count": 1, "name": "a", "flag": True, "ratio": float("nan")}), "ratio"),
+        (msgpack.packb({"count": 2**64 - 1, "name": "a", "flag": True, "ratio": 2.0}), "ratio"),
+    ],
+)
+async def test_bad_input_is_invalid_argument_naming_the_field(echo, client, nc, prefix, payload, field):
+    msg = await nc.request(f"{prefix}.echo.typed", payload, timeout=5)
+    assert msg.headers["Nats-Service-Error-Code"] == "400"
+    body = msgpack.unpackb(msg.data)
+    assert body["error"]["code"] == "invalid_argument"
+    assert body["error"]["details"]["field"] == field
+    assert field in body["error"]["message"]
+    # The endpoint keeps serving after bad input.
+    good = await client.request("echo.typed", {"count": 3, "name": "a", "flag": False, "extra": "ignored"}, Typed)
+    assert good == Typed(count=3, name="a", flag=False)
+
+
+async def test_reply_is_plain_msgpack(echo, nc, prefix):
+    msg = await nc.request(f"{prefix}.echo.typed", msgpack.packb({"count": 7, "name": "x", "flag": True}), timeout=5)
+    assert msgpack.unpackb(msg.data) == {"count": 7, "name": "x", "flag": True, "ratio": 0.5}
+
+
+async def test_concurrent_retries_have_one_effect(echo, client):
+    request = {"key": "k", "request_id": "r-1", "delay": 0.3}
+    replies = await asyncio.gather(*(client.request("echo.increment", request, Counted) for _ in range(5)))
+    assert {r.value for r in replies} == {1}
+    # A later retry still gets the first answer; a new id runs again.
+    assert (await client.request("echo.increment", request, Counted)).value == 1
+    assert (await client.request("echo.increment", {**request, "request_id": "r-2"}, Counted)).value == 2
+    # No request id: every call has its effect.
+    assert (await client.request("echo.increment", {"key": "k"}, Counted)).value == 3
+
+
+async def test_request_id_reused_for_another_request_is_refused(echo, client):
+    await client.request("echo.increment", {"key": "a", "request_id": "same"}, Counted)
+    with pytest.raises(BusError) as caught:
+        await client.request("echo.increment", {"key": "b", "request_id": "same"}, Counted)
+    assert caught.value.code == "invalid_argument" and caught.value.details["field"] == "request_id"
+
+
+async def test_client_timeout_and_no_responders(echo, client):
+    with pytest.raises(RequestTimeout):
+        await client.request("echo.sleep", {"seconds": 2}, Served, timeout=0.2)
+    with pytest.raises(NoResponders):
+        await client.request("echo.nothing-here", {}, timeout=1)
+
+
+async def test_in_flight_requests_complete_on_sigterm(spawn_worker, client):
+    worker = spawn_worker("tests.echo_service")
+    calls = [asyncio.create_task(client.request("echo.sleep", {"seconds": 1.0, "tag": str(i)}, Served)) for i in range(10)]
+    await asyncio.sleep(0.3)  # the requests are in flight
+    worker.signal(signal.SIGTERM)
+    replies = await asyncio.gather(*calls)
+    assert sorted(int(r.tag) for r in replies) == list(range(10))
+    assert await asyncio.to_thread(worker.wait, 15) == 0
+    with pytest.raises(NoResponders):
+        await client.request("echo.whoami", {}, Served, timeout=1)
