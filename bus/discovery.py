@@ -30,6 +30,8 @@ async def gather(nc: Client, subject: str, *, timeout: float = 1.0, quiet: float
                 msg = await asyncio.wait_for(replies.get(), min(wait, left))
             except asyncio.TimeoutError:
                 break
+            if not msg.data:
+                break  # the server's "no responders" status: nobody runs a service
             found.append(json.loads(msg.data))
             wait = quiet  # after the first answer, stop once the others have had their chance
         return found

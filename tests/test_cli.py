@@ -1,0 +1,115 @@
+"""The `berth` command: compose entries, `up` with embedded servers, `status`, `schema`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from services.cli import parser
+from services.registry import SERVICES
+
+ROOT = Path(__file__).resolve().parent.parent
+BERTH = [sys.executable, "-m", "services.cli"]
+
+
+def test_every_compose_service_command_exists_in_the_cli():
+    compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    workers = {name: spec for name, spec in compose["services"].items() if "build" in spec}
+    assert set(workers) == set(SERVICES)
+    for name, spec in workers.items():
+        args, extra = parser().parse_known_args(spec["command"])
+        assert (args.command, args.service, extra) == ("worker", name, [])
+        assert spec["environment"]["NATS_URL"].startswith("nats://")
+        assert spec["environment"]["REDIS_URL"].startswith("redis://")
+    assert "-js" in compose["services"]["nats"]["command"]
+    assert "--appendonly" in compose["services"]["redis"]["command"]
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if text in cmdline and int(entry.name) != os.getpid():
+                found.append(int(entry.name))
+    return found
+
+
+def _read_until(proc: subprocess.Popen, marker: str, timeout: float = 60) -> list[str]:
+    lines, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line.rstrip())
+        if marker in line:
+            return lines
+    raise AssertionError(f"{marker!r} not seen; got {lines}")
+
+
+def test_up_starts_everything_status_lists_it_and_ctrl_c_leaves_nothing(tmp_path):
+    state = tmp_path / "state"
+    env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "REDIS_URL")}
+    up = subprocess.Popen(
+        [*BERTH, "up", "--state", str(state)], cwd=ROOT, stdout=subprocess.PIPE, text=True, env=env,
+        start_new_session=True,
+    )
+    try:
+        lines = _read_until(up, "berth is up")
+        urls = dict(line.split("=", 1) for line in lines if "_URL=" in line)
+        assert urls["NATS_URL"].startswith("nats://127.0.0.1:") and urls["REDIS_URL"].startswith("redis://")
+        assert _processes_mentioning(str(state))  # the embedded servers run from the state folder
+        expected = {f"berth-{name}" for name in SERVICES if (ROOT / "services" / name / "worker.py").exists()}
+        deadline = time.monotonic() + 30
+        while True:
+            status = subprocess.run(
+                [*BERTH, "status", "--nats", urls["NATS_URL"]], capture_output=True, text=True, timeout=30, cwd=ROOT
+            )
+            assert status.returncode == 0, status.stderr
+            running = {line.split()[0] for line in status.stdout.splitlines()[1:-1]}
+            if expected <= running or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert expected <= running, status.stdout
+        if not expected:
+            assert "no service instance answered" in status.stdout
+    finally:
+        os.killpg(up.pid, signal.SIGINT)  # what Ctrl-C in the terminal does
+        assert up.wait(60) == 0
+    assert "berth stopped" in up.stdout.read()
+    nats_port = urls["NATS_URL"].rsplit(":", 1)[1]
+    assert _processes_mentioning(str(state)) == []
+    assert _processes_mentioning(f"nats://127.0.0.1:{nats_port}") == []
+
+
+def test_schema_groups_messages_by_subject(tmp_path):
+    out = tmp_path / "schema.json"
+    result = subprocess.run([*BERTH, "schema", "-o", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(out.read_text())
+    assert doc["error_reply"]["$defs"]["ErrorInfo"]["required"] == ["code", "message"]
+    assert {"type", "time"} <= set(doc["event_envelope"]["$defs"]["Event"]["properties"])
+    for service in doc["services"].values():
+        for subject, entry in service["subjects"].items():
+            assert subject.startswith("berth.") and {"request", "reply"} <= set(entry)
+
+
+def test_schema_export_of_a_service_module():
+    from schemas.export import document
+
+    doc = document("p", extra_modules=("tests.echo_service",))
+    subjects = doc["services"]["tests.echo_service"]["subjects"]
+    assert subjects["p.echo.increment"]["idempotent"] is True
+    typed = subjects["p.echo.typed"]["request"]
+    assert typed == {"$ref": "#/$defs/Typed"}
+    assert doc["services"]["tests.echo_service"]["$defs"]["Typed"]["required"] == ["count", "name", "flag"]
