@@ -1,0 +1,136 @@
+"""Small pieces the storage and gpu plugins share: strict decoding, errors, eru's set-* matrix, metrics.
+
+Kept plugin-agnostic: nothing here knows a resource's shape.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import msgspec
+
+from bus.errors import BerthError, InvalidArgument
+from services.allocation.plugin import Raw
+
+T = TypeVar("T")
+
+
+def decode(raw: object, typ: type[T], field: str) -> T:
+    """A typed Struct from a wire map; an absent value is the empty resource.
+
+    Integral floats count as integers (DESIGN.md §8: byte sizes accept them); anything else that does not
+    fit the type is `invalid_argument` naming the offending path, e.g. `usage.disks[0].read_IOPS`.
+    """
+    if raw is None:
+        return typ()
+    if not isinstance(raw, dict):
+        raise InvalidArgument(field, f"must be a map, got {type(raw).__name__}")
+    try:
+        return msgspec.convert(_integral_floats_as_ints(raw), typ)
+    except msgspec.ValidationError as exc:
+        raise InvalidArgument(*_located(field, str(exc))) from None
+
+
+def _located(field: str, message: str) -> tuple[str, str]:
+    """(field path, reason) from msgspec's "Expected `int`, got `str` - at `$.disks[0].read_IOPS`"."""
+    reason, _, where = message.partition(" - at ")
+    if "`$" not in where:
+        return field, reason
+    if where.startswith("`key`"):
+        reason += " (in a key)"
+    return field + where[where.index("`$") + 2 : -1], reason
+
+
+def _integral_floats_as_ints(value: Any) -> Any:
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {key: _integral_floats_as_ints(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_integral_floats_as_ints(item) for item in value]
+    return value
+
+
+def encode(value: msgspec.Struct) -> Raw:
+    """The wire map of a Struct (MessagePack builtins only)."""
+    return msgspec.to_builtins(value)
+
+
+def field_error(code: str, field: str, reason: str) -> BerthError:
+    """A validation error with a domain code (`invalid_volume`, `invalid_storage`, ...) naming the field."""
+    return BerthError(f"{field}: {reason}", code=code, field=field)
+
+
+def recoded(code: str, parse: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Run a strict parser, reporting its `invalid_argument` under a domain code instead."""
+    try:
+        return parse(*args, **kwargs)
+    except InvalidArgument as exc:
+        raise BerthError(exc.message, code=code, details=exc.details) from None
+
+
+def insufficient_capacity(message: str, **details: Any) -> BerthError:
+    """What a deploy that does not fit raises (eru's split: deploy is `insufficient_capacity`)."""
+    return BerthError(message, code="insufficient_capacity", details=details)
+
+
+def insufficient_resource(message: str, **details: Any) -> BerthError:
+    """What a storage or gpu realloc that does not fit raises."""
+    return BerthError(message, code="insufficient_resource", details=details)
+
+
+def check_count(value: object, field: str, *, minimum: int = 0) -> int:
+    """A count such as `deploy_count`: an integer (not a boolean) of at least `minimum`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidArgument(field, f"must be an integer of at least {minimum}, got {value!r}")
+    return value
+
+
+def check_flags(**flags: object) -> None:
+    """Booleans are booleans (DESIGN.md §8): `delta`, `incr` and the like."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise InvalidArgument(name, f"must be a boolean, got {value!r}")
+
+
+def ratio(part: float, whole: float) -> float:
+    """eru's AdvancedDivide: 0 when either side is 0, so empty nodes read as idle instead of failing."""
+    return 0.0 if part == 0 or whole == 0 else part / whole
+
+
+def chosen_source(request: T | None, resource: T | None, workloads: Sequence[T]) -> list[T]:
+    """eru's source priority for set-* operations: the request, else the resource, else every workload."""
+    if request is not None:
+        return [request]
+    if resource is not None:
+        return [resource]
+    return list(workloads)
+
+
+def apply_matrix(
+    origin: T, sources: Sequence[T], *, empty: T, delta: bool, incr: bool, combine: Callable[[T, T, int], T]
+) -> T:
+    """eru's calculateNodeResource: a delta adds (incr) or subtracts the sources from `origin`.
+
+    An absolute write starts from `empty` and always adds: subtracting from nothing would store negated
+    values (eru forces incr for the same reason). `combine(a, b, sign)` is a + sign * b.
+    """
+    result, sign = (origin, 1 if incr else -1) if delta else (empty, 1)
+    for source in sources:
+        result = combine(result, source, sign)
+    return result
+
+
+def safe_name(name: str) -> str:
+    """A node or product name made safe for a dotted statsd key."""
+    return name.replace(".", "_")
+
+
+def metric_description(name: str, help_text: str, labels: list[str]) -> Raw:
+    return {"name": name, "help": help_text, "type": "gauge", "labels": labels}
+
+
+def metric(name: str, labels: list[str], key: str, value: int | float) -> Raw:
+    return {"name": name, "labels": labels, "key": key, "value": value}

@@ -1,0 +1,285 @@
+"""Property tests of the storage and gpu plugins' calculations.
+
+For random nodes (already partly used by earlier deploys) and random requests:
+- applying every plan one calculation returns never over-allocates a volume, disk, budget or card;
+- deploy then release (apply_workloads incr, then decr) puts usage back exactly, and so does a realloc delta;
+- deploy_capacity is exactly what calculate_deploy places: that many succeed, one more fails;
+- malformed input of any shape raises a BerthError, never anything else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import msgspec
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bus.errors import BerthError
+from services.allocation.gpu import GpuPlugin
+from services.allocation.storage import StoragePlugin
+from services.allocation.storage.plans import Host, volume_plans
+from services.allocation.storage.types import StorageNode
+from services.allocation.storage.volumes import parse_binding
+
+MODERATE = settings(max_examples=100, deadline=None)
+MAX_DEPLOY = 20  # small, so that requests do reach the plan cap
+MOUNT_PATHS = ["/data0/logs", "/data1", "/tmp"]
+
+storage = StoragePlugin(max_deploy_count=MAX_DEPLOY)
+gpu = GpuPlugin()
+
+
+# --- storage strategies --------------------------------------------------------------------------------
+
+SIZES, BUDGETS = st.integers(1, 30), st.integers(0, 40)
+io_quota = st.tuples(*[st.integers(0, 40)] * 4)
+io_ask = st.one_of(st.none(), st.tuples(*[st.integers(0, 8)] * 4))
+
+
+@st.composite
+def storage_nodes(draw) -> tuple[dict, dict]:
+    """A fresh node: up to 4 volumes /dataN, up to 2 disks holding some of them (and maybe /)."""
+    sizes = draw(st.lists(st.integers(0, 60), max_size=4))
+    disk_count = draw(st.integers(0, 2))
+    mounts: list[list[str]] = [[] for _ in range(disk_count)]
+    if disk_count and draw(st.booleans()):
+        mounts[0].append("/")
+    for index in range(len(sizes)):
+        owner = draw(st.integers(-1, disk_count - 1))
+        if owner >= 0:
+            mounts[owner].append(f"/data{index}")
+    disks = [f"/dev/sd{i}:{','.join(m)}:{':'.join(map(str, draw(io_quota)))}" for i, m in enumerate(mounts)]
+    request = {
+        "volumes": [f"/data{i}:{size}" for i, size in enumerate(sizes)],
+        "storage": draw(st.integers(0, 200)),
+        "disks": disks,
+    }
+    return storage.add_node(request, None)
+
+
+def _io(io: tuple[int, int, int, int] | None) -> str:
+    return "" if io is None else ":" + ":".join(map(str, io))
+
+
+@st.composite
+def binding(draw, index: int, sizes: st.SearchStrategy[int], ios: st.SearchStrategy) -> str:
+    """One binding of a random kind. Destinations are indexed (a request never mounts one twice) and
+    fix the kind and source, so a realloc delta with the same index names the same binding."""
+    kind = draw(st.sampled_from(["normal", "monopoly", "unlimited", "mount"]))
+    if kind == "normal":
+        return f"AUTO:/n{index}:rw:{draw(sizes)}{_io(draw(ios))}"
+    if kind == "monopoly":
+        return f"AUTO:/m{index}:rwm:{draw(sizes)}{_io(draw(ios))}"
+    if kind == "unlimited":
+        return f"AUTO:/u{index}"
+    return f"{MOUNT_PATHS[index % len(MOUNT_PATHS)]}:/p{index}:rw:0{_io(draw(ios))}"
+
+
+@st.composite
+def storage_requests(draw, sizes=SIZES, ios=io_ask, storage=BUDGETS) -> dict:
+    count = draw(st.integers(0, 3))
+    request: dict = {"volumes": [draw(binding(index, sizes, ios)) for index in range(count)]}
+    if draw(st.booleans()):
+        request["storage"] = draw(storage)
+    return request
+
+
+@st.composite
+def used_storage_nodes(draw) -> tuple[dict, dict, list[dict]]:
+    """A node with 0 to 2 earlier deploys committed: (capacity, usage, the workloads on it)."""
+    capacity, usage = draw(storage_nodes())
+    workloads: list[dict] = []
+    for _ in range(draw(st.integers(0, 2))):
+        request, count = draw(storage_requests()), draw(st.integers(1, 3))
+        if storage.deploy_capacity(capacity, usage, request).capacity >= count:
+            _, placed = storage.calculate_deploy(capacity, usage, count, request)
+            usage = storage.apply_workloads(usage, placed, True)
+            workloads += placed
+    return capacity, usage, workloads
+
+
+def needs_planning(request: dict) -> bool:
+    return any(parse_binding(text, "v").needs_planning for text in request["volumes"])
+
+
+# --- storage properties --------------------------------------------------------------------------------
+
+
+@MODERATE
+@given(used_storage_nodes(), storage_requests())
+def test_storage_plans_of_one_calculation_fit_together(node, request):
+    capacity, usage, _ = node
+    # every plan volume_plans offers, applied at once, stays within each volume and disk
+    cap, used = msgspec.convert(capacity, StorageNode), msgspec.convert(usage, StorageNode)
+    bindings = [parse_binding(text, "v") for text in request["volumes"]]
+    host = Host.of(cap, used)
+    for plan in volume_plans(host, bindings, MAX_DEPLOY):
+        for placement in plan.volumes.values():
+            host.used[placement.device] += placement.size
+        for disk, io in plan.disks.items():
+            host.quota[disk] = host.quota[disk] - io
+    assert all(host.free(device) >= 0 for device in host.size)
+    assert all(min(quota.values()) >= 0 for quota in host.quota.values())
+    # and so does a whole deploy of `capacity` instances, storage budget included
+    count = storage.deploy_capacity(capacity, usage, request).capacity
+    _, workloads = storage.calculate_deploy(capacity, usage, count, request)
+    storage.validate_record(capacity, storage.apply_workloads(usage, workloads, True))
+
+
+@MODERATE
+@given(used_storage_nodes(), storage_requests())
+def test_storage_deploy_then_release_is_exact(node, request):
+    capacity, usage, earlier = node
+    count = min(storage.deploy_capacity(capacity, usage, request).capacity, 3)
+    _, workloads = storage.calculate_deploy(capacity, usage, count, request)
+    committed = storage.apply_workloads(usage, workloads, True)
+    assert storage.apply_workloads(committed, workloads, False) == usage
+    assert storage.diffs(capacity, committed, earlier + workloads) == []
+
+
+@MODERATE
+@given(used_storage_nodes(), storage_requests())
+def test_storage_capacity_is_what_deploy_places(node, request):
+    capacity, usage, _ = node
+    count = storage.deploy_capacity(capacity, usage, request).capacity
+    storage.calculate_deploy(capacity, usage, count, request)
+    # eru caps the *reported* capacity of a request that needs no volume or IO at max_deploy_count
+    # while its deploy is bounded by the storage budget alone; only there can one more still fit.
+    if needs_planning(request) or count < MAX_DEPLOY:
+        try:
+            storage.calculate_deploy(capacity, usage, count + 1, request)
+        except BerthError as error:
+            assert error.code == "insufficient_capacity"
+        else:
+            raise AssertionError(f"{count + 1} instances fit where capacity said {count}")
+
+
+# A realloc request over the same destinations, so it grows, shrinks, adds or drops bindings.
+storage_deltas = storage_requests(
+    sizes=st.integers(-20, 20),
+    ios=st.none() | st.tuples(*[st.integers(-4, 4)] * 4),
+    storage=st.integers(-20, 20),
+)
+
+
+@MODERATE
+@given(used_storage_nodes(), storage_requests(), storage_deltas)
+def test_storage_realloc_delta_accounts_exactly(node, request, delta):
+    capacity, usage, earlier = node
+    if storage.deploy_capacity(capacity, usage, request).capacity < 1:
+        return
+    _, [workload] = storage.calculate_deploy(capacity, usage, 1, request)
+    usage = storage.apply_workloads(usage, [workload], True)
+    try:
+        _, change, new = storage.calculate_realloc(capacity, usage, workload, delta)
+    except BerthError as error:
+        assert error.code in {
+            "insufficient_resource",
+            "invalid_volume",
+            "invalid_storage",
+            "invalid_argument",
+        }
+        return
+    after = storage.apply_workloads(usage, [change], True)
+    storage.validate_record(capacity, after)
+    assert storage.diffs(capacity, after, [*earlier, new]) == []
+    assert storage.apply_workloads(after, [change], False) == usage
+
+
+# --- gpu -----------------------------------------------------------------------------------------------
+
+PRODUCTS = ["a100", "h100", "nvidia-3090"]
+gpu_maps = st.dictionaries(st.sampled_from(PRODUCTS), st.integers(1, 4), min_size=1)
+
+
+@st.composite
+def used_gpu_nodes(draw) -> tuple[dict, dict, list[dict]]:
+    capacity, usage = gpu.add_node(
+        {"prod_count_map": draw(st.dictionaries(st.sampled_from(PRODUCTS), st.integers(0, 12)))}, None
+    )
+    workloads: list[dict] = []
+    for _ in range(draw(st.integers(0, 3))):
+        request = {"prod_count_map": draw(gpu_maps)}
+        count = min(gpu.deploy_capacity(capacity, usage, request).capacity, draw(st.integers(1, 3)))
+        _, placed = gpu.calculate_deploy(capacity, usage, count, request)
+        usage = gpu.apply_workloads(usage, placed, True)
+        workloads += placed
+    return capacity, usage, workloads
+
+
+@MODERATE
+@given(used_gpu_nodes(), gpu_maps)
+def test_gpu_deploy_capacity_fits_exactly_and_releases_exactly(node, cards):
+    # only non-empty requests: an empty one reports 1 000 000 (eru) yet deploys any count
+    capacity, usage, earlier = node
+    request = {"prod_count_map": cards}
+    count = gpu.deploy_capacity(capacity, usage, request).capacity
+    _, workloads = gpu.calculate_deploy(capacity, usage, count, request)
+    committed = gpu.apply_workloads(usage, workloads, True)
+    gpu.validate_record(capacity, committed)  # never over-allocated
+    assert gpu.diffs(capacity, committed, earlier + workloads) == []
+    assert gpu.apply_workloads(committed, workloads, False) == usage
+    try:
+        gpu.calculate_deploy(capacity, usage, count + 1, request)
+    except BerthError as error:
+        assert error.code == "insufficient_capacity"
+    else:
+        raise AssertionError(f"{count + 1} instances fit where capacity said {count}")
+
+
+@MODERATE
+@given(used_gpu_nodes(), gpu_maps, st.dictionaries(st.sampled_from(PRODUCTS), st.integers(-5, 5)))
+def test_gpu_realloc_delta_accounts_exactly(node, cards, delta):
+    capacity, usage, earlier = node
+    request = {"prod_count_map": cards}
+    if gpu.deploy_capacity(capacity, usage, request).capacity < 1:
+        return
+    _, [workload] = gpu.calculate_deploy(capacity, usage, 1, request)
+    usage = gpu.apply_workloads(usage, [workload], True)
+    try:
+        _, change, new = gpu.calculate_realloc(capacity, usage, workload, {"prod_count_map": delta})
+    except BerthError as error:
+        assert error.code == "insufficient_resource"
+        return
+    after = gpu.apply_workloads(usage, [change], True)
+    gpu.validate_record(capacity, after)
+    assert gpu.diffs(capacity, after, [*earlier, new]) == []
+    assert gpu.apply_workloads(after, [change], False) == usage
+
+
+# --- no panics -----------------------------------------------------------------------------------------
+
+junk = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=12), inner, max_size=3),
+    max_leaves=8,
+)
+storage_keys = st.sampled_from(
+    ["volumes", "volume", "volumes-request", "storage", "storage-limit", "disks", "rm-disks"]
+)
+
+
+@MODERATE
+@given(
+    st.dictionaries(storage_keys, junk, max_size=3),
+    st.dictionaries(st.sampled_from(["prod_count_map"]), junk),
+)
+def test_malformed_input_only_ever_raises_berth_errors(storage_junk, gpu_junk):
+    capacity, usage = storage.add_node({"volumes": ["/data0:10"], "disks": ["/dev/sda:/:1:1:1:1"]}, None)
+    gpu_node = gpu.add_node({"prod_count_map": {"a100": 2}}, None)
+    calls = [
+        lambda: storage.calculate_deploy(capacity, usage, 1, storage_junk),
+        lambda: storage.deploy_capacity(capacity, usage, storage_junk),
+        lambda: storage.add_node(storage_junk, None),
+        lambda: storage.set_capacity(capacity, usage, None, storage_junk, True, True),
+        lambda: storage.set_usage(capacity, usage, storage_junk, None, [], False, True),
+        lambda: storage.calculate_realloc(capacity, usage, storage_junk, storage_junk),
+        lambda: storage.validate_record(storage_junk, usage),
+        lambda: gpu.calculate_deploy(*gpu_node, 1, gpu_junk),
+        lambda: gpu.calculate_realloc(*gpu_node, gpu_junk, gpu_junk),
+        lambda: gpu.set_usage(*gpu_node, gpu_junk, None, [gpu_junk], True, True),
+    ]
+    for call in calls:
+        with contextlib.suppress(BerthError):
+            call()
