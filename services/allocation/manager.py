@@ -1,0 +1,525 @@
+"""The allocation service's domain layer: plugin fan-out over node records, and committed changes.
+
+Every command works on a selection of plugins: a plugin-level endpoint selects one, a manager-level
+endpoint selects all of them (resource maps keyed by plugin name). Reads load a node record and ask
+the pure plugin cores; changes compute on a record and commit it with `NodeStore.commit`, which
+refuses if the record changed meanwhile, in which case we compute again on the fresh record.
+Calculation and commit are therefore one atomic step per node, with any number of workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import uuid
+from typing import Any, Awaitable, Callable, TypeVar
+
+from bus.errors import BerthError
+from bus.events import EventBus
+from services.allocation import placement
+from services.allocation.messages import ResourceEvent
+from services.allocation.plugin import DeployCapacity, EngineInfo, ResourcePlugin
+from services.allocation.store import Change, LedgerConflict, NodeRecord, NodeStore, PluginState, StaleVersion
+
+log = logging.getLogger("berth.allocation")
+
+Raw = dict[str, Any]
+T = TypeVar("T")
+
+# Workload ids derived from a request_id are stable, so a retried allocate names the same workloads.
+_WORKLOAD_NAMESPACE = uuid.UUID("6f1d3c2e-8a4b-4e55-9a37-3b0f1c7d2e91")
+
+
+def node_not_found(node: str, plugin: str | None = None) -> BerthError:
+    where = f" in plugin {plugin}" if plugin else ""
+    return BerthError(
+        f"node {node} not found{where}", code="node_not_found", field="nodename",
+        details={"nodename": node, **({"plugin": plugin} if plugin else {})},
+    )
+
+
+class ResourceManager:
+    def __init__(
+        self,
+        store: NodeStore,
+        plugins: dict[str, ResourcePlugin],
+        events: EventBus | None = None,
+        *,
+        attempts: int = 200,
+    ) -> None:
+        self.store = store
+        self.plugins = plugins
+        self.events = events
+        self.attempts = attempts
+
+    # -- selecting plugins and requests --------------------------------------------------------
+
+    def keyed(self, value: Raw | None, names: list[str], field: str) -> dict[str, Raw | None]:
+        """Split a manager-level map keyed by plugin into one value per selected plugin."""
+        value = value or {}
+        for key, sub in value.items():
+            if key not in self.plugins:
+                raise BerthError(
+                    f"{field}: no plugin named {key!r} (have {', '.join(self.plugins)})",
+                    code="plugin_not_found", field=f"{field}.{key}",
+                )
+            if sub is not None and not isinstance(sub, dict):
+                raise BerthError(f"{field}.{key}: must be a map", code="invalid_argument", field=f"{field}.{key}")
+        return {name: value.get(name) for name in names}
+
+    def _states(self, record: NodeRecord, names: list[str]) -> dict[str, PluginState]:
+        missing = [name for name in names if name not in record.plugins]
+        if missing:
+            raise node_not_found(record.name, missing[0])
+        return {name: record.plugins[name] for name in names}
+
+    async def _load(self, node: str, names: list[str]) -> tuple[NodeRecord, dict[str, PluginState]]:
+        record = await self.store.load(node)
+        if record is None:
+            raise node_not_found(node)
+        return record, self._states(record, names)
+
+    async def _publish(self, node: str, kind: str, **fields: Any) -> None:
+        if self.events is not None:
+            await self.events.publish(f"resource.{node}.{kind}", ResourceEvent(nodename=node, **fields))
+
+    async def _mutate(
+        self,
+        node: str,
+        compute: Callable[[], Awaitable[tuple[int, Change, T]]],
+        *,
+        retry_ledger: bool = False,
+    ) -> T:
+        """Compute a change on fresh data and commit it; if the node changed meanwhile, do it again.
+
+        `compute` reads what it needs and returns (the version it read, the change, the result);
+        it raises to refuse. `retry_ledger` also retries when a ledger entry it relied on moved.
+        """
+        retry_on: tuple[type[Exception], ...] = (StaleVersion, LedgerConflict) if retry_ledger else (StaleVersion,)
+        for attempt in range(self.attempts):
+            version, change, result = await compute()
+            if change.is_empty():
+                return result
+            try:
+                await self.store.commit(node, version, change)
+                return result
+            except retry_on:
+                # Someone else changed the node; a short random pause spreads the contenders out.
+                await asyncio.sleep(random.uniform(0, 0.002 * min(attempt + 1, 10)))
+        raise BerthError(f"node {node} is changing too fast; retry", code="busy", details={"nodename": node})
+
+    async def _existing(self, node: str) -> NodeRecord:
+        record = await self.store.load(node)
+        if record is None:
+            raise node_not_found(node)
+        return record
+
+    # -- pure calculations over stored nodes -----------------------------------------------------
+
+    async def calculate_deploy(
+        self, names: list[str], node: str, count: int, requests: dict[str, Raw | None]
+    ) -> tuple[list[Raw], list[Raw]]:
+        _, states = await self._load(node, names)
+        return self._deploy(states, count, requests)
+
+    def _deploy(
+        self, states: dict[str, PluginState], count: int, requests: dict[str, Raw | None]
+    ) -> tuple[list[Raw], list[Raw]]:
+        engines: list[Raw] = [{} for _ in range(count)]
+        workloads: list[Raw] = [{} for _ in range(count)]
+        for name, state in states.items():
+            params, resources = self.plugins[name].calculate_deploy(state.capacity, state.usage, count, requests[name])
+            for i in range(count):
+                engines[i][name] = params[i]
+                workloads[i][name] = resources[i]
+        return engines, workloads
+
+    async def calculate_realloc(
+        self, names: list[str], node: str, workload: dict[str, Raw | None], requests: dict[str, Raw | None]
+    ) -> tuple[Raw, Raw, Raw]:
+        _, states = await self._load(node, names)
+        return self._realloc(states, workload, requests)
+
+    def _realloc(
+        self, states: dict[str, PluginState], workload: dict[str, Raw | None], requests: dict[str, Raw | None]
+    ) -> tuple[Raw, Raw, Raw]:
+        engine, delta, resource = {}, {}, {}
+        for name, state in states.items():
+            engine[name], delta[name], resource[name] = self.plugins[name].calculate_realloc(
+                state.capacity, state.usage, workload.get(name) or {}, requests[name]
+            )
+        return engine, delta, resource
+
+    async def calculate_remap(self, names: list[str], node: str, workloads: dict[str, Raw]) -> dict[str, Raw]:
+        if not workloads:
+            return {}
+        _, states = await self._load(node, names)
+        remapped: dict[str, Raw] = {}
+        for name, state in states.items():
+            split = {wid: (w or {}).get(name) or {} for wid, w in workloads.items()}
+            for wid, params in self.plugins[name].calculate_remap(state.capacity, state.usage, split).items():
+                remapped.setdefault(wid, {})[name] = params
+        return dict(sorted(remapped.items()))
+
+    async def deploy_capacity(
+        self, names: list[str], nodes: list[str], requests: dict[str, Raw | None]
+    ) -> dict[str, DeployCapacity]:
+        records = await self.store.load_many(sorted(set(nodes)))
+        per_plugin: list[dict[str, DeployCapacity]] = [{} for _ in names]
+        for node, record in records.items():
+            if record is None:
+                raise node_not_found(node)
+            states = self._states(record, names)
+            for i, name in enumerate(names):
+                cap = self.plugins[name].deploy_capacity(states[name].capacity, states[name].usage, requests[name])
+                if cap.capacity > 0:
+                    per_plugin[i][node] = cap
+        return placement.merge_capacities(per_plugin)
+
+    async def most_idle(self, names: list[str], nodes: list[str]) -> tuple[str, int]:
+        records = await self.store.load_many(sorted(set(nodes)))
+        best: tuple[str, int] | None = None
+        for name in names:
+            plugin = self.plugins[name]
+            loads = {}
+            for node, record in records.items():
+                if record is None:
+                    raise node_not_found(node)
+                state = self._states(record, [name])[name]
+                loads[node] = plugin.load(state.capacity, state.usage)
+            if best is None or plugin.priority > best[1]:
+                best = (placement.most_idle(loads), plugin.priority)
+        assert best is not None
+        return best
+
+    def metrics_description(self, names: list[str]) -> list[Raw]:
+        return [d for name in names for d in self.plugins[name].metrics_description()]
+
+    async def metrics(self, names: list[str], podname: str, node: str) -> list[Raw]:
+        _, states = await self._load(node, names)
+        return [
+            m
+            for name, state in states.items()
+            for m in self.plugins[name].metrics(podname, node, state.capacity, state.usage)
+        ]
+
+    # -- node administration ---------------------------------------------------------------------
+
+    async def add_node(
+        self,
+        names: list[str],
+        node: str,
+        resources: dict[str, Raw | None],
+        info: EngineInfo | None,
+        labels: dict[str, str] | None,
+    ) -> tuple[Raw, Raw]:
+        created = {}
+        for name in names:
+            capacity, usage = self.plugins[name].add_node(resources[name], info)
+            created[name] = PluginState(capacity, usage)
+        whole = len(names) == len(self.plugins)
+
+        async def compute():
+            record = await self.store.load(node)
+            # A plugin may join an existing node; a manager-level add needs a new node.
+            if record is not None and (whole or any(name in record.plugins for name in names)):
+                raise BerthError(
+                    f"node {node} already exists", code="node_exists", field="nodename", details={"nodename": node}
+                )
+            version = record.version if record else 0
+            return version, Change(plugins=created, labels=labels if record is None else None), None
+
+        await self.store.add_to_index(node)  # before the record: a crash leaves an entry readers skip
+        await self._mutate(node, compute)
+        for name in names:
+            await self._publish(node, "added", plugin=name, after=as_map(created[name]))
+        return {n: s.capacity for n, s in created.items()}, {n: s.usage for n, s in created.items()}
+
+    async def remove_node(self, names: list[str], node: str) -> None:
+        """Manager level (all plugins) removes a node no workload holds; plugin level one plugin's record."""
+        whole = len(names) == len(self.plugins)
+
+        async def compute():
+            record = await self._existing(node)
+            states = self._states(record, names)
+            if whole:
+                return record.version, Change(delete="delete_if_empty"), (states, True)
+            if set(record.plugins) == set(names):  # the last plugin leaves: the node goes
+                return record.version, Change(delete="delete"), (states, True)
+            return record.version, Change(remove_plugins=names), (states, False)
+
+        try:
+            removed, gone = await self._mutate(node, compute)
+        except LedgerConflict as conflict:
+            raise BerthError(
+                f"node {node} still holds {conflict.subject} workloads", code="node_not_empty",
+                field="nodename", details={"nodename": node, "workloads": int(conflict.subject)},
+            ) from None
+        if gone:
+            await self.store.remove_from_index(node)
+        for name, state in removed.items():
+            await self._publish(node, "removed", plugin=name, before=as_map(state))
+
+    async def _change_states(
+        self, node: str, names: list[str], kind: str, update: Callable[[str, PluginState], PluginState]
+    ) -> tuple[dict[str, PluginState], dict[str, PluginState]]:
+        """Replace each selected plugin's state with `update(name, state)`; returns (before, after)."""
+
+        async def compute():
+            record = await self._existing(node)
+            states = self._states(record, names)
+            after = {name: update(name, state) for name, state in states.items()}
+            return record.version, Change(plugins=after), (states, after)
+
+        before, after = await self._mutate(node, compute)
+        for name in names:
+            await self._publish(node, kind, plugin=name, before=as_map(before[name]), after=as_map(after[name]))
+        return before, after
+
+    async def set_capacity(
+        self, names, node, resources: dict[str, Raw | None], requests: dict[str, Raw | None], delta: bool, incr: bool
+    ) -> tuple[Raw, Raw]:
+        # As in eru, only the plugins that were given a resource or a request change.
+        touched = [name for name in names if resources[name] is not None or requests[name] is not None]
+        if not touched:
+            _, states = await self._load(node, names)
+            unchanged = {n: s.capacity for n, s in states.items()}
+            return unchanged, unchanged
+
+        def update(name: str, state: PluginState) -> PluginState:
+            return PluginState(*self.plugins[name].set_capacity(
+                state.capacity, state.usage, resources[name], requests[name], delta, incr))
+
+        before, after = await self._change_states(node, touched, "capacity", update)
+        return {n: s.capacity for n, s in before.items()}, {n: s.capacity for n, s in after.items()}
+
+    async def set_usage(
+        self, names, node, resources, requests, workloads: list[Raw], delta: bool, incr: bool
+    ) -> tuple[Raw, Raw]:
+        def update(name: str, state: PluginState) -> PluginState:
+            usage = self.plugins[name].set_usage(
+                state.capacity, state.usage, resources[name], requests[name], split(workloads, name), delta, incr
+            )
+            return PluginState(state.capacity, usage)
+
+        before, after = await self._change_states(node, names, "usage", update)
+        return {n: s.usage for n, s in before.items()}, {n: s.usage for n, s in after.items()}
+
+    async def set_info(self, names, node, capacity: dict[str, Raw | None], usage: dict[str, Raw | None]) -> None:
+        for name in names:
+            self.plugins[name].validate_record(capacity[name] or {}, usage[name] or {})
+        await self._change_states(
+            node, names, "usage", lambda name, _: PluginState(capacity[name] or {}, usage[name] or {})
+        )
+
+    async def node_info(
+        self, names: list[str], node: str, workloads: list[Raw] | None
+    ) -> tuple[Raw, Raw, list[str]]:
+        """Capacity, usage and the diffs against `workloads` (or the ledger, when none are given)."""
+        record, ledger = await self.store.load_with_ledger(node)
+        if record is None:
+            raise node_not_found(node)
+        states = self._states(record, names)
+        source = list(ledger.values()) if workloads is None else workloads
+        diffs = [d for name, st in states.items() for d in self.plugins[name].diffs(st.capacity, st.usage, split(source, name))]
+        return {n: st.capacity for n, st in states.items()}, {n: st.usage for n, st in states.items()}, diffs
+
+    async def fix(self, names, node, workloads: list[Raw] | None) -> tuple[Raw, Raw, list[str]]:
+        """Rewrite usage from the given workloads, or from the node's ledger when none are given."""
+
+        async def compute():
+            record, ledger = await self.store.load_with_ledger(node)
+            if record is None:
+                raise node_not_found(node)
+            states = self._states(record, names)
+            source = list(ledger.values()) if workloads is None else workloads
+            diffs = [
+                d for name, st in states.items() for d in self.plugins[name].diffs(st.capacity, st.usage, split(source, name))
+            ]
+            fixed = {
+                name: PluginState(st.capacity, self.plugins[name].usage_from_workloads(st.capacity, split(source, name)))
+                for name, st in states.items()
+            }
+            return record.version, Change(plugins=fixed if diffs else {}), (states, fixed, diffs)
+
+        before, fixed, diffs = await self._mutate(node, compute)
+        if diffs:
+            for name in names:
+                await self._publish(node, "usage", plugin=name, before=as_map(before[name]), after=as_map(fixed[name]))
+        return {n: st.capacity for n, st in fixed.items()}, {n: st.usage for n, st in fixed.items()}, diffs
+
+    async def set_labels(self, node: str, labels: dict[str, str]) -> None:
+        async def compute():
+            record = await self._existing(node)
+            return record.version, Change(labels=labels), record.labels
+
+        before = await self._mutate(node, compute)
+        await self._publish(node, "labels", before={"labels": before}, after={"labels": labels})
+
+    # -- committed allocations ---------------------------------------------------------------------
+
+    async def allocate(
+        self,
+        nodes: list[str],
+        strategy: str,
+        count: int,
+        requests: dict[str, Raw | None],
+        given_ids: list[str] | None,
+        request_id: str,
+    ) -> list[Raw]:
+        """Place `count` instances on `nodes` (`count` on each for `each`); all or nothing."""
+        names = list(self.plugins)
+        if len(nodes) == 1:
+            plan = {nodes[0]: count}
+        else:
+            capacities = await self.deploy_capacity(names, nodes, requests)
+            if strategy == "each":
+                plan = placement.each(capacities, nodes, count)
+            else:
+                plan = (placement.spread if strategy == "spread" else placement.pack)(capacities, count)
+        ids = workload_ids(sum(plan.values()), given_ids, request_id)
+        placed: list[Raw] = []
+        start = 0
+        try:
+            for node in sorted(plan):
+                placed += await self._commit_deploy(node, names, ids[start:start + plan[node]], requests)
+                start += plan[node]
+        except BaseException:
+            if placed:
+                log.info("allocate failed after placing %d instances: rolling them back", len(placed))
+                await asyncio.shield(self.release([a["workload_id"] for a in placed]))
+            raise
+        return placed
+
+    async def _commit_deploy(
+        self, node: str, names: list[str], ids: list[str], requests: dict[str, Raw | None]
+    ) -> list[Raw]:
+        async def compute():
+            record = await self._existing(node)
+            states = self._states(record, names)
+            engines, workloads = self._deploy(states, len(ids), requests)
+            after = {
+                name: PluginState(st.capacity, self.plugins[name].apply_workloads(st.usage, split(workloads, name), True))
+                for name, st in states.items()
+            }
+            allocations = [
+                {"workload_id": wid, "nodename": node, "workload_resource": w, "engine_params": e}
+                for wid, w, e in zip(ids, workloads, engines)
+            ]
+            return record.version, Change(plugins=after, ledger_add=dict(zip(ids, workloads))), allocations
+
+        # Index first: a crash after it leaves an index entry without a ledger entry, which release skips.
+        await self.store.index_workloads(node, ids)
+        try:
+            allocations = await self._mutate(node, compute)
+        except LedgerConflict as conflict:
+            await self.store.unindex_workloads([i for i in ids if i != conflict.subject])
+            raise BerthError(
+                f"workload {conflict.subject} is already allocated", code="workload_exists",
+                field="workload_ids", details={"workload_id": conflict.subject},
+            ) from None
+        except BaseException:
+            await self.store.unindex_workloads(ids)
+            raise
+        await self._publish(node, "allocated", workload_ids=ids)
+        return allocations
+
+    async def release(self, ids: list[str]) -> list[str]:
+        """Return the workloads' resources to their nodes; ids nobody holds are skipped."""
+        by_node: dict[str, list[str]] = {}
+        for wid, node in (await self.store.locate(ids)).items():
+            by_node.setdefault(node, []).append(wid)
+        released: list[str] = []
+        for node, held_ids in sorted(by_node.items()):
+            released += await self._release_on(node, held_ids)
+        await self.store.unindex_workloads(list(dict.fromkeys(ids)))
+        return sorted(released)
+
+    async def _release_on(self, node: str, ids: list[str]) -> list[str]:
+        async def compute():
+            record, ledger = await self.store.load_with_ledger(node, ids)
+            if record is None or not ledger:
+                return (record.version if record else 0), Change(), []
+            after = {
+                name: PluginState(st.capacity, self.plugins[name].apply_workloads(st.usage, split(ledger.values(), name), False))
+                for name, st in record.plugins.items()
+                if name in self.plugins
+            }
+            return record.version, Change(plugins=after, ledger_remove=list(ledger)), sorted(ledger)
+
+        released = await self._mutate(node, compute, retry_ledger=True)
+        if released:
+            await self._publish(node, "released", workload_ids=released)
+        return released
+
+    async def realloc(self, workload_id: str, requests: dict[str, Raw | None]) -> Raw:
+        node = (await self.store.locate([workload_id])).get(workload_id)
+        if node is None:
+            raise workload_not_found(workload_id)
+        names = list(self.plugins)
+
+        async def compute():
+            record, ledger = await self.store.load_with_ledger(node, [workload_id])
+            if record is None or workload_id not in ledger:
+                raise workload_not_found(workload_id)
+            states = self._states(record, names)
+            current = ledger[workload_id]
+            engine, delta, resource = self._realloc(states, current, requests)
+            after = {}
+            for name, st in states.items():
+                plugin = self.plugins[name]
+                returned = plugin.apply_workloads(st.usage, split([current], name), False)
+                after[name] = PluginState(st.capacity, plugin.apply_workloads(returned, [resource[name]], True))
+            reply = {"workload_id": workload_id, "nodename": node, "engine_params": engine,
+                     "workload_resource": resource, "delta_resource": delta}
+            return record.version, Change(plugins=after, ledger_replace={workload_id: resource}), (current, reply)
+
+        before, reply = await self._mutate(node, compute, retry_ledger=True)
+        await self._publish(node, "usage", workload_ids=[workload_id],
+                            before={"workload_resource": before}, after={"workload_resource": reply["workload_resource"]})
+        return reply
+
+    async def allocations(self, node: str) -> dict[str, Raw]:
+        record, ledger = await self.store.load_with_ledger(node)
+        if record is None:
+            raise node_not_found(node)
+        return ledger
+
+    async def list_nodes(
+        self, nodenames: list[str] | None, labels: dict[str, str], offset: int, limit: int
+    ) -> tuple[list[NodeRecord], int]:
+        names = sorted(set(nodenames)) if nodenames is not None else await self.store.node_names()
+        records = [r for r in (await self.store.load_many(names)).values() if r is not None]
+        matching = [r for r in records if all(r.labels.get(k) == v for k, v in labels.items())]
+        return matching[offset:offset + limit], len(matching)
+
+
+def split(workloads, name: str) -> list[Raw]:
+    """One plugin's part of each manager-level workload resource."""
+    return [(w or {}).get(name) or {} for w in workloads]
+
+
+def as_map(state: PluginState) -> Raw:
+    return {"capacity": state.capacity, "usage": state.usage}
+
+
+def workload_not_found(workload_id: str) -> BerthError:
+    return BerthError(
+        f"workload {workload_id} not found", code="workload_not_found", field="workload_id",
+        details={"workload_id": workload_id},
+    )
+
+
+def workload_ids(count: int, given: list[str] | None, request_id: str) -> list[str]:
+    """The caller's ids, else ids derived from the request id (stable across retries), else fresh ones."""
+    if given is not None:
+        if len(given) != count or len(set(given)) != count:
+            raise BerthError(
+                f"workload_ids: need {count} distinct ids, got {len(given)}", code="invalid_argument",
+                field="workload_ids",
+            )
+        return list(given)
+    if request_id:
+        return [str(uuid.uuid5(_WORKLOAD_NAMESPACE, f"{request_id}/{i}")) for i in range(count)]
+    return [str(uuid.uuid4()) for _ in range(count)]

@@ -1,0 +1,284 @@
+"""Requests and replies of the allocation service (DESIGN.md §3 and §8).
+
+One Struct per command serves both levels: at plugin level (`resource.<plugin>.<command>`) the
+resource fields hold that plugin's map; at manager level (`resource.<command>`) they hold a map
+keyed by plugin name. Plugin-specific contents are validated by each plugin, which names the field.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from msgspec import Meta, Struct
+
+from schemas.common import Event
+
+Raw = dict[str, Any]
+NodeName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]+$", min_length=1, max_length=253)]
+WorkloadId = Annotated[str, Meta(min_length=1, max_length=256)]
+RequestId = Annotated[str, Meta(max_length=200)]
+DeployCount = Annotated[int, Meta(ge=1, le=1_000_000)]
+Labels = dict[Annotated[str, Meta(min_length=1, max_length=256)], Annotated[str, Meta(max_length=1024)]]
+
+
+# -- the eru plugin commands (both levels) --------------------------------------------------
+
+
+class CalculateDeploy(Struct):
+    nodename: NodeName
+    deploy_count: DeployCount
+    workload_resource_request: Raw | None = None
+
+
+class CalculateDeployReply(Struct):
+    engines_params: list[Raw]
+    workloads_resource: list[Raw]
+
+
+class CalculateRealloc(Struct):
+    nodename: NodeName
+    workload_resource: Raw
+    workload_resource_request: Raw | None = None
+
+
+class CalculateReallocReply(Struct):
+    engine_params: Raw
+    delta_resource: Raw
+    workload_resource: Raw
+
+
+class CalculateRemap(Struct):
+    nodename: NodeName
+    workloads_resource: dict[WorkloadId, Raw] = {}
+
+
+class CalculateRemapReply(Struct):
+    engine_params_map: dict[str, Raw]
+
+
+class EngineInfoMsg(Struct, forbid_unknown_fields=False):
+    ncpu: Annotated[int, Meta(ge=0, le=1_000_000)] = 0
+    memory_total: Annotated[int, Meta(ge=0)] = 0
+    storage_total: Annotated[int, Meta(ge=0)] = 0
+    resources: dict[str, Raw] = {}
+
+
+class AddNode(Struct):
+    nodename: NodeName
+    resource: Raw | None = None
+    info: EngineInfoMsg | None = None
+    labels: Labels = {}
+    request_id: RequestId = ""
+
+
+class CapacityUsage(Struct):
+    capacity: Raw
+    usage: Raw
+
+
+class NodeRequest(Struct):
+    nodename: NodeName
+    request_id: RequestId = ""
+
+
+class Done(Struct):
+    """An empty reply (`{}`)."""
+
+
+class GetNodesDeployCapacity(Struct):
+    nodenames: Annotated[list[NodeName], Meta(max_length=100_000)]
+    workload_resource_request: Raw | None = None
+
+
+class NodeDeployCapacityMsg(Struct):
+    capacity: int
+    usage: float
+    rate: float
+    weight: float
+
+
+class GetNodesDeployCapacityReply(Struct):
+    nodes_deploy_capacity_map: dict[str, NodeDeployCapacityMsg]
+    total: int
+
+
+class SetNodeResourceCapacity(Struct):
+    nodename: NodeName
+    resource: Raw | None = None
+    resource_request: Raw | None = None
+    delta: bool = False
+    incr: bool = True
+    request_id: RequestId = ""
+
+
+class BeforeAfter(Struct):
+    before: Raw
+    after: Raw
+
+
+class GetNodeResourceInfo(Struct):
+    nodename: NodeName
+    workloads_resource: list[Raw] | None = None
+    request_id: RequestId = ""
+
+
+class NodeResourceInfo(Struct):
+    capacity: Raw
+    usage: Raw
+    diffs: list[str]
+
+
+class SetNodeResourceInfo(Struct):
+    nodename: NodeName
+    capacity: Raw
+    usage: Raw
+    request_id: RequestId = ""
+
+
+class SetNodeResourceUsage(Struct):
+    nodename: NodeName
+    resource: Raw | None = None
+    resource_request: Raw | None = None
+    workloads_resource: list[Raw] = []
+    delta: bool = False
+    incr: bool = True
+    request_id: RequestId = ""
+
+
+class GetMostIdleNode(Struct):
+    nodenames: Annotated[list[NodeName], Meta(min_length=1, max_length=100_000)]
+
+
+class MostIdleNode(Struct):
+    nodename: str
+    priority: int
+
+
+class MetricDescription(Struct):
+    name: str
+    help: str
+    type: str
+    labels: list[str]
+
+
+class MetricsDescriptionReply(Struct):
+    descriptions: list[MetricDescription]
+
+
+class GetMetrics(Struct):
+    podname: Annotated[str, Meta(max_length=256)]
+    nodename: NodeName
+
+
+class Metric(Struct):
+    name: str
+    labels: list[str]
+    key: str
+    value: float
+
+
+class MetricsReply(Struct):
+    metrics: list[Metric]
+
+
+# -- manager-only commands ------------------------------------------------------------------
+
+
+class Allocate(Struct):
+    deploy_count: DeployCount
+    nodename: NodeName | None = None
+    nodenames: Annotated[list[NodeName], Meta(max_length=100_000)] | None = None
+    strategy: Annotated[str, Meta(pattern="^(spread|pack|each)$")] = "spread"
+    workload_resource_request: Raw | None = None
+    workload_ids: list[WorkloadId] | None = None
+    request_id: RequestId = ""
+
+
+class Allocation(Struct):
+    workload_id: str
+    nodename: str
+    workload_resource: Raw
+    engine_params: Raw
+
+
+class AllocateReply(Struct):
+    allocations: list[Allocation]
+
+
+class Release(Struct):
+    workload_ids: Annotated[list[WorkloadId], Meta(min_length=1, max_length=10_000)]
+    request_id: RequestId = ""
+
+
+class ReleaseReply(Struct):
+    released: list[str]
+
+
+class Realloc(Struct):
+    workload_id: WorkloadId
+    workload_resource_request: Raw | None = None
+    request_id: RequestId = ""
+
+
+class ReallocReply(Struct):
+    workload_id: str
+    nodename: str
+    engine_params: Raw
+    workload_resource: Raw
+    delta_resource: Raw
+
+
+class GetAllocations(Struct):
+    nodename: NodeName
+
+
+class WorkloadAllocation(Struct):
+    workload_id: str
+    workload_resource: Raw
+
+
+class AllocationsReply(Struct):
+    allocations: list[WorkloadAllocation]
+
+
+class ListNodes(Struct):
+    nodenames: list[NodeName] | None = None
+    labels: Labels = {}
+    offset: Annotated[int, Meta(ge=0)] = 0
+    limit: Annotated[int, Meta(ge=1, le=1000)] = 100
+
+
+class NodeSummary(Struct):
+    nodename: str
+    labels: dict[str, str]
+    capacity: Raw
+    usage: Raw
+
+
+class ListNodesReply(Struct):
+    nodes: list[NodeSummary]
+    total: int
+
+
+class SetNodeLabels(Struct):
+    nodename: NodeName
+    labels: Labels
+    request_id: RequestId = ""
+
+
+class PluginsReply(Struct):
+    plugins: list[str]
+
+
+# -- events ---------------------------------------------------------------------------------
+
+
+class ResourceEvent(Event, kw_only=True, omit_defaults=True):
+    """`berth.events.resource.<node>.<added|removed|capacity|usage|allocated|released|labels>`."""
+
+    type: str = ""
+    nodename: str
+    plugin: str | None = None
+    before: Raw | None = None
+    after: Raw | None = None
+    workload_ids: list[str] | None = None

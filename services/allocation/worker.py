@@ -1,0 +1,57 @@
+"""The allocation worker: `berth worker allocation` runs this module (see services/runner.py)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from bus.idempotency import IdempotencyStore
+from bus.service import Service
+from services.allocation.cpumem import CpuMemPlugin
+from services.allocation.endpoints import COMMANDS, EVENTS, MANAGER_ONLY_COMMANDS, PLUGIN_NAMES, Endpoints, plugin_commands
+from services.allocation.gpu import GpuPlugin
+from services.allocation.manager import ResourceManager
+from services.allocation.plugin import ResourcePlugin
+from services.allocation.storage import StoragePlugin
+from services.allocation.store import NodeStore
+
+NAME = "allocation"
+__all__ = ["NAME", "COMMANDS", "EVENTS", "add_arguments", "build", "make_service"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    env = os.environ.get
+    parser.add_argument("--share-base", type=int, default=int(env("BERTH_SHARE_BASE", "100")),
+                        help="pieces per CPU core (env BERTH_SHARE_BASE)")
+    parser.add_argument("--max-share", type=int, default=int(env("BERTH_MAX_SHARE", "-1")),
+                        help="most fragments per core, -1 for no limit (env BERTH_MAX_SHARE)")
+    parser.add_argument("--max-deploy-count", type=int, default=int(env("BERTH_MAX_DEPLOY_COUNT", "10000")),
+                        help="storage plugin's capacity for requests without volumes (env BERTH_MAX_DEPLOY_COUNT)")
+
+
+def make_plugins(share_base: int = 100, max_share: int = -1, max_deploy_count: int = 10000) -> dict[str, ResourcePlugin]:
+    plugins: list[ResourcePlugin] = [
+        CpuMemPlugin(share_base=share_base, max_share=max_share),
+        StoragePlugin(max_deploy_count=max_deploy_count),
+        GpuPlugin(),
+    ]
+    assert tuple(p.name for p in plugins) == PLUGIN_NAMES
+    return {p.name: p for p in plugins}
+
+
+def make_service(manager: ResourceManager, prefix: str, idempotency: IdempotencyStore, concurrency: int = 64) -> Service:
+    service = Service(
+        f"{prefix}-allocation", prefix=prefix, concurrency=concurrency, idempotency=idempotency,
+        description="node capacity, CPU/NUMA, memory, volume and GPU allocation (eru resource plugins)",
+    )
+    service.bind(plugin_commands(None) + MANAGER_ONLY_COMMANDS, Endpoints(manager))
+    for plugin in manager.plugins:
+        service.bind(plugin_commands(plugin), Endpoints(manager, plugin))
+    return service
+
+
+async def build(ctx) -> Service:
+    args = ctx.args
+    plugins = make_plugins(args.share_base, args.max_share, args.max_deploy_count)
+    manager = ResourceManager(NodeStore(ctx.redis, ctx.prefix), plugins, ctx.events)
+    return make_service(manager, ctx.prefix, IdempotencyStore(ctx.redis, prefix=ctx.prefix), args.concurrency)

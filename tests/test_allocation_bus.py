@@ -1,0 +1,346 @@
+"""The allocation service over a real NATS and Redis: every command, error code and bad input."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgpack
+import pytest
+
+from bus.errors import BusError, NoResponders
+from bus.idempotency import IdempotencyStore
+from services.allocation.manager import ResourceManager
+from services.allocation.store import NodeStore
+from services.allocation.worker import make_plugins, make_service
+
+GiB = 1 << 30
+BOUND = {"cpumem": {"cpu-bind": True, "cpu-request": 1, "memory-request": GiB}}
+UNBOUND = {"cpumem": {"cpu-request": 0.5, "memory-request": GiB}}
+
+
+@pytest.fixture
+async def alloc(serve, prefix, redis, events):
+    manager = ResourceManager(NodeStore(redis, prefix), make_plugins(), events)
+    await serve(make_service(manager, prefix, IdempotencyStore(redis, prefix=prefix)))
+    return manager
+
+
+@pytest.fixture
+def call(client, alloc):
+    async def call(command: str, payload: dict, timeout: float = 5.0) -> dict:
+        return await client.request(f"resource.{command}", payload, dict, timeout=timeout)
+
+    return call
+
+
+async def add(call, node: str, cpu: int = 4, memory: str = "8G", labels: dict | None = None, **extra) -> dict:
+    resource = {"cpumem": {"cpu": cpu, "memory": memory}, **extra}
+    return await call("add-node", {"nodename": node, "resource": resource, "labels": labels or {}})
+
+
+async def error_of(call, command: str, payload: dict) -> BusError:
+    with pytest.raises(BusError) as caught:
+        await call(command, payload)
+    return caught.value
+
+
+# -- nodes -------------------------------------------------------------------------------------
+
+
+async def test_add_node_creates_every_plugin_and_publishes(call, events):
+    stream = await events.subscribe("resource.n1.>")
+    reply = await add(call, "n1")
+    assert set(reply["capacity"]) == {"cpumem", "storage", "gpu"}
+    cpumem = reply["capacity"]["cpumem"]
+    assert cpumem["cpu"] == 4 and cpumem["memory"] == 8 * GiB
+    assert cpumem["cpu_map"] == {"0": 100, "1": 100, "2": 100, "3": 100}
+    assert reply["usage"]["cpumem"]["cpu_map"] == {"0": 0, "1": 0, "2": 0, "3": 0}
+    subject, event = await stream.next(timeout=2)
+    assert subject.endswith("resource.n1.added") and event["type"] == "added" and event["nodename"] == "n1"
+    assert event["after"]["capacity"]["cpu"] == 4
+    await stream.close()
+
+    err = await error_of(call, "add-node", {"nodename": "n1", "resource": {"cpumem": {"cpu": 2, "memory": "1G"}}})
+    assert (err.code, err.status, err.details["field"]) == ("node_exists", 409, "nodename")
+
+
+async def test_plugin_level_commands_use_unkeyed_maps(client, alloc):
+    reply = await client.request(
+        "resource.cpumem.add-node", {"nodename": "p1", "resource": {"cpu": 2, "memory": "2G"}}, dict
+    )
+    assert reply["capacity"]["cpu_map"] == {"0": 100, "1": 100}
+    # Only cpumem knows the node: the manager level says which plugin lacks it.
+    with pytest.raises(BusError) as caught:
+        await client.request("resource.calculate-deploy", {"nodename": "p1", "deploy_count": 1}, dict)
+    assert caught.value.code == "node_not_found" and caught.value.details["plugin"] == "storage"
+    deploy = await client.request(
+        "resource.cpumem.calculate-deploy",
+        {"nodename": "p1", "deploy_count": 2, "workload_resource_request": BOUND["cpumem"]},
+        dict,
+    )
+    assert [e["cpu_map"] for e in deploy["engines_params"]] == [{"0": 100}, {"1": 100}]
+    await client.request("resource.cpumem.remove-node", {"nodename": "p1"}, dict)
+    with pytest.raises(BusError) as caught:
+        await client.request("resource.cpumem.remove-node", {"nodename": "p1"}, dict)
+    assert caught.value.code == "node_not_found"
+
+
+async def test_info_defaults_and_labels(call):
+    reply = await call(
+        "add-node",
+        {"nodename": "e1", "info": {"ncpu": 2, "memory_total": 10 * GiB, "storage_total": 100 * GiB},
+         "labels": {"city": "sz", "platform": "linux"}},
+    )
+    assert reply["capacity"]["cpumem"]["cpu"] == 2
+    assert reply["capacity"]["cpumem"]["memory"] == 8 * GiB  # 80 % of what the engine reports
+    await add(call, "e2", labels={"city": "bj"})
+    listed = await call("list-nodes", {"labels": {"city": "sz"}})
+    assert [n["nodename"] for n in listed["nodes"]] == ["e1"] and listed["total"] == 1
+    assert listed["nodes"][0]["labels"] == {"city": "sz", "platform": "linux"}
+    await call("set-node-labels", {"nodename": "e2", "labels": {"city": "sz"}})
+    listed = await call("list-nodes", {"labels": {"city": "sz"}, "limit": 1, "offset": 1})
+    assert [n["nodename"] for n in listed["nodes"]] == ["e2"] and listed["total"] == 2
+
+
+async def test_list_nodes_pages_in_name_order(call):
+    for i in (3, 1, 2):
+        await add(call, f"ln{i}")
+    page = await call("list-nodes", {"limit": 2})
+    assert [n["nodename"] for n in page["nodes"]] == ["ln1", "ln2"] and page["total"] == 3
+    page = await call("list-nodes", {"limit": 2, "offset": 2})
+    assert [n["nodename"] for n in page["nodes"]] == ["ln3"]
+    assert (await error_of(call, "list-nodes", {"limit": 1001})).details["field"] == "limit"
+
+
+# -- calculations ------------------------------------------------------------------------------
+
+
+async def test_calculations_change_nothing(call):
+    await add(call, "c1")
+    deploy = await call("calculate-deploy", {"nodename": "c1", "deploy_count": 3, "workload_resource_request": BOUND})
+    assert len(deploy["engines_params"]) == 3 and len(deploy["workloads_resource"]) == 3
+    assert all(set(e) == {"cpumem", "storage", "gpu"} for e in deploy["engines_params"])
+    info = await call("get-node-resource-info", {"nodename": "c1"})
+    assert info["usage"]["cpumem"]["cpu"] == 0 and info["diffs"] == []
+
+    capacity = await call(
+        "get-nodes-deploy-capacity", {"nodenames": ["c1"], "workload_resource_request": BOUND}
+    )
+    assert capacity["total"] == 4
+    assert capacity["nodes_deploy_capacity_map"]["c1"]["capacity"] == 4
+
+    workload = deploy["workloads_resource"][0]
+    realloc = await call(
+        "calculate-realloc",
+        {"nodename": "c1", "workload_resource": workload,
+         "workload_resource_request": {"cpumem": {"keep-cpu-bind": True, "cpu-request": 1}}},
+    )
+    assert realloc["workload_resource"]["cpumem"]["cpu_request"] == 2
+    assert realloc["delta_resource"]["cpumem"]["cpu_request"] == 1
+
+    assert await call("calculate-remap", {"nodename": "missing", "workloads_resource": {}}) == {"engine_params_map": {}}
+
+
+async def test_most_idle_and_metrics(call):
+    await add(call, "i1")
+    await add(call, "i2")
+    await call("allocate", {"nodename": "i1", "deploy_count": 1, "workload_resource_request": BOUND})
+    idle = await call("get-most-idle-node", {"nodenames": ["i1", "i2"]})
+    assert idle == {"nodename": "i2", "priority": 100}
+
+    described = await call("get-metrics-description", {})
+    names = [d["name"] for d in described["descriptions"]]
+    assert "cpu_used" in names and len(names) == len(set(names))
+    metrics = await call("get-metrics", {"podname": "pod", "nodename": "i1"})
+    keys = [m["key"] for m in metrics["metrics"]]
+    assert len(keys) == len(set(keys))
+    assert all(isinstance(m["value"], (int, float)) and not isinstance(m["value"], bool) for m in metrics["metrics"])
+
+
+# -- committed allocations -----------------------------------------------------------------------
+
+
+async def test_allocate_then_release_restores_usage_exactly(call, events):
+    await add(call, "a1")
+    before = (await call("get-node-resource-info", {"nodename": "a1"}))["usage"]
+    stream = await events.subscribe("resource.a1.*")
+    placed = await call("allocate", {"nodename": "a1", "deploy_count": 3, "workload_resource_request": BOUND})
+    ids = [a["workload_id"] for a in placed["allocations"]]
+    assert len(set(ids)) == 3 and all(a["nodename"] == "a1" for a in placed["allocations"])
+    _, event = await stream.next(timeout=2)
+    assert event["type"] == "allocated" and event["workload_ids"] == ids
+
+    info = await call("get-node-resource-info", {"nodename": "a1"})
+    assert info["usage"]["cpumem"]["cpu"] == 3 and info["diffs"] == []
+    held = await call("get-allocations", {"nodename": "a1"})
+    assert sorted(a["workload_id"] for a in held["allocations"]) == sorted(ids)
+
+    released = await call("release", {"workload_ids": ids + ["unknown"]})
+    assert released == {"released": sorted(ids)}
+    _, event = await stream.next(timeout=2)
+    assert event["type"] == "released"
+    await stream.close()
+    assert (await call("get-node-resource-info", {"nodename": "a1"}))["usage"] == before
+    assert (await call("get-allocations", {"nodename": "a1"}))["allocations"] == []
+
+
+async def test_allocate_is_all_or_nothing(call):
+    await add(call, "f1", cpu=2)
+    await add(call, "f2", cpu=2)
+    err = await error_of(
+        call, "allocate",
+        {"nodenames": ["f1", "f2"], "strategy": "spread", "deploy_count": 5, "workload_resource_request": BOUND},
+    )
+    assert err.code == "insufficient_capacity" and err.status == 409
+    err = await error_of(
+        call, "allocate",
+        {"nodenames": ["f1", "f2"], "strategy": "each", "deploy_count": 3, "workload_resource_request": BOUND},
+    )
+    assert err.code == "insufficient_capacity"
+    for node in ("f1", "f2"):
+        info = await call("get-node-resource-info", {"nodename": node})
+        assert info["usage"]["cpumem"]["cpu"] == 0
+        assert (await call("get-allocations", {"nodename": node}))["allocations"] == []
+
+
+async def test_strategies_spread_pack_each(call):
+    for node in ("s1", "s2", "s3"):
+        await add(call, node)
+    await call("allocate", {"nodename": "s2", "deploy_count": 1, "workload_resource_request": BOUND})
+
+    def count(reply):
+        out: dict[str, int] = {}
+        for a in reply["allocations"]:
+            out[a["nodename"]] = out.get(a["nodename"], 0) + 1
+        return out
+
+    nodes = ["s1", "s2", "s3"]
+    spread = await call("allocate", {"nodenames": nodes, "strategy": "spread", "deploy_count": 5, "workload_resource_request": BOUND})
+    assert count(spread) == {"s1": 2, "s2": 1, "s3": 2}
+    pack = await call("allocate", {"nodenames": nodes, "strategy": "pack", "deploy_count": 2, "workload_resource_request": BOUND})
+    assert count(pack) == {"s1": 2} or count(pack) == {"s3": 2}
+    each = await call("allocate", {"nodenames": ["s1", "s2"], "strategy": "each", "deploy_count": 1, "workload_resource_request": UNBOUND})
+    assert count(each) == {"s1": 1, "s2": 1}
+
+
+async def test_realloc_by_workload_id(call):
+    await add(call, "r1")
+    [placed] = (await call("allocate", {"nodename": "r1", "deploy_count": 1, "workload_resource_request": BOUND}))["allocations"]
+    reply = await call(
+        "realloc",
+        {"workload_id": placed["workload_id"],
+         "workload_resource_request": {"cpumem": {"keep-cpu-bind": True, "cpu-request": 1}}},
+    )
+    assert reply["nodename"] == "r1" and reply["workload_resource"]["cpumem"]["cpu_request"] == 2
+    assert reply["delta_resource"]["cpumem"]["cpu_request"] == 1
+    info = await call("get-node-resource-info", {"nodename": "r1"})
+    assert info["usage"]["cpumem"]["cpu"] == 2 and info["diffs"] == []
+    err = await error_of(call, "realloc", {"workload_id": "nope"})
+    assert (err.code, err.status) == ("workload_not_found", 404)
+
+
+async def test_remove_node_refuses_while_workloads_hold_it(call):
+    await add(call, "rm1")
+    placed = await call("allocate", {"nodename": "rm1", "deploy_count": 1, "workload_resource_request": BOUND})
+    err = await error_of(call, "remove-node", {"nodename": "rm1"})
+    assert (err.code, err.status) == ("node_not_empty", 409)
+    await call("release", {"workload_ids": [placed["allocations"][0]["workload_id"]]})
+    await call("remove-node", {"nodename": "rm1"})
+    assert (await error_of(call, "get-node-resource-info", {"nodename": "rm1"})).code == "node_not_found"
+    assert (await call("list-nodes", {}))["total"] == 0
+
+
+async def test_allocate_with_request_id_happens_once(call):
+    await add(call, "id1")
+    payload = {"nodename": "id1", "deploy_count": 2, "workload_resource_request": BOUND, "request_id": "req-7"}
+    first, second = await asyncio.gather(call("allocate", payload), call("allocate", payload))
+    assert first == second
+    assert (await call("get-node-resource-info", {"nodename": "id1"}))["usage"]["cpumem"]["cpu"] == 2
+
+
+# -- set, fix and round trips --------------------------------------------------------------------
+
+
+async def test_fix_node_resource_repairs_usage_from_the_ledger(call):
+    await add(call, "fx1")
+    await call("allocate", {"nodename": "fx1", "deploy_count": 2, "workload_resource_request": BOUND})
+    good = (await call("get-node-resource-info", {"nodename": "fx1"}))["usage"]
+    await call(
+        "set-node-resource-usage",
+        {"nodename": "fx1", "resource_request": {"cpumem": {"memory": "1G"}}, "delta": True, "incr": True},
+    )
+    drifted = await call("get-node-resource-info", {"nodename": "fx1"})
+    assert drifted["diffs"] and drifted["usage"]["cpumem"]["memory"] == good["cpumem"]["memory"] + GiB
+    fixed = await call("fix-node-resource", {"nodename": "fx1"})
+    assert fixed["diffs"] == drifted["diffs"] and fixed["usage"] == good
+    assert (await call("get-node-resource-info", {"nodename": "fx1"}))["diffs"] == []
+
+
+async def test_capacity_change_and_exact_info_round_trip(call):
+    await add(call, "cap1")
+    changed = await call(
+        "set-node-resource-capacity",
+        {"nodename": "cap1", "resource_request": {"cpumem": {"memory": "2G"}}, "delta": True, "incr": True},
+    )
+    assert changed["after"]["cpumem"]["memory"] == changed["before"]["cpumem"]["memory"] + 2 * GiB
+    info = await call("get-node-resource-info", {"nodename": "cap1"})
+    # Rollback the way eru core does it: set the snapshot back; the round trip is exact.
+    await call("set-node-resource-capacity", {"nodename": "cap1", "resource": changed["before"], "incr": False})
+    await call("set-node-resource-info", {"nodename": "cap1", "capacity": info["capacity"], "usage": info["usage"]})
+    again = await call("get-node-resource-info", {"nodename": "cap1"})
+    assert again["capacity"] == info["capacity"] and again["usage"] == info["usage"]
+
+
+# -- errors and bad input -------------------------------------------------------------------------
+
+
+async def test_unknown_node_and_plugin(call, client, nc, prefix):
+    err = await error_of(call, "calculate-deploy", {"nodename": "ghost", "deploy_count": 1})
+    assert (err.code, err.status, err.details["nodename"]) == ("node_not_found", 404, "ghost")
+    await add(call, "k1")
+    err = await error_of(
+        call, "calculate-deploy", {"nodename": "k1", "deploy_count": 1, "workload_resource_request": {"tpu": {}}}
+    )
+    assert (err.code, err.status, err.details["field"]) == ("plugin_not_found", 404, "workload_resource_request.tpu")
+    # An unknown plugin in the subject has no endpoint at all.
+    with pytest.raises(NoResponders):
+        await client.request("resource.tpu.add-node", {"nodename": "x"}, timeout=2)
+
+
+@pytest.mark.parametrize(
+    "command,payload,field",
+    [
+        ("add-node", {"nodename": "bad.name", "resource": {"cpumem": {"cpu": 1, "memory": "1G"}}}, "nodename"),
+        ("add-node", {"resource": {"cpumem": {"cpu": 1}}}, "nodename"),
+        ("add-node", {"nodename": "b1", "resource": {"cpumem": {"cpu": "4", "memory": "1G"}}}, "cpu"),
+        ("add-node", {"nodename": "b1", "resource": {"cpumem": {"cpu": 2, "memory": "lots"}}}, "memory"),
+        ("add-node", {"nodename": "b1", "resource": {"cpumem": {"cpu": 2, "memory": -5}}}, "memory"),
+        ("calculate-deploy", {"nodename": "b0", "deploy_count": 0}, "deploy_count"),
+        ("calculate-deploy", {"nodename": "b0", "deploy_count": "1"}, "deploy_count"),
+        ("calculate-deploy", {"nodename": "b0", "deploy_count": 1,
+                              "workload_resource_request": {"cpumem": {"cpu-request": float("nan")}}}, "cpu-request"),
+        ("calculate-deploy", {"nodename": "b0", "deploy_count": 1,
+                              "workload_resource_request": {"cpumem": {"cpu-request": -1}}}, "cpu-request"),
+        ("calculate-deploy", {"nodename": "b0", "deploy_count": 1,
+                              "workload_resource_request": {"cpumem": {"cpu-bind": None, "cpu-request": 1}}}, "cpu-bind"),
+        ("allocate", {"nodename": "b0", "nodenames": ["b0"], "deploy_count": 1}, "nodename"),
+        ("allocate", {"nodenames": ["b0"], "strategy": "random", "deploy_count": 1}, "strategy"),
+        ("release", {"workload_ids": []}, "workload_ids"),
+        ("get-nodes-deploy-capacity", {"nodenames": "b0"}, "nodenames"),
+    ],
+)
+async def test_bad_input_is_refused_naming_the_field_and_changes_nothing(call, command, payload, field):
+    await add(call, "b0")
+    before = await call("get-node-resource-info", {"nodename": "b0"})
+    err = await error_of(call, command, payload)
+    assert err.status == 400 and err.code.startswith("invalid_"), (err.code, err.message)
+    assert field in err.details.get("field", "") or field in err.message, (err.details, err.message)
+    assert await call("get-node-resource-info", {"nodename": "b0"}) == before
+    assert (await call("list-nodes", {}))["total"] == 1
+
+
+async def test_garbage_bytes_get_invalid_argument(alloc, nc, prefix, call):
+    msg = await nc.request(f"{prefix}.resource.allocate", b"\xff\x00\x13garbage", timeout=2)
+    assert msg.headers["Nats-Service-Error-Code"] == "400"
+    assert msgpack.unpackb(msg.data)["error"]["code"] == "invalid_argument"
+    assert (await call("plugins", {})) == {"plugins": ["cpumem", "storage", "gpu"]}
