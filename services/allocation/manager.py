@@ -367,18 +367,37 @@ class ResourceManager:
         requests: dict[str, Raw | None],
         given_ids: list[str] | None,
         request_id: str,
+        *,
+        replans: int = 20,
     ) -> list[Raw]:
-        """Place `count` instances on `nodes` (`count` on each for `each`); all or nothing."""
-        names = list(self.plugins)
+        """Place `count` instances on `nodes` (`count` on each for `each`); all or nothing.
+
+        The plan is made from a snapshot of the nodes; if a node filled up before its commit, the
+        instances already placed are returned and we plan again from a fresh snapshot.
+        """
+        for attempt in range(replans):
+            plan = await self._plan(nodes, strategy, count, requests)
+            ids = workload_ids(sum(plan.values()), given_ids, request_id)
+            try:
+                return await self._place(plan, ids, requests)
+            except BerthError as error:
+                if error.code != "insufficient_capacity" or len(nodes) == 1 or attempt == replans - 1:
+                    raise
+                log.debug("node filled up during allocate; planning again (%s)", error.message)
+        raise AssertionError("unreachable")
+
+    async def _plan(
+        self, nodes: list[str], strategy: str, count: int, requests: dict[str, Raw | None]
+    ) -> dict[str, int]:
         if len(nodes) == 1:
-            plan = {nodes[0]: count}
-        else:
-            capacities = await self.deploy_capacity(names, nodes, requests)
-            if strategy == "each":
-                plan = placement.each(capacities, nodes, count)
-            else:
-                plan = (placement.spread if strategy == "spread" else placement.pack)(capacities, count)
-        ids = workload_ids(sum(plan.values()), given_ids, request_id)
+            return {nodes[0]: count}
+        capacities = await self.deploy_capacity(list(self.plugins), nodes, requests)
+        if strategy == "each":
+            return placement.each(capacities, nodes, count)
+        return (placement.spread if strategy == "spread" else placement.pack)(capacities, count)
+
+    async def _place(self, plan: dict[str, int], ids: list[str], requests: dict[str, Raw | None]) -> list[Raw]:
+        names = list(self.plugins)
         placed: list[Raw] = []
         start = 0
         try:
