@@ -21,8 +21,10 @@ UNBOUND = {"cpumem": {"cpu-request": 0.5, "memory-request": GiB}}
 @pytest.fixture
 async def alloc(serve, prefix, redis, events):
     manager = ResourceManager(NodeStore(redis, prefix), make_plugins(), events)
+    await manager.watch()
     await serve(make_service(manager, prefix, IdempotencyStore(redis, prefix=prefix)))
-    return manager
+    yield manager
+    await manager.unwatch()
 
 
 @pytest.fixture

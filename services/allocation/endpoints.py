@@ -210,7 +210,7 @@ class Endpoints:
     async def allocate(self, req: Allocate) -> AllocateReply:
         if (req.nodename is None) == (req.nodenames is None):
             raise InvalidArgument("nodename", "give either nodename or nodenames (with a strategy), not both")
-        nodes = [req.nodename] if req.nodename is not None else list(dict.fromkeys(req.nodenames))
+        nodes = [req.nodename] if req.nodename is not None else req.nodenames
         placed = await self.m.allocate(
             nodes, req.strategy, req.deploy_count, self._in(req.workload_resource_request, "workload_resource_request"),
             req.workload_ids, req.request_id,

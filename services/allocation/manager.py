@@ -15,11 +15,13 @@ import random
 import uuid
 from typing import Any, Awaitable, Callable, TypeVar
 
+from bus.codec import encode
 from bus.errors import BerthError
 from bus.events import EventBus
 from services.allocation import placement
 from services.allocation.messages import ResourceEvent
 from services.allocation.plugin import DeployCapacity, EngineInfo, ResourcePlugin
+from services.allocation.view import CapacityView, Views
 from services.allocation.store import Change, LedgerConflict, NodeRecord, NodeStore, PluginState, StaleVersion
 
 log = logging.getLogger("berth.allocation")
@@ -52,6 +54,9 @@ class ResourceManager:
         self.plugins = plugins
         self.events = events
         self.attempts = attempts
+        self.views = Views()
+        self.watching = False
+        self._capacity_memo: dict[tuple[str, bytes, bytes], DeployCapacity] = {}
 
     # -- selecting plugins and requests --------------------------------------------------------
 
@@ -165,17 +170,92 @@ class ResourceManager:
     async def deploy_capacity(
         self, names: list[str], nodes: list[str], requests: dict[str, Raw | None]
     ) -> dict[str, DeployCapacity]:
-        records = await self.store.load_many(sorted(set(nodes)))
-        per_plugin: list[dict[str, DeployCapacity]] = [{} for _ in names]
-        for node, record in records.items():
-            if record is None:
-                raise node_not_found(node)
-            states = self._states(record, names)
-            for i, name in enumerate(names):
-                cap = self.plugins[name].deploy_capacity(states[name].capacity, states[name].usage, requests[name])
-                if cap.capacity > 0:
-                    per_plugin[i][node] = cap
-        return placement.merge_capacities(per_plugin)
+        view = await self._view(names, nodes, requests)
+        return dict(sorted(view.capacities().items()))
+
+    async def _view(self, names: list[str], nodes: list[str], requests: dict[str, Raw | None]) -> CapacityView:
+        """The standing capacity view for this request over these nodes, refreshed where it is stale."""
+        request_keys = tuple(encode(requests[name]) for name in names)
+        key = (tuple(names), request_keys, tuple(nodes))
+        view = self.views.get(key) if self.watching else None
+        if view is None:
+            view = CapacityView(list(nodes), self._capacity_function(names, dict(zip(names, request_keys)), requests))
+            if self.watching:
+                self.views.put(key, view)
+        async with view.lock:
+            if view.stale:
+                todo = list(view.stale)
+                view.stale.clear()
+                records = await self.store.load_many(todo)
+                missing = [node for node, record in records.items() if record is None]
+                if missing:
+                    view.stale.update(missing)  # look again next time; it may have been added by then
+                    raise node_not_found(missing[0])
+                view.update(records.values())
+                if self.watching:
+                    self.views.remember(records.values())
+        return view
+
+    def _capacity_function(
+        self, names: list[str], request_keys: dict[str, bytes], requests: dict[str, Raw | None]
+    ) -> Callable[[NodeRecord], DeployCapacity | None]:
+        """A record's merged capacity for the request, memoised on each plugin's stored bytes:
+        nodes in the same state (a fleet of identical machines) are planned once."""
+        memo = self._capacity_memo
+        if len(memo) > 200_000:
+            memo.clear()
+
+        def compute(record: NodeRecord) -> DeployCapacity | None:
+            entries = []
+            for name in names:
+                raw = record.raw.get(name)
+                if raw is None:
+                    raise node_not_found(record.name, name)
+                key = (name, raw, request_keys[name])
+                cap = memo.get(key)
+                if cap is None:
+                    state = record.plugins[name]
+                    cap = memo[key] = self.plugins[name].deploy_capacity(state.capacity, state.usage, requests[name])
+                if cap.capacity <= 0:
+                    return None
+                entries.append(cap)
+            return placement.merge(entries)
+
+        return compute
+
+    # -- keeping views fresh -----------------------------------------------------------------------
+
+    async def watch(self, sweep_interval: float = 5.0) -> None:
+        """Follow the change events of every worker so views recompute only the nodes that changed."""
+        if self.events is None or self.watching:
+            return
+
+        async def changed(subject: str, event: dict) -> None:
+            self.views.invalidate(subject.rsplit(".", 2)[-2])
+
+        self._subscription = await self.events.subscribe("resource.*.*", cb=changed)
+        self._sweeper = asyncio.create_task(self._sweep(sweep_interval))
+        self.watching = True
+
+    async def unwatch(self) -> None:
+        if self.watching:
+            self.watching = False
+            self._sweeper.cancel()
+            await self._subscription.unsubscribe()
+
+    async def _sweep(self, interval: float) -> None:
+        """Catch changes whose event was lost (a reconnect, a slow consumer) by comparing versions."""
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                seen = self.views.versions()
+                current = await self.store.versions(list(seen))
+                for (node, version), now in zip(seen.items(), current):
+                    if version != now:
+                        self.views.invalidate(node)
+            except Exception:
+                log.exception("view sweep failed; making every view recompute")
+                self.views.invalidate_all()
 
     async def most_idle(self, names: list[str], nodes: list[str]) -> tuple[str, int]:
         records = await self.store.load_many(sorted(set(nodes)))
@@ -380,10 +460,14 @@ class ResourceManager:
             ids = workload_ids(sum(plan.values()), given_ids, request_id)
             try:
                 return await self._place(plan, ids, requests)
-            except BerthError as error:
-                if error.code != "insufficient_capacity" or len(nodes) == 1 or attempt == replans - 1:
-                    raise
-                log.debug("node filled up during allocate; planning again (%s)", error.message)
+            except NodeFilledUp as filled:
+                if len(nodes) == 1 or attempt == replans - 1:
+                    raise filled.error from None
+                log.debug("node %s filled up during allocate; planning again", filled.node)
+            finally:
+                # The plan reserved room in the view; what was committed (or not) is read afresh.
+                for node in plan:
+                    self.views.invalidate(node)
         raise AssertionError("unreachable")
 
     async def _plan(
@@ -391,10 +475,10 @@ class ResourceManager:
     ) -> dict[str, int]:
         if len(nodes) == 1:
             return {nodes[0]: count}
-        capacities = await self.deploy_capacity(list(self.plugins), nodes, requests)
+        view = await self._view(list(self.plugins), nodes, requests)
         if strategy == "each":
-            return placement.each(capacities, nodes, count)
-        return (placement.spread if strategy == "spread" else placement.pack)(capacities, count)
+            return placement.each(view.capacities(), nodes, count)
+        return view.plan(strategy, count)
 
     async def _place(self, plan: dict[str, int], ids: list[str], requests: dict[str, Raw | None]) -> list[Raw]:
         names = list(self.plugins)
@@ -402,7 +486,12 @@ class ResourceManager:
         start = 0
         try:
             for node in sorted(plan):
-                placed += await self._commit_deploy(node, names, ids[start:start + plan[node]], requests)
+                try:
+                    placed += await self._commit_deploy(node, names, ids[start:start + plan[node]], requests)
+                except BerthError as error:
+                    if error.code == "insufficient_capacity":
+                        raise NodeFilledUp(node, error) from None
+                    raise
                 start += plan[node]
         except BaseException:
             if placed:
@@ -415,7 +504,7 @@ class ResourceManager:
         self, node: str, names: list[str], ids: list[str], requests: dict[str, Raw | None]
     ) -> list[Raw]:
         async def compute():
-            record = await self._existing(node)
+            record = self.views.take_record(node) or await self._existing(node)
             states = self._states(record, names)
             engines, workloads = self._deploy(states, len(ids), requests)
             after = {
@@ -512,6 +601,15 @@ class ResourceManager:
         records = [r for r in (await self.store.load_many(names)).values() if r is not None]
         matching = [r for r in records if all(r.labels.get(k) == v for k, v in labels.items())]
         return matching[offset:offset + limit], len(matching)
+
+
+class NodeFilledUp(Exception):
+    """A node planned for an allocate had no room left at its commit."""
+
+    def __init__(self, node: str, error: BerthError) -> None:
+        super().__init__(node)
+        self.node = node
+        self.error = error
 
 
 def split(workloads, name: str) -> list[Raw]:

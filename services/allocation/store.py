@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import msgspec
@@ -74,10 +75,17 @@ class PluginState(msgspec.Struct, array_like=True):
 
 @dataclass
 class NodeRecord:
+    """A node as stored. `raw` keeps each plugin's encoded state: equal bytes mean equal state,
+    which lets callers memoise calculations across nodes without decoding them."""
+
     name: str
     version: int
     labels: dict[str, str]
-    plugins: dict[str, PluginState]
+    raw: dict[str, bytes]
+
+    @cached_property
+    def plugins(self) -> dict[str, PluginState]:
+        return {name: _decode_state(value) for name, value in self.raw.items()}
 
 
 @dataclass
@@ -135,13 +143,9 @@ class NodeStore:
     def _parse(name: str, fields: dict[bytes, bytes]) -> NodeRecord | None:
         if not fields:
             return None
-        plugins = {
-            key[len(PLUGIN_FIELD):].decode(): _decode_state(value)
-            for key, value in fields.items()
-            if key.startswith(b"p:")
-        }
+        raw = {key[len(PLUGIN_FIELD):].decode(): value for key, value in fields.items() if key.startswith(b"p:")}
         labels = _decode_map(fields[b"labels"]) if b"labels" in fields else {}
-        return NodeRecord(name, int(fields.get(b"v", b"0")), labels, plugins)
+        return NodeRecord(name, int(fields.get(b"v", b"0")), labels, raw)
 
     async def load(self, node: str) -> NodeRecord | None:
         return self._parse(node, await self.redis.hgetall(self.record_key(node)))

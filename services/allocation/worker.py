@@ -54,4 +54,6 @@ async def build(ctx) -> Service:
     args = ctx.args
     plugins = make_plugins(args.share_base, args.max_share, args.max_deploy_count)
     manager = ResourceManager(NodeStore(ctx.redis, ctx.prefix), plugins, ctx.events)
+    await manager.watch()
+    ctx.cleanups.append(manager.unwatch)
     return make_service(manager, ctx.prefix, IdempotencyStore(ctx.redis, prefix=ctx.prefix), args.concurrency)
