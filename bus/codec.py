@@ -43,6 +43,16 @@ def decode(data: bytes, type_: type[T]) -> T:
         raise InvalidArgument("$", f"not a MessagePack map: {error}") from None
 
 
+def decode_as(data: bytes, type_: type[T], field: str) -> T:
+    """Decode a part of a payload kept raw (`msgspec.Raw`) so that errors name its field."""
+    try:
+        return _decoder(type_).decode(data)
+    except msgspec.ValidationError as error:
+        raise invalid_argument_from(error, prefix=field) from None
+    except msgspec.DecodeError as error:
+        raise InvalidArgument(field, f"malformed: {error}") from None
+
+
 def convert(value: Any, type_: type[T], *, path: str = "") -> T:
     """Validate an already-decoded value (for example one plugin's sub-map) as `type_`."""
     try:

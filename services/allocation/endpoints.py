@@ -57,6 +57,7 @@ from services.allocation.messages import (
 )
 from services.allocation.placement import total_capacity
 from services.allocation.plugin import EngineInfo
+from services.allocation.view import NodeSet
 from schemas.common import Empty
 
 Raw = dict[str, Any]
@@ -155,7 +156,7 @@ class Endpoints:
 
     async def get_nodes_deploy_capacity(self, req: GetNodesDeployCapacity) -> GetNodesDeployCapacityReply:
         requests = self._in(req.workload_resource_request, "workload_resource_request")
-        capacities = await self.m.deploy_capacity(self.names, req.nodenames, requests)
+        capacities = await self.m.deploy_capacity(self.names, NodeSet(req.nodenames), requests)
         return GetNodesDeployCapacityReply(
             {node: NodeDeployCapacityMsg(c.capacity, c.usage, c.rate, c.weight) for node, c in capacities.items()},
             total_capacity(capacities),
@@ -208,9 +209,12 @@ class Endpoints:
     # -- manager-only commands ----------------------------------------------------------------
 
     async def allocate(self, req: Allocate) -> AllocateReply:
-        if (req.nodename is None) == (req.nodenames is None):
+        listed = bytes(req.nodenames) not in (b"", b"\xc0")  # absent or null
+        if (req.nodename is None) == (not listed):
             raise InvalidArgument("nodename", "give either nodename or nodenames (with a strategy), not both")
-        nodes = [req.nodename] if req.nodename is not None else req.nodenames
+        nodes = NodeSet.of([req.nodename]) if req.nodename is not None else NodeSet(req.nodenames)
+        if len(nodes) == 0:
+            raise InvalidArgument("nodenames", "must name at least one node")
         placed = await self.m.allocate(
             nodes, req.strategy, req.deploy_count, self._in(req.workload_resource_request, "workload_resource_request"),
             req.workload_ids, req.request_id,

@@ -21,8 +21,16 @@ from bus.events import EventBus
 from services.allocation import placement
 from services.allocation.messages import ResourceEvent
 from services.allocation.plugin import DeployCapacity, EngineInfo, ResourcePlugin
-from services.allocation.view import CapacityView, Views
-from services.allocation.store import Change, LedgerConflict, NodeRecord, NodeStore, PluginState, StaleVersion
+from services.allocation.view import CapacityView, NodeSet, Views
+from services.allocation.store import (
+    Change,
+    LedgerConflict,
+    NodeRecord,
+    NodeStore,
+    PluginState,
+    StaleVersion,
+    encode_state,
+)
 
 log = logging.getLogger("berth.allocation")
 
@@ -57,6 +65,7 @@ class ResourceManager:
         self.views = Views()
         self.watching = False
         self._capacity_memo: dict[tuple[str, bytes, bytes], DeployCapacity] = {}
+        self._deploy_memo: dict[tuple[str, bytes, bytes, int], tuple[list[Raw], list[Raw], bytes]] = {}
 
     # -- selecting plugins and requests --------------------------------------------------------
 
@@ -85,34 +94,51 @@ class ResourceManager:
             raise node_not_found(node)
         return record, self._states(record, names)
 
-    async def _publish(self, node: str, kind: str, **fields: Any) -> None:
+    async def _publish(self, node: str, kind: str, version: int, **fields: Any) -> None:
         if self.events is not None:
-            await self.events.publish(f"resource.{node}.{kind}", ResourceEvent(nodename=node, **fields))
+            event = ResourceEvent(nodename=node, version=version, **fields)
+            await self.events.publish(f"resource.{node}.{kind}", event)
 
     async def _mutate(
         self,
         node: str,
-        compute: Callable[[], Awaitable[tuple[int, Change, T]]],
+        compute: Callable[[], Awaitable[tuple[NodeRecord | None, Change, T]]],
         *,
         retry_ledger: bool = False,
-    ) -> T:
+    ) -> tuple[T, int]:
         """Compute a change on fresh data and commit it; if the node changed meanwhile, do it again.
 
-        `compute` reads what it needs and returns (the version it read, the change, the result);
-        it raises to refuse. `retry_ledger` also retries when a ledger entry it relied on moved.
+        `compute` reads what it needs and returns (the record it read, None for a new node; the
+        change; the result); it raises to refuse. `retry_ledger` also retries when a ledger entry
+        it relied on moved. Returns the result and the node's new version.
         """
         retry_on: tuple[type[Exception], ...] = (StaleVersion, LedgerConflict) if retry_ledger else (StaleVersion,)
         for attempt in range(self.attempts):
-            version, change, result = await compute()
+            record, change, result = await compute()
+            version = record.version if record else 0
             if change.is_empty():
-                return result
+                return result, version
             try:
-                await self.store.commit(node, version, change)
-                return result
+                version = await self.store.commit(node, version, change)
             except retry_on:
                 # Someone else changed the node; a short random pause spreads the contenders out.
                 await asyncio.sleep(random.uniform(0, 0.002 * min(attempt + 1, 10)))
+                continue
+            self._committed(node, record, change, version)
+            return result, version
         raise BerthError(f"node {node} is changing too fast; retry", code="busy", details={"nodename": node})
+
+    def _committed(self, node: str, record: NodeRecord | None, change: Change, version: int) -> None:
+        """Show our own commit to the views at once, instead of waiting for its event and a reload."""
+        if not self.watching:
+            return
+        if change.delete or record is None:
+            self.views.invalidate(node)
+            return
+        raw = {name: value for name, value in record.raw.items() if name not in change.remove_plugins}
+        raw.update(change.plugins)
+        labels = record.labels if change.labels is None else change.labels
+        self.views.committed(NodeRecord(node, version, labels, raw))
 
     async def _existing(self, node: str) -> NodeRecord:
         record = await self.store.load(node)
@@ -168,18 +194,18 @@ class ResourceManager:
         return dict(sorted(remapped.items()))
 
     async def deploy_capacity(
-        self, names: list[str], nodes: list[str], requests: dict[str, Raw | None]
+        self, names: list[str], nodes: NodeSet, requests: dict[str, Raw | None]
     ) -> dict[str, DeployCapacity]:
         view = await self._view(names, nodes, requests)
         return dict(sorted(view.capacities().items()))
 
-    async def _view(self, names: list[str], nodes: list[str], requests: dict[str, Raw | None]) -> CapacityView:
+    async def _view(self, names: list[str], nodes: NodeSet, requests: dict[str, Raw | None]) -> CapacityView:
         """The standing capacity view for this request over these nodes, refreshed where it is stale."""
         request_keys = tuple(encode(requests[name]) for name in names)
-        key = (tuple(names), request_keys, tuple(nodes))
+        key = (tuple(names), request_keys, nodes.key)
         view = self.views.get(key) if self.watching else None
         if view is None:
-            view = CapacityView(list(nodes), self._capacity_function(names, dict(zip(names, request_keys)), requests))
+            view = CapacityView(nodes.names, self._capacity_function(names, dict(zip(names, request_keys)), requests))
             if self.watching:
                 self.views.put(key, view)
         async with view.lock:
@@ -231,7 +257,10 @@ class ResourceManager:
             return
 
         async def changed(subject: str, event: dict) -> None:
-            self.views.invalidate(subject.rsplit(".", 2)[-2])
+            node = subject.rsplit(".", 2)[-2]
+            version = event.get("version") or 0
+            if not version or version > self.views.known_version(node):  # not our own, already shown
+                self.views.invalidate(node)
 
         self._subscription = await self.events.subscribe("resource.*.*", cb=changed)
         self._sweeper = asyncio.create_task(self._sweep(sweep_interval))
@@ -248,11 +277,13 @@ class ResourceManager:
         while True:
             await asyncio.sleep(interval)
             try:
-                seen = self.views.versions()
-                current = await self.store.versions(list(seen))
-                for (node, version), now in zip(seen.items(), current):
-                    if version != now:
-                        self.views.invalidate(node)
+                seen = list(self.views.versions().items())
+                for start in range(0, len(seen), 500):  # in slices, so requests are served meanwhile
+                    part = seen[start:start + 500]
+                    current = await self.store.versions([node for node, _ in part])
+                    for (node, version), now in zip(part, current):
+                        if version != now and version < now:
+                            self.views.invalidate(node)
             except Exception:
                 log.exception("view sweep failed; making every view recompute")
                 self.views.invalidate_all()
@@ -307,13 +338,13 @@ class ResourceManager:
                 raise BerthError(
                     f"node {node} already exists", code="node_exists", field="nodename", details={"nodename": node}
                 )
-            version = record.version if record else 0
-            return version, Change(plugins=created, labels=labels if record is None else None), None
+            change = Change(plugins=encode_states(created), labels=labels if record is None else None)
+            return record, change, None
 
         await self.store.add_to_index(node)  # before the record: a crash leaves an entry readers skip
-        await self._mutate(node, compute)
+        _, version = await self._mutate(node, compute)
         for name in names:
-            await self._publish(node, "added", plugin=name, after=as_map(created[name]))
+            await self._publish(node, "added", version, plugin=name, after=as_map(created[name]))
         return {n: s.capacity for n, s in created.items()}, {n: s.usage for n, s in created.items()}
 
     async def remove_node(self, names: list[str], node: str) -> None:
@@ -324,13 +355,13 @@ class ResourceManager:
             record = await self._existing(node)
             states = self._states(record, names)
             if whole:
-                return record.version, Change(delete="delete_if_empty"), (states, True)
+                return record, Change(delete="delete_if_empty"), (states, True)
             if set(record.plugins) == set(names):  # the last plugin leaves: the node goes
-                return record.version, Change(delete="delete"), (states, True)
-            return record.version, Change(remove_plugins=names), (states, False)
+                return record, Change(delete="delete"), (states, True)
+            return record, Change(remove_plugins=names), (states, False)
 
         try:
-            removed, gone = await self._mutate(node, compute)
+            (removed, gone), version = await self._mutate(node, compute)
         except LedgerConflict as conflict:
             raise BerthError(
                 f"node {node} still holds {conflict.subject} workloads", code="node_not_empty",
@@ -339,7 +370,7 @@ class ResourceManager:
         if gone:
             await self.store.remove_from_index(node)
         for name, state in removed.items():
-            await self._publish(node, "removed", plugin=name, before=as_map(state))
+            await self._publish(node, "removed", version, plugin=name, before=as_map(state))
 
     async def _change_states(
         self, node: str, names: list[str], kind: str, update: Callable[[str, PluginState], PluginState]
@@ -350,11 +381,13 @@ class ResourceManager:
             record = await self._existing(node)
             states = self._states(record, names)
             after = {name: update(name, state) for name, state in states.items()}
-            return record.version, Change(plugins=after), (states, after)
+            return record, Change(plugins=encode_states(after)), (states, after)
 
-        before, after = await self._mutate(node, compute)
+        (before, after), version = await self._mutate(node, compute)
         for name in names:
-            await self._publish(node, kind, plugin=name, before=as_map(before[name]), after=as_map(after[name]))
+            await self._publish(
+                node, kind, version, plugin=name, before=as_map(before[name]), after=as_map(after[name])
+            )
         return before, after
 
     async def set_capacity(
@@ -421,27 +454,29 @@ class ResourceManager:
                 name: PluginState(st.capacity, self.plugins[name].usage_from_workloads(st.capacity, split(source, name)))
                 for name, st in states.items()
             }
-            return record.version, Change(plugins=fixed if diffs else {}), (states, fixed, diffs)
+            return record, Change(plugins=encode_states(fixed) if diffs else {}), (states, fixed, diffs)
 
-        before, fixed, diffs = await self._mutate(node, compute)
+        (before, fixed, diffs), version = await self._mutate(node, compute)
         if diffs:
             for name in names:
-                await self._publish(node, "usage", plugin=name, before=as_map(before[name]), after=as_map(fixed[name]))
+                await self._publish(
+                    node, "usage", version, plugin=name, before=as_map(before[name]), after=as_map(fixed[name])
+                )
         return {n: st.capacity for n, st in fixed.items()}, {n: st.usage for n, st in fixed.items()}, diffs
 
     async def set_labels(self, node: str, labels: dict[str, str]) -> None:
         async def compute():
             record = await self._existing(node)
-            return record.version, Change(labels=labels), record.labels
+            return record, Change(labels=labels), record.labels
 
-        before = await self._mutate(node, compute)
-        await self._publish(node, "labels", before={"labels": before}, after={"labels": labels})
+        before, version = await self._mutate(node, compute)
+        await self._publish(node, "labels", version, before={"labels": before}, after={"labels": labels})
 
     # -- committed allocations ---------------------------------------------------------------------
 
     async def allocate(
         self,
-        nodes: list[str],
+        nodes: NodeSet,
         strategy: str,
         count: int,
         requests: dict[str, Raw | None],
@@ -460,24 +495,25 @@ class ResourceManager:
             ids = workload_ids(sum(plan.values()), given_ids, request_id)
             try:
                 return await self._place(plan, ids, requests)
-            except NodeFilledUp as filled:
-                if len(nodes) == 1 or attempt == replans - 1:
-                    raise filled.error from None
-                log.debug("node %s filled up during allocate; planning again", filled.node)
-            finally:
-                # The plan reserved room in the view; what was committed (or not) is read afresh.
+            except BaseException as error:
+                # The plan reserved room in the view that was not used: read those nodes afresh.
                 for node in plan:
                     self.views.invalidate(node)
+                if not isinstance(error, NodeFilledUp):
+                    raise
+                if len(nodes) == 1 or attempt == replans - 1:
+                    raise error.error from None
+                log.debug("node %s filled up during allocate; planning again", error.node)
         raise AssertionError("unreachable")
 
     async def _plan(
-        self, nodes: list[str], strategy: str, count: int, requests: dict[str, Raw | None]
+        self, nodes: NodeSet, strategy: str, count: int, requests: dict[str, Raw | None]
     ) -> dict[str, int]:
         if len(nodes) == 1:
-            return {nodes[0]: count}
+            return {nodes.names[0]: count}
         view = await self._view(list(self.plugins), nodes, requests)
         if strategy == "each":
-            return placement.each(view.capacities(), nodes, count)
+            return placement.each(view.capacities(), nodes.names, count)
         return view.plan(strategy, count)
 
     async def _place(self, plan: dict[str, int], ids: list[str], requests: dict[str, Raw | None]) -> list[Raw]:
@@ -503,24 +539,29 @@ class ResourceManager:
     async def _commit_deploy(
         self, node: str, names: list[str], ids: list[str], requests: dict[str, Raw | None]
     ) -> list[Raw]:
+        request_keys = {name: encode(requests[name]) for name in names}
+
         async def compute():
             record = self.views.take_record(node) or await self._existing(node)
-            states = self._states(record, names)
-            engines, workloads = self._deploy(states, len(ids), requests)
-            after = {
-                name: PluginState(st.capacity, self.plugins[name].apply_workloads(st.usage, split(workloads, name), True))
-                for name, st in states.items()
-            }
+            engines: list[Raw] = [{} for _ in ids]
+            workloads: list[Raw] = [{} for _ in ids]
+            after: dict[str, bytes] = {}
+            for name in names:
+                params, resources, after[name] = self._deploy_on(record, name, len(ids), requests[name], request_keys[name])
+                for i in range(len(ids)):
+                    engines[i][name] = params[i]
+                    workloads[i][name] = resources[i]
             allocations = [
                 {"workload_id": wid, "nodename": node, "workload_resource": w, "engine_params": e}
                 for wid, w, e in zip(ids, workloads, engines)
             ]
-            return record.version, Change(plugins=after, ledger_add=dict(zip(ids, workloads))), allocations
+            # The index entries go first (same round trip): a crash after them leaves index entries
+            # without ledger entries, which release skips.
+            change = Change(plugins=after, ledger_add=dict(zip(ids, workloads)), index=dict.fromkeys(ids, node))
+            return record, change, allocations
 
-        # Index first: a crash after it leaves an index entry without a ledger entry, which release skips.
-        await self.store.index_workloads(node, ids)
         try:
-            allocations = await self._mutate(node, compute)
+            allocations, version = await self._mutate(node, compute)
         except LedgerConflict as conflict:
             await self.store.unindex_workloads([i for i in ids if i != conflict.subject])
             raise BerthError(
@@ -530,8 +571,30 @@ class ResourceManager:
         except BaseException:
             await self.store.unindex_workloads(ids)
             raise
-        await self._publish(node, "allocated", workload_ids=ids)
+        await self._publish(node, "allocated", version, workload_ids=ids)
         return allocations
+
+    def _deploy_on(
+        self, record: NodeRecord, name: str, count: int, request: Raw | None, request_key: bytes
+    ) -> tuple[list[Raw], list[Raw], bytes]:
+        """One plugin's deploy on a record: (engine params, workload resources, the state after).
+
+        Memoised on the stored bytes, like capacities: a fleet of identical nodes filling up in
+        step asks the same question over and over. The results are never mutated.
+        """
+        raw = record.raw.get(name)
+        if raw is None:
+            raise node_not_found(record.name, name)
+        key = (name, raw, request_key, count)
+        done = self._deploy_memo.get(key)
+        if done is None:
+            if len(self._deploy_memo) > 50_000:
+                self._deploy_memo.clear()
+            state = record.plugins[name]
+            params, resources = self.plugins[name].calculate_deploy(state.capacity, state.usage, count, request)
+            usage = self.plugins[name].apply_workloads(state.usage, resources, True)
+            done = self._deploy_memo[key] = (params, resources, encode_state(PluginState(state.capacity, usage)))
+        return done
 
     async def release(self, ids: list[str]) -> list[str]:
         """Return the workloads' resources to their nodes; ids nobody holds are skipped."""
@@ -548,17 +611,17 @@ class ResourceManager:
         async def compute():
             record, ledger = await self.store.load_with_ledger(node, ids)
             if record is None or not ledger:
-                return (record.version if record else 0), Change(), []
+                return record, Change(), []
             after = {
                 name: PluginState(st.capacity, self.plugins[name].apply_workloads(st.usage, split(ledger.values(), name), False))
                 for name, st in record.plugins.items()
                 if name in self.plugins
             }
-            return record.version, Change(plugins=after, ledger_remove=list(ledger)), sorted(ledger)
+            return record, Change(plugins=encode_states(after), ledger_remove=list(ledger)), sorted(ledger)
 
-        released = await self._mutate(node, compute, retry_ledger=True)
+        released, version = await self._mutate(node, compute, retry_ledger=True)
         if released:
-            await self._publish(node, "released", workload_ids=released)
+            await self._publish(node, "released", version, workload_ids=released)
         return released
 
     async def realloc(self, workload_id: str, requests: dict[str, Raw | None]) -> Raw:
@@ -581,10 +644,11 @@ class ResourceManager:
                 after[name] = PluginState(st.capacity, plugin.apply_workloads(returned, [resource[name]], True))
             reply = {"workload_id": workload_id, "nodename": node, "engine_params": engine,
                      "workload_resource": resource, "delta_resource": delta}
-            return record.version, Change(plugins=after, ledger_replace={workload_id: resource}), (current, reply)
+            change = Change(plugins=encode_states(after), ledger_replace={workload_id: resource})
+            return record, change, (current, reply)
 
-        before, reply = await self._mutate(node, compute, retry_ledger=True)
-        await self._publish(node, "usage", workload_ids=[workload_id],
+        (before, reply), version = await self._mutate(node, compute, retry_ledger=True)
+        await self._publish(node, "usage", version, workload_ids=[workload_id],
                             before={"workload_resource": before}, after={"workload_resource": reply["workload_resource"]})
         return reply
 
@@ -610,6 +674,10 @@ class NodeFilledUp(Exception):
         super().__init__(node)
         self.node = node
         self.error = error
+
+
+def encode_states(states: dict[str, PluginState]) -> dict[str, bytes]:
+    return {name: encode_state(state) for name, state in states.items()}
 
 
 def split(workloads, name: str) -> list[Raw]:

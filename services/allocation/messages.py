@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
+import msgspec
 from msgspec import Meta, Struct
 
 from schemas.common import Event
@@ -18,6 +19,12 @@ NodeName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]+$", min_length=1, max_le
 # A reference to an existing node in a list: no pattern check (it costs 10x the decode on lists of
 # thousands of names); a name that could not exist is simply not found.
 NodeRef = Annotated[str, Meta(min_length=1, max_length=253)]
+# A long candidate list is kept as its MessagePack bytes and decoded once per distinct list
+# (see services/allocation/view.py NodeSet); on the wire it is a list of node names.
+NodeList = Annotated[
+    msgspec.Raw,
+    Meta(extra_json_schema={"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": 253}}),
+]
 WorkloadId = Annotated[str, Meta(min_length=1, max_length=256)]
 RequestId = Annotated[str, Meta(max_length=200)]
 DeployCount = Annotated[int, Meta(ge=1, le=1_000_000)]
@@ -89,7 +96,7 @@ class Done(Struct):
 
 
 class GetNodesDeployCapacity(Struct):
-    nodenames: Annotated[list[NodeRef], Meta(max_length=100_000)]
+    nodenames: NodeList
     workload_resource_request: Raw | None = None
 
 
@@ -187,10 +194,10 @@ class MetricsReply(Struct):
 # -- manager-only commands ------------------------------------------------------------------
 
 
-class Allocate(Struct):
+class Allocate(Struct, omit_defaults=True):
     deploy_count: DeployCount
     nodename: NodeName | None = None
-    nodenames: Annotated[list[NodeRef], Meta(min_length=1, max_length=100_000)] | None = None
+    nodenames: NodeList = msgspec.Raw()  # absent (or null): use `nodename`
     strategy: Annotated[str, Meta(pattern="^(spread|pack|each)$")] = "spread"
     workload_resource_request: Raw | None = None
     workload_ids: list[WorkloadId] | None = None
@@ -281,6 +288,7 @@ class ResourceEvent(Event, kw_only=True, omit_defaults=True):
 
     type: str = ""
     nodename: str
+    version: int = 0  # the node's version after the change: a consumer can skip what it has seen
     plugin: str | None = None
     before: Raw | None = None
     after: Raw | None = None

@@ -25,6 +25,7 @@ from typing import Any
 
 import msgspec
 from redis.asyncio import Redis
+from redis.exceptions import NoScriptError
 
 Raw = dict[str, Any]
 
@@ -90,15 +91,18 @@ class NodeRecord:
 
 @dataclass
 class Change:
-    """What one commit writes. Ledger values are `{plugin: workload resource}` maps."""
+    """What one commit writes. Plugin states are encoded (`encode_state`); ledger values are
+    `{plugin: workload resource}` maps; `index` entries (workload id -> node) are written to the
+    global workload index just before the commit, in the same round trip."""
 
-    plugins: dict[str, PluginState] = field(default_factory=dict)
+    plugins: dict[str, bytes] = field(default_factory=dict)
     remove_plugins: list[str] = field(default_factory=list)
     labels: dict[str, str] | None = None
     ledger_add: dict[str, Raw] = field(default_factory=dict)  # must not exist yet
     ledger_remove: list[str] = field(default_factory=list)  # must exist
     ledger_replace: dict[str, Raw] = field(default_factory=dict)  # must exist
     delete: str = ""  # "", "delete" or "delete_if_empty" (refused while the ledger holds workloads)
+    index: dict[str, str] = field(default_factory=dict)
 
     def is_empty(self) -> bool:
         return not (
@@ -120,6 +124,10 @@ class LedgerConflict(Exception):
 
 _encode = msgspec.msgpack.Encoder().encode
 _decode_state = msgspec.msgpack.Decoder(PluginState).decode
+
+
+def encode_state(state: PluginState) -> bytes:
+    return _encode(state)
 _decode_map = msgspec.msgpack.Decoder(dict[str, Any]).decode
 
 
@@ -200,20 +208,42 @@ class NodeStore:
             args.append(len(items))
             args.extend(items)
 
-        section([x for name, state in change.plugins.items() for x in (PLUGIN_FIELD + name, _encode(state))]
+        section([x for name, state in change.plugins.items() for x in (PLUGIN_FIELD + name, state)]
                 + (["labels", _encode(change.labels)] if change.labels is not None else []))
         section([PLUGIN_FIELD + name for name in change.remove_plugins])
         section([x for wid, res in change.ledger_add.items() for x in (wid, _encode(res))])
         section(list(change.ledger_remove))
         section([x for wid, res in change.ledger_replace.items() for x in (wid, _encode(res))])
         args.append(change.delete or "write")
-        status, detail = await self._commit(keys=[self.record_key(node), self.ledger_key(node)], args=args)
+        keys = [self.record_key(node), self.ledger_key(node)]
+        if change.index:
+            status, detail = await self._commit_after_index(change.index, keys, args)
+        else:
+            status, detail = await self._commit(keys=keys, args=args)
         status, detail = status.decode(), detail.decode()
         if status == "ok":
             return int(detail)
         if status == "version":
             raise StaleVersion(node)
         raise LedgerConflict(status, detail)
+
+    async def _commit_after_index(self, index: dict[str, str], keys: list[str], args: list[Any]) -> list[bytes]:
+        """HSET the workload index, then the commit script, in one round trip.
+
+        (redis-py's pipelined scripts ask SCRIPT EXISTS on every execute; EVALSHA alone is one
+        command, and a Redis that lost its scripts answers NOSCRIPT, on which we load it again.)
+        """
+        for _ in range(2):
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.hset(self.workloads_key, mapping=index)
+                pipe.evalsha(self._commit.sha, len(keys), *keys, *args)
+                _, result = await pipe.execute(raise_on_error=False)
+            if not isinstance(result, NoScriptError):
+                if isinstance(result, Exception):
+                    raise result
+                return result
+            self._commit.sha = await self.redis.script_load(_COMMIT)
+        raise result
 
     async def add_to_index(self, node: str) -> None:
         await self.redis.zadd(self.nodes_key, {node: time.time()}, nx=True)

@@ -16,11 +16,47 @@ import asyncio
 import heapq
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Callable, Iterable
 
+import msgspec
+
+from bus.codec import decode_as, encode
+from services.allocation.messages import NodeRef
 from services.allocation.placement import insufficient
 from services.allocation.plugin import DeployCapacity
 from services.allocation.store import NodeRecord
+
+
+class NodeSet:
+    """A list of node names as it came on the wire: known by its bytes, decoded only when needed.
+
+    A scheduler sends the same long candidate list again and again; comparing its bytes costs a
+    fraction of decoding, hashing and freeing thousands of strings on every request.
+    """
+
+    def __init__(self, raw: bytes | msgspec.Raw, field: str = "nodenames") -> None:
+        self.key = bytes(raw)
+        self.field = field
+
+    @classmethod
+    def of(cls, names: list[str]) -> "NodeSet":
+        node_set = cls(encode(names))
+        node_set.__dict__["names"] = names
+        return node_set
+
+    @cached_property
+    def names(self) -> list[str]:
+        return decode_as(self.key, list[NodeRef], self.field)
+
+    def __len__(self) -> int:
+        """The list's length from its MessagePack header, without decoding the names."""
+        head = self.key[:1]
+        if head and 0x90 <= head[0] <= 0x9F:
+            return head[0] & 0x0F
+        if head in (b"\xdc", b"\xdd"):
+            return int.from_bytes(self.key[1:3 if head == b"\xdc" else 5], "big")
+        return len(self.names)  # not an array: decoding says what is wrong with it
 
 
 @dataclass
@@ -130,10 +166,22 @@ class Views:
         # The records views were last computed from; a commit may start from one (its version
         # check catches a stale one) instead of reading the node again.
         self._records: dict[str, NodeRecord] = {}
+        self._known: dict[str, int] = {}  # the newest version of each node the views reflect
 
     def remember(self, records: Iterable[NodeRecord]) -> None:
         for record in records:
             self._records[record.name] = record
+            self._known[record.name] = max(record.version, self._known.get(record.name, 0))
+
+    def committed(self, record: NodeRecord) -> None:
+        """A record this worker just wrote: recompute it everywhere, without reading it back."""
+        self.remember([record])
+        for view in self._views.values():
+            if record.name in view.members:
+                view.update([record])
+
+    def known_version(self, node: str) -> int:
+        return self._known.get(node, 0)
 
     def take_record(self, node: str) -> NodeRecord | None:
         """The remembered record of `node`, once: a retry after a failed commit reads it afresh."""
@@ -152,12 +200,14 @@ class Views:
 
     def invalidate(self, node: str) -> None:
         self._records.pop(node, None)
+        self._known.pop(node, None)
         for view in self._views.values():
             if node in view.members:
                 view.stale.add(node)
 
     def invalidate_all(self) -> None:
         self._records.clear()
+        self._known.clear()
         for view in self._views.values():
             view.stale.update(view.members)
 
