@@ -16,7 +16,9 @@ What the runtime adds to `nats.micro`:
 - domain errors (`BerthError`) become the error headers and body of DESIGN.md §2; anything else
   becomes `internal` with the traceback logged;
 - optional idempotency by `request_id` (see `bus.idempotency`);
-- drain: queued requests finish and their replies flush before the connection closes.
+- drain: queued requests finish and their replies flush before the connection closes;
+- optional broadcast: every instance receives the request (its own queue group) and the first
+  reply wins, for commands that must reach every replica (a write into per-process state).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class EndpointSpec:
     response: type
     handler: Handler
     idempotent: bool
+    broadcast: bool = False
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,10 @@ class Command:
     response: type
     handler: str
     idempotent: bool = False
+    broadcast: bool = False
+    # The type the service decodes, when it differs from the documented `request`: a subclass that
+    # keeps a large field as `msgspec.Raw` for the handler to decode lazily.
+    wire: type | None = None
 
 
 def error_reply(error: BerthError) -> Reply:
@@ -126,17 +133,24 @@ class Service:
         *,
         name: str | None = None,
         idempotent: bool = False,
+        broadcast: bool = False,
     ) -> None:
         if idempotent and self.idempotency is None:
             raise ValueError(f"endpoint {subject} is idempotent but the service has no idempotency store")
+        if idempotent and broadcast:
+            # The first instance to claim the request id would answer for all: the others would skip it.
+            raise ValueError(f"endpoint {subject} cannot be both idempotent and broadcast")
         endpoint_name = name or subject.replace(".", "-")
-        self.specs.append(EndpointSpec(endpoint_name, subject, request, response, handler, idempotent))
+        self.specs.append(EndpointSpec(endpoint_name, subject, request, response, handler, idempotent, broadcast))
 
     def bind(self, commands: list[Command], target: object) -> None:
         """Serve each command with the method of `target` that it names."""
         for command in commands:
             handler = getattr(target, command.handler)
-            self.add_endpoint(command.subject, command.request, command.response, handler, idempotent=command.idempotent)
+            self.add_endpoint(
+                command.subject, command.wire or command.request, command.response, handler,
+                idempotent=command.idempotent, broadcast=command.broadcast,
+            )
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -149,7 +163,11 @@ class Service:
         await self._micro.start()
         for spec in self.specs:
             await self._micro.add_endpoint(
-                name=spec.name, subject=f"{self.prefix}.{spec.subject}", handler=self._dispatcher(spec)
+                name=spec.name,
+                subject=f"{self.prefix}.{spec.subject}",
+                handler=self._dispatcher(spec),
+                # A queue group of its own makes this instance receive every request (broadcast).
+                queue_group=self._micro.id if spec.broadcast else None,
             )
             # nats.micro keeps per-endpoint stats on its Endpoint object; since the real work runs in
             # our own task, we complete those stats ourselves when the task ends (see _account).

@@ -15,8 +15,10 @@ from bus.service import Command
 from services.allocation.manager import ResourceManager
 from services.allocation.messages import (
     AddNode,
+    NULL,
     Allocate,
     AllocateReply,
+    AllocateWire,
     Allocation,
     AllocationsReply,
     BeforeAfter,
@@ -34,6 +36,7 @@ from services.allocation.messages import (
     GetNodeResourceInfo,
     GetNodesDeployCapacity,
     GetNodesDeployCapacityReply,
+    GetNodesDeployCapacityWire,
     ListNodes,
     ListNodesReply,
     MetricsDescriptionReply,
@@ -82,8 +85,11 @@ PLUGIN_COMMANDS = [
     ("get-metrics", GetMetrics, MetricsReply, "get_metrics", False),
 ]
 
+# Requests whose node list the service keeps raw (see messages.py).
+WIRE_TYPES = {GetNodesDeployCapacity: GetNodesDeployCapacityWire}
+
 MANAGER_ONLY_COMMANDS = [
-    Command("resource.allocate", Allocate, AllocateReply, "allocate", idempotent=True),
+    Command("resource.allocate", Allocate, AllocateReply, "allocate", idempotent=True, wire=AllocateWire),
     Command("resource.release", Release, ReleaseReply, "release", idempotent=True),
     Command("resource.realloc", Realloc, ReallocReply, "realloc", idempotent=True),
     Command("resource.list-nodes", ListNodes, ListNodesReply, "list_nodes"),
@@ -97,7 +103,7 @@ def plugin_commands(plugin: str | None) -> list[Command]:
     """The eru commands on `resource.<plugin>.<command>`, or on `resource.<command>` for the manager."""
     group = f"resource.{plugin}" if plugin else "resource"
     return [
-        Command(f"{group}.{name}", request, reply, handler, idempotent=changes)
+        Command(f"{group}.{name}", request, reply, handler, idempotent=changes, wire=WIRE_TYPES.get(request))
         for name, request, reply, handler, changes in PLUGIN_COMMANDS
     ]
 
@@ -154,7 +160,7 @@ class Endpoints:
         await self.m.remove_node(self.names, req.nodename)
         return Done()
 
-    async def get_nodes_deploy_capacity(self, req: GetNodesDeployCapacity) -> GetNodesDeployCapacityReply:
+    async def get_nodes_deploy_capacity(self, req: GetNodesDeployCapacityWire) -> GetNodesDeployCapacityReply:
         requests = self._in(req.workload_resource_request, "workload_resource_request")
         capacities = await self.m.deploy_capacity(self.names, NodeSet(req.nodenames), requests)
         return GetNodesDeployCapacityReply(
@@ -208,8 +214,8 @@ class Endpoints:
 
     # -- manager-only commands ----------------------------------------------------------------
 
-    async def allocate(self, req: Allocate) -> AllocateReply:
-        listed = bytes(req.nodenames) not in (b"", b"\xc0")  # absent or null
+    async def allocate(self, req: AllocateWire) -> AllocateReply:
+        listed = bytes(req.nodenames) != bytes(NULL)  # absent or null
         if (req.nodename is None) == (not listed):
             raise InvalidArgument("nodename", "give either nodename or nodenames (with a strategy), not both")
         nodes = NodeSet.of([req.nodename]) if req.nodename is not None else NodeSet(req.nodenames)

@@ -19,12 +19,9 @@ NodeName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]+$", min_length=1, max_le
 # A reference to an existing node in a list: no pattern check (it costs 10x the decode on lists of
 # thousands of names); a name that could not exist is simply not found.
 NodeRef = Annotated[str, Meta(min_length=1, max_length=253)]
-# A long candidate list is kept as its MessagePack bytes and decoded once per distinct list
-# (see services/allocation/view.py NodeSet); on the wire it is a list of node names.
-NodeList = Annotated[
-    msgspec.Raw,
-    Meta(extra_json_schema={"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": 253}}),
-]
+# The server decodes a long candidate list as its MessagePack bytes and decodes the names once
+# per distinct list (see services/allocation/view.py NodeSet): the *Wire subclasses below.
+NULL = msgspec.Raw(b"\xc0")
 WorkloadId = Annotated[str, Meta(min_length=1, max_length=256)]
 RequestId = Annotated[str, Meta(max_length=200)]
 DeployCount = Annotated[int, Meta(ge=1, le=1_000_000)]
@@ -96,8 +93,12 @@ class Done(Struct):
 
 
 class GetNodesDeployCapacity(Struct):
-    nodenames: NodeList
+    nodenames: list[NodeRef]
     workload_resource_request: Raw | None = None
+
+
+class GetNodesDeployCapacityWire(GetNodesDeployCapacity):
+    nodenames: msgspec.Raw
 
 
 class NodeDeployCapacityMsg(Struct):
@@ -197,11 +198,15 @@ class MetricsReply(Struct):
 class Allocate(Struct, omit_defaults=True):
     deploy_count: DeployCount
     nodename: NodeName | None = None
-    nodenames: NodeList = msgspec.Raw()  # absent (or null): use `nodename`
+    nodenames: list[NodeRef] | None = None
     strategy: Annotated[str, Meta(pattern="^(spread|pack|each)$")] = "spread"
     workload_resource_request: Raw | None = None
     workload_ids: list[WorkloadId] | None = None
     request_id: RequestId = ""
+
+
+class AllocateWire(Allocate):
+    nodenames: msgspec.Raw = NULL
 
 
 class Allocation(Struct):
