@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import os
+import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -75,7 +77,7 @@ class CapacityView:
     seen: dict[str, int] = field(default_factory=dict)  # every member's version when last computed
     stale: set[str] = field(default_factory=set)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one refresh at a time
-    _heaps: dict[str, list[tuple[float, str, int]]] = field(default_factory=dict)
+    _heaps: dict[str, list[tuple[float, int, str, int]]] = field(default_factory=dict)
     _stamps: int = 0
 
     def __post_init__(self) -> None:
@@ -93,7 +95,7 @@ class CapacityView:
                 continue
             entry = self.entries[record.name] = Entry(capacity, self._stamps)
             for strategy, heap in self._heaps.items():
-                heapq.heappush(heap, (_score(strategy, entry.capacity), record.name, entry.stamp))
+                heapq.heappush(heap, self._item(strategy, record.name, entry))
 
     def capacities(self) -> dict[str, DeployCapacity]:
         return {node: entry.capacity for node, entry in self.entries.items()}
@@ -119,17 +121,22 @@ class CapacityView:
             self._reserve(node, take)
         return plan
 
-    def _heap(self, strategy: str) -> list[tuple[float, str, int]]:
+    def _heap(self, strategy: str) -> list[tuple[float, int, str, int]]:
         heap = self._heaps.get(strategy)
         if heap is None:
-            heap = [(_score(strategy, e.capacity), node, e.stamp) for node, e in self.entries.items()]
+            heap = [self._item(strategy, node, e) for node, e in self.entries.items()]
             heapq.heapify(heap)
             self._heaps[strategy] = heap
         return heap
 
-    def _pop_valid(self, heap: list[tuple[float, str, int]]) -> str | None:
+    def _item(self, strategy: str, node: str, entry: Entry) -> tuple[float, int, str, int]:
+        # Among equally good nodes each worker prefers a different order (a per-process salt), so
+        # replicas planning at the same moment pick different nodes instead of colliding on one.
+        return _score(strategy, entry.capacity), zlib.crc32(node.encode(), _SALT), node, entry.stamp
+
+    def _pop_valid(self, heap: list[tuple[float, int, str, int]]) -> str | None:
         while heap:
-            _, node, stamp = heapq.heappop(heap)
+            _, _, node, stamp = heapq.heappop(heap)
             entry = self.entries.get(node)
             if entry is not None and entry.stamp == stamp and entry.capacity.capacity > 0:
                 return node
@@ -144,12 +151,15 @@ class CapacityView:
         entry.stamp = self._stamps
         for strategy, heap in self._heaps.items():
             if entry.capacity.capacity > 0:
-                heapq.heappush(heap, (_score(strategy, entry.capacity), node, entry.stamp))
+                heapq.heappush(heap, self._item(strategy, node, entry))
 
     def _restore(self, plan: dict[str, int]) -> None:
         """Undo the reservations of a plan that could not be completed."""
         for node, taken in plan.items():
             self._reserve(node, -taken)
+
+
+_SALT = int.from_bytes(os.urandom(4), "big")
 
 
 def _score(strategy: str, cap: DeployCapacity) -> float:
