@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 import uuid
 from typing import Any, Awaitable, Callable, TypeVar
 
@@ -57,11 +58,13 @@ class ResourceManager:
         events: EventBus | None = None,
         *,
         attempts: int = 200,
+        intent_timeout: float = 30.0,
     ) -> None:
         self.store = store
         self.plugins = plugins
         self.events = events
         self.attempts = attempts
+        self.intent_timeout = intent_timeout
         self.views = Views()
         self.watching = False
         self._capacity_memo: dict[tuple[str, bytes, bytes], DeployCapacity] = {}
@@ -273,9 +276,14 @@ class ResourceManager:
             await self._subscription.unsubscribe()
 
     async def _sweep(self, interval: float) -> None:
-        """Catch changes whose event was lost (a reconnect, a slow consumer) by comparing versions."""
+        """Catch changes whose event was lost (a reconnect, a slow consumer) by comparing versions,
+        and reap the allocations a dead worker left half done."""
         while True:
             await asyncio.sleep(interval)
+            try:
+                await self._reap_intents()
+            except Exception:
+                log.exception("reaping unfinished allocations failed; trying again later")
             try:
                 seen = list(self.views.versions().items())
                 for start in range(0, len(seen), 500):  # in slices, so requests are served meanwhile
@@ -490,6 +498,8 @@ class ResourceManager:
         The plan is made from a snapshot of the nodes; if a node filled up before its commit, the
         instances already placed are returned and we plan again from a fresh snapshot.
         """
+        if request_id and given_ids is None:
+            await self._forget_unanswered(request_id, count * (len(nodes) if strategy == "each" else 1))
         for attempt in range(replans):
             plan = await self._plan(nodes, strategy, count, requests)
             ids = workload_ids(sum(plan.values()), given_ids, request_id)
@@ -516,7 +526,21 @@ class ResourceManager:
             return placement.each(view.capacities(), nodes.names, count)
         return view.plan(strategy, count)
 
+    async def _forget_unanswered(self, request_id: str, count: int) -> None:
+        """Release what an earlier run of this very request placed without answering (its worker died).
+
+        Its ids are derived from the request id, so they are ours; the caller never saw them."""
+        derived = workload_ids(count, None, request_id)
+        if await self.store.locate(derived):
+            log.info("request %s was placed by a run that never answered: releasing and placing again", request_id)
+            await self.release(derived)
+
     async def _place(self, plan: dict[str, int], ids: list[str], requests: dict[str, Raw | None]) -> list[Raw]:
+        """Commit a plan node by node. Over several nodes an intent records the ids first: if this
+        worker dies half way, a reaper on any worker releases them (see `_reap_intents`)."""
+        intent = uuid.uuid4().hex if len(plan) > 1 else None
+        if intent:
+            await self.store.begin_intent(intent, ids, time.time() + self.intent_timeout)
         names = list(self.plugins)
         placed: list[Raw] = []
         start = 0
@@ -529,12 +553,27 @@ class ResourceManager:
                         raise NodeFilledUp(node, error) from None
                     raise
                 start += plan[node]
+            if intent and not await self.store.take_intent(intent):
+                # A reaper judged us dead and is releasing these ids: report failure, not a placement.
+                raise BerthError("allocate took too long and was rolled back; retry", code="busy")
         except BaseException:
-            if placed:
-                log.info("allocate failed after placing %d instances: rolling them back", len(placed))
-                await asyncio.shield(self.release([a["workload_id"] for a in placed]))
+            await asyncio.shield(self._roll_back(placed, ids, intent))
             raise
         return placed
+
+    async def _roll_back(self, placed: list[Raw], ids: list[str], intent: str | None) -> None:
+        if placed:
+            log.info("allocate failed after placing %d instances: rolling them back", len(placed))
+            await self.release(ids)
+        if intent:
+            await self.store.take_intent(intent)
+
+    async def _reap_intents(self) -> None:
+        """Release the instances of multi-node allocations whose worker died before finishing."""
+        for intent, ids in (await self.store.expired_intents(time.time())).items():
+            if await self.store.take_intent(intent):
+                log.warning("allocate %s never finished: releasing its %d instances", intent, len(ids))
+                await self.release(ids)
 
     async def _commit_deploy(
         self, node: str, names: list[str], ids: list[str], requests: dict[str, Raw | None]

@@ -137,6 +137,7 @@ class NodeStore:
         self.prefix = prefix
         self.nodes_key = f"{prefix}:nodes"
         self.workloads_key = f"{prefix}:workloads"
+        self.intents_key = f"{prefix}:intents"
         self._commit = redis.register_script(_COMMIT)
 
     def record_key(self, node: str) -> str:
@@ -244,6 +245,24 @@ class NodeStore:
                 return result
             self._commit.sha = await self.redis.script_load(_COMMIT)
         raise result
+
+    # -- intents: multi-node allocations a crashed worker may have left half done ------------------
+
+    async def begin_intent(self, intent_id: str, workload_ids: list[str], deadline: float) -> None:
+        await self.redis.hset(self.intents_key, intent_id, _encode([deadline, workload_ids]))
+
+    async def take_intent(self, intent_id: str) -> bool:
+        """Remove an intent; True for exactly one caller (its owner finishing, or a reaper)."""
+        return bool(await self.redis.hdel(self.intents_key, intent_id))
+
+    async def expired_intents(self, now: float) -> dict[str, list[str]]:
+        held = await self.redis.hgetall(self.intents_key)
+        expired = {}
+        for intent_id, value in held.items():
+            deadline, workload_ids = msgspec.msgpack.decode(value)
+            if deadline < now:
+                expired[intent_id.decode()] = workload_ids
+        return expired
 
     async def add_to_index(self, node: str) -> None:
         await self.redis.zadd(self.nodes_key, {node: time.time()}, nx=True)

@@ -1,0 +1,79 @@
+"""What a dead worker leaves behind is cleaned up: half-done multi-node allocations, unanswered retries."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from bus.idempotency import IdempotencyStore
+from services.allocation.manager import ResourceManager
+from services.allocation.store import NodeStore
+from services.allocation.worker import make_plugins, make_service
+
+GiB = 1 << 30
+BOUND = {"cpumem": {"cpu-bind": True, "cpu-request": 1, "memory-request": GiB}}
+
+
+@pytest.fixture
+async def manager(serve, prefix, redis, events):
+    manager = ResourceManager(NodeStore(redis, prefix), make_plugins(), events)
+    await manager.watch(sweep_interval=0.2)
+    await serve(make_service(manager, prefix, IdempotencyStore(redis, prefix=prefix)))
+    yield manager
+    await manager.unwatch()
+
+
+@pytest.fixture
+def call(client, manager):
+    async def call(command: str, payload: dict) -> dict:
+        return await client.request(f"resource.{command}", payload, dict)
+
+    return call
+
+
+async def used_cpus(call, node: str) -> float:
+    return (await call("get-node-resource-info", {"nodename": node}))["usage"]["cpumem"]["cpu"]
+
+
+async def test_half_done_multi_node_allocation_is_released_by_the_reaper(call, manager):
+    for node in ("h1", "h2"):
+        await call("add-node", {"nodename": node, "resource": {"cpumem": {"cpu": 4, "memory": "8G"}}})
+    # What a worker that died between its two node commits leaves: one node committed, the
+    # intent naming all ids still there, its deadline passed.
+    await call("allocate", {"nodename": "h1", "deploy_count": 1, "workload_resource_request": BOUND,
+                            "workload_ids": ["w1"]})
+    await manager.store.begin_intent("dead-worker", ["w1", "w2"], time.time() - 1)
+    assert await used_cpus(call, "h1") == 1
+
+    for _ in range(50):
+        if await used_cpus(call, "h1") == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert await used_cpus(call, "h1") == 0
+    assert await manager.store.expired_intents(time.time() + 3600) == {}
+    assert (await call("get-allocations", {"nodename": "h1"}))["allocations"] == []
+
+
+async def test_finished_multi_node_allocation_leaves_no_intent(call, manager):
+    for node in ("m1", "m2"):
+        await call("add-node", {"nodename": node, "resource": {"cpumem": {"cpu": 1, "memory": "8G"}}})
+    placed = await call("allocate", {"nodenames": ["m1", "m2"], "strategy": "spread", "deploy_count": 2,
+                                     "workload_resource_request": BOUND})
+    assert sorted(a["nodename"] for a in placed["allocations"]) == ["m1", "m2"]
+    assert await manager.store.expired_intents(time.time() + 3600) == {}
+
+
+async def test_retry_of_an_unanswered_allocate_places_once(call, redis, prefix):
+    await call("add-node", {"nodename": "u1", "resource": {"cpumem": {"cpu": 4, "memory": "8G"}}})
+    request = {"nodename": "u1", "deploy_count": 2, "workload_resource_request": BOUND, "request_id": "job-9"}
+    first = await call("allocate", request)
+    # The worker died after committing but before it could record its answer for the retry.
+    idem_keys = [k async for k in redis.scan_iter(match=f"{prefix}:idem:*")]
+    await redis.delete(*idem_keys)
+    again = await call("allocate", request)
+    assert [a["workload_id"] for a in again["allocations"]] == [a["workload_id"] for a in first["allocations"]]
+    assert await used_cpus(call, "u1") == 2
+    info = await call("get-node-resource-info", {"nodename": "u1"})
+    assert info["diffs"] == []
