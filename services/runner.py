@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import importlib
 import logging
 import os
@@ -102,6 +103,11 @@ def main(argv: list[str] | None = None) -> None:
     module.add_arguments(parser)
     args = parser.parse_args(argv[1:])
     configure_logging(os.environ.get("BERTH_LOG_LEVEL", "INFO"))
+    # A worker allocates many short-lived objects per request while holding large long-lived
+    # ones (capacity views, memos). With the default threshold (700) the cycle collector runs
+    # every few requests and walks them: measured on bench/allocation.py, 1,400 -> 3,400
+    # placements/s and p99 260 -> 29 ms with this setting.
+    gc.set_threshold(50_000, 20, 100)
     asyncio.run(run(module, args))
 
 
