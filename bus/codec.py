@@ -18,8 +18,9 @@ T = TypeVar("T")
 _encoder = msgspec.msgpack.Encoder()
 _decoders: dict[Any, msgspec.msgpack.Decoder] = {}
 
-# msgspec reports the failing path as "... - at `$.a.b[0]`"; we turn that into the field name "a.b[0]".
-_PATH = re.compile(r"^(?P<reason>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
+# msgspec reports the failing path as "... - at `$.a.b[0]`", or "... - at `key` in `$.a`" for a
+# map key; we turn that into the field name "a.b[0]" (and "a" with "map key" in the reason).
+_PATH = re.compile(r"^(?P<reason>.*?)(?: - at (?P<key>`key` in )?`\$(?P<path>[^`]*)`)?$", re.DOTALL)
 
 
 def encode(value: Any) -> bytes:
@@ -65,6 +66,8 @@ def invalid_argument_from(error: msgspec.ValidationError, prefix: str = "") -> I
     match = _PATH.match(str(error))
     reason = match.group("reason") if match else str(error)
     path = (match.group("path") or "") if match else ""
+    if match and match.group("key"):
+        reason = f"map key: {reason}"
     field = (prefix + path).lstrip(".") or "$"
     if reason.startswith("Object missing required field"):
         # "Object missing required field `x`": the missing key is the field, not its parent.

@@ -6,11 +6,14 @@ import asyncio
 import signal
 import time
 
+from typing import Annotated
+
 import msgpack
+import msgspec
 import pytest
 
-from bus.codec import encode
-from bus.errors import BusError, NoResponders, RequestTimeout
+from bus.codec import decode, encode
+from bus.errors import BusError, InvalidArgument, NoResponders, RequestTimeout
 from tests import echo_service
 from tests.echo_service import Counted, Served, Typed
 
@@ -149,3 +152,13 @@ async def test_in_flight_requests_complete_on_sigterm(spawn_worker, client):
     assert await asyncio.to_thread(worker.wait, 15) == 0
     with pytest.raises(NoResponders):
         await client.request("echo.whoami", {}, Served, timeout=1)
+
+
+class Labelled(msgspec.Struct):
+    labels: dict[Annotated[str, msgspec.Meta(min_length=1)], str] = {}
+
+
+def test_a_bad_map_key_names_the_map():
+    with pytest.raises(InvalidArgument) as caught:
+        decode(msgpack.packb({"labels": {"": "x"}}), Labelled)
+    assert caught.value.field == "labels" and "map key" in caught.value.message
