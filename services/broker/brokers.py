@@ -1,0 +1,94 @@
+"""Serving a caller from the warm pools: crm's BrokerSet.Apply, made atomic.
+
+The user's brokers are tried in the order they were added. A broker serves a request when its
+`fit_fields` match and its `instance` satisfies the caller's filter. Unlike crm, the first fitting
+broker *that has a ready resource* serves it: an empty broker passes the request on. The choice and
+the sale (the broker resource marked sold, the caller's record written running and linked to it)
+happen in one Redis script, so two replicas never sell one resource twice.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from bus.errors import BerthError
+from services.broker import errors, model
+from services.broker.messages import InstanceFilter
+from services.broker.model import RUNNING, BrokerConfig, Resource, now
+from services.broker.publisher import Publisher
+from services.broker.store import BrokerStore
+
+# Reloads of the broker list one apply tolerates while brokers are being added or removed.
+RELOADS = 3
+
+
+class BrokerRegistry:
+    def __init__(self, store: BrokerStore, publisher: Publisher) -> None:
+        self.store = store
+        self.publish = publisher
+        # Every broker config as of a version of the broker set. The claim script checks the version,
+        # so `apply` needs no extra round trip to know the list is current.
+        self._version = -1
+        self._brokers: list[BrokerConfig] = []
+
+    async def _reload(self) -> None:
+        version = await self.store.brokers_version()  # read first: a change after it shows next time
+        self._brokers = await self.store.brokers()
+        self._version = version
+
+    async def claim(self, caller: Resource, f: InstanceFilter) -> Resource:
+        """Sell `caller` (new, released, or initialized and not launched) a ready resource of its
+        user's brokers; its record becomes running, linked to that resource."""
+        if self._version < 0:
+            await self._reload()
+        for _ in range(RELOADS):
+            sold = await self._claim(caller, f)
+            if sold is not None:
+                return sold
+            await self._reload()
+        raise BerthError("the brokers keep changing; retry", code="busy", field="param")
+
+    async def _claim(self, caller: Resource, f: InstanceFilter) -> Resource | None:
+        """The sold record, or None if the broker list was outdated."""
+        fitting = [b for b in self._brokers if b.user == caller.user and model.fits(b, caller.param)]
+        # crm calls the caller's filter with the broker's instance count: it must not refuse it.
+        eligible = [b for b in fitting if b.instance >= max(f.least_instance, 1)]
+        t = now()
+        sold = msgspec.structs.replace(
+            caller,
+            status=RUNNING,
+            launched=True,
+            resource_block_key="",
+            request_instance=0,
+            no_ready_instance=0,
+            deadline=0.0,
+            message="",
+            updated_at=t,
+        )
+        claim = await self.store.claim(sold, eligible, self._version, t) if eligible else None
+        if claim is None:
+            if await self.store.brokers_version() != self._version:
+                return None
+            if not fitting:
+                raise errors.param_not_fit(caller.user)
+            raise errors.pool_empty([b.name for b in fitting])  # none takes the caller's least_instance
+        if claim.stale:
+            return None
+        if claim.taken:
+            raise errors.already_launched(caller.resource_id, claim.taken)
+        for broker in eligible[: claim.position - 1] if claim.position else eligible:
+            await self.publish.pool(broker.user, broker.name, "miss", caller.resource_id)
+        if not claim.position:
+            await self._refuse(eligible, t)
+        winner, sold = eligible[claim.position - 1], claim.record
+        await self.publish.pool(winner.user, winner.name, "hit", sold.broker_resource_id, caller.resource_id)
+        await self.publish.pool(winner.user, winner.name, "sold", sold.broker_resource_id, caller.resource_id)
+        await self.publish.status(sold)
+        return sold
+
+    async def _refuse(self, eligible: list[BrokerConfig], t: float) -> None:
+        names = [b.name for b in eligible]
+        states = [await self.store.broker_state(b.user, b.name) for b in eligible]
+        if all(s.cooling_until > t for s in states):
+            raise errors.cooling(names, min(s.cooling_until for s in states))
+        raise errors.pool_empty(names)

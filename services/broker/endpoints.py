@@ -1,0 +1,124 @@
+"""The broker's transport: which command answers on which subject (`broker.<command>`), and how.
+
+Each handler only translates between the wire Structs and the manager or the pool keeper.
+"""
+
+from __future__ import annotations
+
+from bus.service import Command
+from services.broker.config import InstanceTypes
+from services.broker.manager import ResourceManager
+from services.broker.messages import (
+    AddBroker,
+    Apply,
+    ApplyReply,
+    BrokerEvent,
+    BrokerList,
+    BrokerView,
+    Done,
+    GetInstanceType,
+    GetNamespace,
+    GetResourceDetail,
+    Init,
+    InstanceType,
+    Launch,
+    LaunchReply,
+    ListBrokers,
+    ListResources,
+    Namespace,
+    Preparing,
+    Release,
+    RemoveBroker,
+    RemovedBroker,
+    ResourceDetailReply,
+    ResourceEvent,
+    ResourceList,
+    ResourceRef,
+    ResourceView,
+    Scale,
+    ServiceInfo,
+)
+from services.broker.pools import PoolKeeper
+
+COMMANDS = [
+    Command("broker.init", Init, Done, "init", idempotent=True),
+    Command("broker.launch", Launch, LaunchReply, "launch", idempotent=True),
+    Command("broker.scale", Scale, LaunchReply, "scale", idempotent=True),
+    Command("broker.get-service-info", ResourceRef, ServiceInfo, "get_service_info"),
+    Command("broker.is-service-preparing", ResourceRef, Preparing, "is_service_preparing"),
+    Command("broker.release", Release, Done, "release", idempotent=True),
+    Command("broker.apply", Apply, ApplyReply, "apply", idempotent=True),
+    Command("broker.add-broker", AddBroker, BrokerView, "add_broker", idempotent=True),
+    Command("broker.remove-broker", RemoveBroker, RemovedBroker, "remove_broker", idempotent=True),
+    Command("broker.list-brokers", ListBrokers, BrokerList, "list_brokers"),
+    Command("broker.get-instance-type", GetInstanceType, InstanceType, "get_instance_type"),
+    Command("broker.get-namespace", GetNamespace, Namespace, "get_namespace"),
+    Command("broker.get-resource-detail", GetResourceDetail, ResourceDetailReply, "get_resource_detail"),
+    Command("broker.list-resources", ListResources, ResourceList, "list_resources"),
+    Command("broker.get-resource", ResourceRef, ResourceView, "get_resource"),
+]
+
+EVENTS = {
+    "broker.<user>.<broker>.<launched|ready|sold|released|cooling|hit|miss>": BrokerEvent,
+    "broker.resource.<user>.<resource_id>.<init|deploying|running|deleting|released>": ResourceEvent,
+}
+
+
+class Endpoints:
+    def __init__(
+        self, manager: ResourceManager, keeper: PoolKeeper, instance_types: InstanceTypes, namespace: str = ""
+    ) -> None:
+        self.m = manager
+        self.keeper = keeper
+        self.instance_types = instance_types
+        self.namespace = namespace
+
+    async def init(self, req: Init) -> Done:
+        await self.m.init(req.user, req.resource_id, req.param)
+        return Done()
+
+    async def launch(self, req: Launch) -> LaunchReply:
+        record = await self.m.launch(req.user, req.resource_id, req.city, req.filter)
+        return LaunchReply(record.request_instance, record.broker_resource_id)
+
+    async def scale(self, req: Scale) -> LaunchReply:
+        record = await self.m.scale(req.user, req.resource_id, req.filter)
+        return LaunchReply(record.request_instance, record.broker_resource_id)
+
+    async def get_service_info(self, req: ResourceRef) -> ServiceInfo:
+        return await self.m.service_info(req.user, req.resource_id)
+
+    async def is_service_preparing(self, req: ResourceRef) -> Preparing:
+        return Preparing(await self.m.is_preparing(req.user, req.resource_id))
+
+    async def release(self, req: Release) -> Done:
+        await self.m.release(req.user, req.resource_id)
+        return Done()
+
+    async def apply(self, req: Apply) -> ApplyReply:
+        record = await self.m.apply(req.user, req.resource_id, req.param, req.filter)
+        return ApplyReply(record.broker_resource_id)
+
+    async def add_broker(self, req: AddBroker) -> BrokerView:
+        return await self.keeper.add(req)
+
+    async def remove_broker(self, req: RemoveBroker) -> RemovedBroker:
+        return RemovedBroker(await self.keeper.remove(req.user, req.name))
+
+    async def list_brokers(self, req: ListBrokers) -> BrokerList:
+        return BrokerList(await self.keeper.views(req.user))
+
+    async def get_instance_type(self, req: GetInstanceType) -> InstanceType:
+        return self.instance_types.get(req.platform, req.group)
+
+    async def get_namespace(self, req: GetNamespace) -> Namespace:
+        return Namespace(self.namespace or req.user)
+
+    async def get_resource_detail(self, req: GetResourceDetail) -> ResourceDetailReply:
+        return await self.m.detail(req.offset, req.limit)
+
+    async def list_resources(self, req: ListResources) -> ResourceList:
+        return await self.m.list_resources(req)
+
+    async def get_resource(self, req: ResourceRef) -> ResourceView:
+        return (await self.m.get(req.user, req.resource_id)).view()

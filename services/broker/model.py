@@ -1,0 +1,188 @@
+"""The broker's records and the pure rules over them (crm reference §1–2).
+
+Nothing here does I/O: the manager loads records, asks these functions what to change, and the
+store writes the change atomically.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import msgspec
+
+from bus.errors import InvalidArgument
+from services.broker import errors
+from services.broker.messages import (
+    AddBroker,
+    InstanceFilter,
+    ResourceParam,
+    ResourceView,
+    ServiceInfo,
+    Strategy,
+)
+
+INIT, DEPLOYING, RUNNING, RELEASED, DELETING = "init", "deploying", "running", "released", "deleting"
+# The statuses a resource can be used in; released and deleting ones answer resource_not_found.
+LIVE = (INIT, DEPLOYING, RUNNING)
+
+
+class Resource(msgspec.Struct, kw_only=True):
+    """One resource record (crm's TableResource) plus the fields the broker needs to recover.
+
+    `launched`: the launch was accepted; the status stays `init` until the operator has it.
+    `pending`: a launch or scale has not reached the operator yet (the `launch` timer's work).
+    `deadline`: unix time by which a deploying resource must be finished (the deploy trace timeout,
+    or a broker resource's readiness deadline). `message`: why the last operator launch failed.
+    `version` is bumped by the store on every write (compare-and-set).
+    """
+
+    resource_id: str
+    user: str
+    param: ResourceParam
+    status: str = INIT
+    resource_block_key: str = ""
+    request_instance: int = 0
+    no_ready_instance: int = 0
+    broker_resource_id: str = ""
+    broker_name: str = ""
+    broker_sold: bool = False
+    created_at: float = 0.0
+    updated_at: float = 0.0
+    launched: bool = False
+    pending: bool = False
+    deadline: float = 0.0
+    message: str = ""
+    version: int = 0
+
+    @property
+    def live(self) -> bool:
+        return self.status in LIVE
+
+    @property
+    def in_pool(self) -> bool:
+        """A broker's own resource that has not been sold."""
+        return bool(self.broker_name) and not self.broker_sold
+
+    def view(self) -> ResourceView:
+        return ResourceView(
+            resource_id=self.resource_id,
+            user=self.user,
+            param=self.param,
+            status=self.status,
+            resource_block_key=self.resource_block_key,
+            request_instance=self.request_instance,
+            no_ready_instance=self.no_ready_instance,
+            broker_resource_id=self.broker_resource_id,
+            broker_name=self.broker_name,
+            broker_sold=self.broker_sold,
+            updated_at=self.updated_at,
+            message=self.message,
+        )
+
+
+class BrokerConfig(msgspec.Struct, kw_only=True):
+    """What `add-broker` stores (crm's BrokerParam, with the fit function and strategy as data)."""
+
+    user: str
+    name: str
+    strategy: Strategy
+    param: ResourceParam
+    instance: int
+    fit_fields: list[str]
+    release_loop: bool
+    idle_keep_seconds: float
+
+    @classmethod
+    def from_request(cls, req: AddBroker) -> BrokerConfig:
+        # The broker's resources carry its name in their param, as crm's do.
+        param = msgspec.structs.replace(req.param, broker_name=req.name)
+        return cls(
+            user=req.user,
+            name=req.name,
+            strategy=req.strategy,
+            param=param,
+            instance=req.instance,
+            fit_fields=list(dict.fromkeys(req.fit_fields)),
+            release_loop=req.release_loop,
+            idle_keep_seconds=req.idle_keep_seconds,
+        )
+
+
+class BrokerState(msgspec.Struct, kw_only=True):
+    """A broker's timers, stored beside its config so that a new lease holder continues them."""
+
+    cooling_until: float = 0.0
+    next_recycle: float = 0.0  # idle recycling may release its next resource from then on
+
+
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def check_param(param: ResourceParam) -> None:
+    """Names a Struct cannot check with a clear field: env variables, ports and volumes."""
+    for field, names, pattern, rule in (
+        ("env", param.env, ENV_NAME, "an environment variable name ([A-Za-z_][A-Za-z0-9_]*)"),
+        ("ports", param.ports, TOKEN, "a name of letters, digits, '_' and '-'"),
+        ("volumes", param.volumes, TOKEN, "a name of letters, digits, '_' and '-'"),
+    ):
+        for name in names:
+            if not pattern.match(name) or len(name) > 128:
+                raise InvalidArgument(f"param.{field}", f"key {name!r} must be {rule}")
+
+
+def now() -> float:
+    return time.time()
+
+
+def check_filter(f: InstanceFilter) -> None:
+    if f.least_instance > f.request_instance:
+        raise InvalidArgument(
+            "filter.least_instance", f"must not exceed request_instance ({f.request_instance})"
+        )
+
+
+def take_instances(f: InstanceFilter, available: int) -> int:
+    """The instance filter: min(available, request) when available >= least (never 0)."""
+    if available < max(f.least_instance, 1):
+        raise errors.no_enough_resources(max(available, 0), max(f.least_instance, 1))
+    return min(available, f.request_instance)
+
+
+def fits(broker: BrokerConfig, request: ResourceParam) -> bool:
+    """A broker serves a request when every one of its `fit_fields` is equal in both params."""
+    return all(getattr(broker.param, field) == getattr(request, field) for field in broker.fit_fields)
+
+
+def ready_enough(instance: int, endpoints: int) -> bool:
+    """The readiness gate: more than half of the instances answer (1->1, 2->2, 3->2, 4->3)."""
+    return endpoints > instance // 2
+
+
+def terminal(info: ServiceInfo) -> bool:
+    """Deploying is over when the operator says running or failed (crm: "finished", not "healthy")."""
+    return info.status in ("running", "failed")
+
+
+def observed(record: Resource, info: ServiceInfo) -> Resource:
+    """The record after the operator reported `info`: deploying -> running when finished, and the
+    not-ready reservation shrinks as instances come up (all of it is returned once finished).
+    While a launch or scale is pending, what the operator says is not about the new request yet."""
+    if record.pending:
+        return record
+    no_ready = record.no_ready_instance
+    if terminal(info):
+        no_ready = 0
+    else:
+        waiting = record.request_instance - info.current_instances
+        if 0 <= waiting < no_ready:
+            no_ready = waiting
+    status = RUNNING if record.status == DEPLOYING and terminal(info) else record.status
+    if (status, no_ready) == (record.status, record.no_ready_instance):
+        return record
+    return msgspec.structs.replace(record, status=status, no_ready_instance=no_ready, updated_at=now())
+
+
+def failed_launch(record: Resource) -> ServiceInfo:
+    return ServiceInfo(status="failed", message=record.message, request_instances=record.request_instance)

@@ -1,0 +1,1 @@
+"""Operators: where a broker resource's instances run (see base.py)."""

@@ -1,0 +1,67 @@
+"""The operator interface: where a resource's instances actually run.
+
+The manager only talks to this interface, so a new platform (Kubernetes, say) is one more class:
+validate a param, say which capacity block it draws from and how much is free there, launch (or
+scale: `launch` makes `spec.instances` instances exist, whatever already runs), report status,
+count the instances still running, release.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from services.broker.messages import ResourceParam, ServiceInfo
+
+
+class OperatorError(Exception):
+    """The platform could not do what was asked (the message says why)."""
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    user: str
+    resource_id: str
+    param: ResourceParam
+    instances: int
+
+
+@dataclass(frozen=True)
+class BlockCapacity:
+    """What a capacity block holds, in instances (and in CPU and memory where the operator knows)."""
+
+    block: str
+    total: int
+    used: int
+    free: int
+    cpu_total: float = 0.0
+    cpu_used: float = 0.0
+    mem_total: int = 0
+    mem_used: int = 0
+
+
+class Operator(Protocol):
+    name: str
+
+    def validate(self, param: ResourceParam) -> None:
+        """Raise `InvalidArgument` (field under `param.`) if this operator cannot run `param`."""
+
+    def block_key(self, param: ResourceParam) -> str:
+        """The capacity block `param` draws from (crm: "<platform>/<city>")."""
+
+    async def free_instances(self, param: ResourceParam) -> int:
+        """Instances of `param`'s block the platform can still start (before reservations)."""
+
+    async def blocks(self) -> list[BlockCapacity]: ...
+
+    async def launch(self, spec: LaunchSpec) -> None:
+        """Make `spec.instances` instances exist; idempotent (a retry adopts what already runs)."""
+
+    async def status(self, user: str, resource_id: str) -> ServiceInfo: ...
+
+    async def running_instances(self, user: str, resource_ids: list[str]) -> list[int]:
+        """Instances of each resource still running: a cheap check (no network probe) that they
+        have not died, for a whole pool at once."""
+
+    async def release(self, user: str, resource_id: str, instances: int) -> None:
+        """Stop and forget every instance; a resource with nothing running is released at once."""

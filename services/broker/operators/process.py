@@ -1,0 +1,336 @@
+"""The `process` operator: each instance is a local process started from the `image` command template.
+
+- `image` is a command line (shell quoting, no shell); `$NAME` / `${NAME}` placeholders take values
+  from `param.env`, `PORT_<NAME>` (one per declared port) and `BERTH_INSTANCE_INDEX`.
+- Every process gets free loopback ports as `PORT_<NAME>` (name upper-cased, `-` -> `_`), its host
+  directories as `VOLUME_<NAME>`, and `BERTH_INSTANCE=<prefix>/<user>/<id>/<index>` as a marker.
+- It runs in its own session (so it outlives a broker restart) and, when an allocation bound CPUs
+  for it, pinned to those CPUs.
+- Status: `staging` while some instance is starting, `running` once a TCP connect succeeds on every
+  port of every instance, `failed` if an instance exited (once none is still starting).
+- Release: SIGTERM to the process group, SIGKILL after a grace period.
+
+Each process is recorded in Redis (pid, start time, process group, ports, CPUs) before the launch
+returns; the intent is recorded before the process starts, so that a broker that dies in between
+is followed by one that finds the process by its marker instead of starting a second one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import shlex
+import subprocess
+from string import Template
+
+import msgspec
+from redis.asyncio import Redis
+
+from bus.errors import InvalidArgument
+from services.broker.messages import Endpoint, ResourceParam, ServiceInfo
+from services.broker.operators import procfs
+from services.broker.operators.base import BlockCapacity, LaunchSpec, OperatorError
+from services.servers import free_port
+
+BLOCK = "local"
+INSTANCE_VARIABLES = ("BERTH_INSTANCE", "BERTH_INSTANCE_INDEX", "BERTH_RESOURCE_ID")
+
+
+class Slot(msgspec.Struct):
+    """One instance. `pid` is 0 while only the intent to start it is recorded."""
+
+    ports: dict[str, int]
+    cpus: list[int] = []
+    pid: int = 0
+    pgid: int = 0
+    start_time: int = 0
+
+
+def alive(slot: Slot) -> bool:
+    """The recorded process still runs (a zombie, or a pid reused by another process, does not)."""
+    return bool(slot.pid) and procfs.is_running(slot.pid, slot.start_time)
+
+
+def variable(kind: str, name: str) -> str:
+    return f"{kind}_{name.upper().replace('-', '_')}"
+
+
+def check_command(param: ResourceParam) -> None:
+    """The `image` must be a command line whose placeholders all have values."""
+    _check_command(msgspec.msgpack.encode(param))
+
+
+@functools.lru_cache(maxsize=1024)
+def _check_command(encoded: bytes) -> None:
+    # Cached by the encoded param: `apply` checks the same few params over and over.
+    param = msgspec.msgpack.decode(encoded, type=ResourceParam)
+    if not param.image.strip():
+        raise InvalidArgument("param.image", "is empty: the process operator runs it as a command line")
+    try:
+        tokens = shlex.split(param.image)
+    except ValueError as error:
+        raise InvalidArgument("param.image", f"is not a valid command line: {error}") from None
+    for kind, names in (("PORT", param.ports), ("VOLUME", param.volumes)):
+        variables = {variable(kind, name) for name in names}
+        if len(variables) != len(names):
+            raise InvalidArgument(
+                f"param.{kind.lower()}s", f"two names map to the same {kind}_<NAME> variable"
+            )
+    known = (
+        set(param.env)
+        | {variable("PORT", n) for n in param.ports}
+        | {variable("VOLUME", n) for n in param.volumes}
+    )
+    known |= set(INSTANCE_VARIABLES)
+    for token in tokens:
+        template = Template(token)
+        if not template.is_valid():
+            raise InvalidArgument(
+                "param.image", f"has a malformed $ placeholder in {token!r} (write $$ for $)"
+            )
+        unknown = sorted(set(template.get_identifiers()) - known)
+        if unknown:
+            raise InvalidArgument(
+                "param.image", f"uses {unknown}, which neither param.env nor param.ports defines"
+            )
+
+
+class ProcessTable:
+    """The processes each resource runs, in Redis: `proc:<user>:<id>` maps instance index -> Slot."""
+
+    def __init__(self, redis: Redis, prefix: str) -> None:
+        self.redis = redis
+        self.base = f"{prefix}:broker"
+        self.slots_key = f"{self.base}:proc-slots"  # "<user>/<id>/<index>" of every instance
+        self.ports_key = f"{self.base}:ports"  # ports handed out and not yet freed
+
+    def _key(self, user: str, resource_id: str) -> str:
+        return f"{self.base}:proc:{user}:{resource_id}"
+
+    async def load(self, user: str, resource_id: str) -> dict[int, Slot]:
+        return self._decode(await self.redis.hgetall(self._key(user, resource_id)))
+
+    async def load_many(self, user: str, resource_ids: list[str]) -> list[dict[int, Slot]]:
+        pipe = self.redis.pipeline(transaction=False)
+        for resource_id in resource_ids:
+            pipe.hgetall(self._key(user, resource_id))
+        return [self._decode(raw) for raw in await pipe.execute()]
+
+    @staticmethod
+    def _decode(raw: dict[bytes, bytes]) -> dict[int, Slot]:
+        return {
+            int(k): msgspec.msgpack.decode(v, type=Slot)
+            for k, v in sorted(raw.items(), key=lambda kv: int(kv[0]))
+        }
+
+    async def put(self, user: str, resource_id: str, index: int, slot: Slot) -> None:
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(self._key(user, resource_id), str(index), msgspec.msgpack.encode(slot))
+        pipe.sadd(self.slots_key, f"{user}/{resource_id}/{index}")
+        await pipe.execute()
+
+    async def delete(self, user: str, resource_id: str, slots: dict[int, Slot]) -> None:
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.delete(self._key(user, resource_id))
+        if slots:
+            pipe.srem(self.slots_key, *(f"{user}/{resource_id}/{i}" for i in slots))
+            ports = [p for slot in slots.values() for p in slot.ports.values()]
+            if ports:
+                pipe.srem(self.ports_key, *ports)
+        await pipe.execute()
+
+    async def count(self) -> int:
+        return await self.redis.scard(self.slots_key)
+
+    async def claim_port(self, port: int) -> bool:
+        return bool(await self.redis.sadd(self.ports_key, port))
+
+
+class ProcessOperator:
+    name = "process"
+
+    def __init__(
+        self,
+        table: ProcessTable,
+        *,
+        prefix: str,
+        max_instances: int = 64,
+        stop_grace: float = 5.0,
+        probe_timeout: float = 0.5,
+        host: str = "127.0.0.1",
+        workdir: str | None = None,
+    ) -> None:
+        self.table = table
+        self.prefix = prefix
+        self.max_instances = max_instances
+        self.stop_grace = stop_grace
+        self.probe_timeout = probe_timeout
+        self.host = host
+        self.workdir = workdir
+        # Processes this broker process started: polled so that they are reaped when they exit.
+        self._children: dict[int, subprocess.Popen] = {}
+        # Starts run in threads; a few at a time, so that a pool refill does not starve the event loop.
+        self._starting = asyncio.Semaphore(2)
+
+    def validate(self, param: ResourceParam) -> None:
+        check_command(param)
+
+    def block_key(self, param: ResourceParam) -> str:
+        return BLOCK  # any city and platform: one machine, one pool of `max_instances`
+
+    async def free_instances(self, param: ResourceParam) -> int:
+        return max(0, self.max_instances - await self.table.count())
+
+    async def blocks(self) -> list[BlockCapacity]:
+        used = await self.table.count()
+        return [BlockCapacity(BLOCK, self.max_instances, used, max(0, self.max_instances - used))]
+
+    def marker(self, user: str, resource_id: str, index: int | str = "") -> str:
+        return f"{self.prefix}/{user}/{resource_id}/{index}"
+
+    def _marked(self, user: str, resource_id: str) -> dict[int, int]:
+        """This resource's live processes by their marker: instance index -> pid."""
+        mine = self.marker(user, resource_id)
+        found = {}
+        for marker, pid in procfs.marked_processes(mine).items():
+            resource, _, index = marker.rpartition("/")
+            if resource + "/" == mine and index.isdigit():  # not those of an id that only starts alike
+                found[int(index)] = pid
+        return found
+
+    # -- launch ----------------------------------------------------------------------------------
+
+    async def launch(self, spec: LaunchSpec, cpus: dict[int, list[int]] | None = None) -> None:
+        self._reap()
+        slots = await self.table.load(spec.user, spec.resource_id)
+        found: dict[int, int] | None = None
+        for index in range(spec.instances):
+            slot = slots.get(index)
+            if slot is not None and slot.pid:
+                continue
+            if slot is None:
+                slot = Slot(ports=await self._free_ports(spec.param.ports), cpus=(cpus or {}).get(index, []))
+                await self.table.put(spec.user, spec.resource_id, index, slot)
+            else:
+                # Only an intent: a launch died after recording it. Its process may exist.
+                if found is None:
+                    found = self._marked(spec.user, spec.resource_id)
+                pid = found.get(index)
+                if pid is not None:
+                    await self._record(spec, index, slot, pid)
+                    continue
+            # Starting a process blocks until it has exec'ed, which takes long on a busy machine:
+            # in a thread, so that the event loop keeps serving (apply latency).
+            async with self._starting:
+                proc = await asyncio.to_thread(self._spawn, spec, index, slot)
+            self._children[proc.pid] = proc
+            await self._record(spec, index, slot, proc.pid)
+
+    async def _record(self, spec: LaunchSpec, index: int, slot: Slot, pid: int) -> None:
+        started = procfs.start_time(pid) or 0
+        slot = msgspec.structs.replace(slot, pid=pid, pgid=pid, start_time=started)
+        await self.table.put(spec.user, spec.resource_id, index, slot)
+
+    async def _free_ports(self, names: dict[str, str]) -> dict[str, int]:
+        ports: dict[str, int] = {}
+        for name in names:
+            port = free_port()
+            while not await self.table.claim_port(port):  # another instance holds it already
+                port = free_port()
+            ports[name] = port
+        return ports
+
+    def _spawn(self, spec: LaunchSpec, index: int, slot: Slot) -> subprocess.Popen:
+        param = spec.param
+        env = {
+            **os.environ,
+            **param.env,
+            **{variable("PORT", name): str(port) for name, port in slot.ports.items()},
+            **{variable("VOLUME", name): volume.host_dir for name, volume in param.volumes.items()},
+            "BERTH_INSTANCE": self.marker(spec.user, spec.resource_id, index),
+            "BERTH_INSTANCE_INDEX": str(index),
+            "BERTH_RESOURCE_ID": spec.resource_id,
+        }
+        argv = [Template(token).substitute(env) for token in shlex.split(param.image)]
+        cpus = set(slot.cpus)
+        try:
+            proc = subprocess.Popen(
+                argv,
+                env=env,
+                cwd=self.workdir,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+                # Pinned before it runs a single instruction of its own (children inherit it).
+                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
+            )
+        except (OSError, subprocess.SubprocessError) as error:
+            raise OperatorError(f"cannot start {argv[0]!r}: {error}") from None
+        return proc
+
+    # -- status ----------------------------------------------------------------------------------
+
+    async def status(self, user: str, resource_id: str) -> ServiceInfo:
+        self._reap()
+        slots = await self.table.load(user, resource_id)
+        states = await asyncio.gather(*(self._state(slot) for slot in slots.values()))
+        endpoints = [
+            Endpoint(ip=self.host, ports=dict(slot.ports), name=f"{resource_id}-{index}")
+            for (index, slot), state in zip(slots.items(), states)
+            if state == "ready"
+        ]
+        dead = states.count("dead")
+        if not slots or "starting" in states:
+            status, message = "staging", f"{len(endpoints)} of {len(slots)} instances ready"
+        elif dead:
+            status, message = "failed", f"{dead} of {len(slots)} instances exited"
+        else:
+            status, message = "running", ""
+        return ServiceInfo(status, message, len(slots), len(endpoints), endpoints)
+
+    async def running_instances(self, user: str, resource_ids: list[str]) -> list[int]:
+        every = await self.table.load_many(user, resource_ids)
+        return [sum(1 for slot in slots.values() if alive(slot)) for slots in every]
+
+    async def _state(self, slot: Slot) -> str:
+        if not slot.pid:
+            return "starting"
+        if not alive(slot):
+            return "dead"
+        answers = await asyncio.gather(*(self._answers(port) for port in slot.ports.values()))
+        return "ready" if all(answers) else "starting"
+
+    async def _answers(self, port: int) -> bool:
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(self.host, port), self.probe_timeout)
+        except (TimeoutError, OSError):
+            return False
+        writer.close()
+        try:
+            await writer.wait_closed()
+        except OSError:
+            pass
+        return True
+
+    # -- release ---------------------------------------------------------------------------------
+
+    async def release(self, user: str, resource_id: str, instances: int = 0) -> None:
+        slots = await self.table.load(user, resource_id)
+        groups = [(slot.pgid, slot.start_time) for slot in slots.values() if slot.pid]
+        if any(not slot.pid for slot in slots.values()):
+            # Intents without a pid: their processes, if any, are only known by their marker.
+            for pid in self._marked(user, resource_id).values():
+                groups.append((pid, procfs.start_time(pid) or 0))
+        await asyncio.gather(
+            *(procfs.stop_group(pgid, started, self.stop_grace) for pgid, started in set(groups))
+        )
+        self._reap()
+        await self.table.delete(user, resource_id, slots)
+
+    def _reap(self) -> None:
+        """Collect the exit status of children that ended (possibly released by another replica)."""
+        for pid, child in list(self._children.items()):
+            if child.poll() is not None:
+                del self._children[pid]

@@ -1,0 +1,94 @@
+"""The background work of one broker process: durable timers, and the pool loops it leads.
+
+- Timers: every replica claims due timers (a claim pushes the timer `claim_seconds` ahead, so the
+  timers of a replica that dies fall due again) and runs them.
+- Pool loops: each round, the replica takes or renews the lease of every broker (a Redis key with a
+  `lease_seconds` expiry) and ticks the brokers whose lease it holds. A replica that dies stops
+  renewing, and another takes the lease over within `lease_seconds`. On a clean stop the leases
+  are given back at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import uuid
+
+from services.broker.config import Timing
+from services.broker.manager import ResourceManager
+from services.broker.model import now
+from services.broker.pools import PoolKeeper
+
+log = logging.getLogger("berth.broker.replica")
+
+
+def replica_id() -> str:
+    """Names the lease holder: host and pid say who it is, the suffix tells restarts apart."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+class Replica:
+    def __init__(self, manager: ResourceManager, keeper: PoolKeeper, timing: Timing) -> None:
+        self.id = replica_id()
+        self.manager = manager
+        self.keeper = keeper
+        self.store = manager.store
+        self.timing = timing
+        self._loops: list[asyncio.Task] = []
+        self._held: set[tuple[str, str]] = set()
+
+    def start(self) -> None:
+        self._loops = [
+            asyncio.create_task(
+                self._every(self.timing.sweep_interval, self.run_timers), name="broker-timers"
+            ),
+            asyncio.create_task(self._every(self.timing.pool_interval, self.run_pools), name="broker-pools"),
+        ]
+
+    async def stop(self) -> None:
+        for task in self._loops:
+            task.cancel()
+        await asyncio.gather(*self._loops, return_exceptions=True)
+        await self.manager.close()
+        for user, name in self._held:
+            await self.store.drop_lease(user, name, self.id)
+        self._held.clear()
+
+    async def _every(self, period: float, work) -> None:
+        while True:
+            try:
+                await work()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("%s failed; trying again in %.1f s", work.__name__, period)
+            await asyncio.sleep(period)
+
+    async def run_timers(self) -> None:
+        due = await self.store.claim_timers(now(), self.timing.claim_seconds)
+        results = await asyncio.gather(
+            *(self.manager.on_timer(*timer) for timer in due), return_exceptions=True
+        )
+        for timer, result in zip(due, results):
+            if isinstance(result, Exception):
+                log.error(
+                    "timer %s failed (retried after %.0f s): %r", timer, self.timing.claim_seconds, result
+                )
+
+    async def run_pools(self) -> None:
+        mine = []
+        for broker in await self.store.brokers():
+            key = (broker.user, broker.name)
+            if await self.store.hold_lease(broker.user, broker.name, self.id, self.timing.lease_seconds):
+                if key not in self._held:
+                    log.info("leading the pool of %s/%s", *key)
+                self._held.add(key)
+                mine.append(broker)
+            else:
+                self._held.discard(key)
+        results = await asyncio.gather(*(self.keeper.tick(b) for b in mine), return_exceptions=True)
+        for broker, result in zip(mine, results):
+            if isinstance(result, Exception):
+                log.error("pool loop of %s/%s failed: %r", broker.user, broker.name, result)

@@ -1,0 +1,445 @@
+"""Broker state in Redis: records, pools, reservations, durable timers, broker configs and leases.
+
+Every change of a record goes through one compare-and-set script (`commit`) that also applies the
+index changes that belong to it (pool membership, reservations, timers), so a reader never sees a
+record and its pools disagree, and a replica that acts on an old copy of a record changes nothing.
+The `apply` claim has a script of its own because it must pick the resource inside Redis.
+
+Keys (prefix `<p>:broker`):
+  res:<user>:<id>              hash   a resource record (released ones expire after 24 h)
+  index                        zset   "<user>/<id>" -> created_at, for list-resources
+  blocks                       hash   capacity block -> instances reserved but not ready yet
+  timers                       zset   "<kind>|<user>|<id>" -> due time (durable timers)
+  brokers                      zset   "<user>/<name>" -> order of creation
+  brokers-version              string bumped after every broker change (readers cache by it)
+  broker:<user>:<name>         hash   config, cooling_until, next_recycle
+  pool:<user>:<name>:warming   set    launched, not accepted yet
+  pool:<user>:<name>:idle      zset   accepted, unsold: id -> ready since
+  pool:<user>:<name>:sold      set    sold and not released
+  pool:<user>:<name>:deleting  set    being released, or its release failed and waits for a retry
+  pool:<user>:<name>:demand    zset   applies seen (hits and misses) -> time
+  lease:<user>:<name>          string the replica that runs this broker's pool loop
+The operators keep their own keys beside these (`proc:`, `proc-slots`, `ports`, `alloc:`).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable
+from typing import Any
+
+import msgspec
+from redis.asyncio import Redis
+
+from services.broker.messages import ResourceParam
+from services.broker.model import BrokerConfig, BrokerState, Resource
+
+RELEASED_TTL = 24 * 3600
+POOL_PARTS = ("warming", "idle", "sold", "deleting")
+
+Op = tuple  # ("sadd", key, member), ("zadd", key, score, member), ... see `_COMMIT`
+
+_COMMIT = """
+-- KEYS[1] the record, KEYS[2..] the keys the ops name by position.
+-- ARGV[1] the version read (0: the record must not exist), ARGV[2] ttl seconds (0: none),
+-- ARGV[3] msgpack list of ops, ARGV[4..] the record's fields and values.
+local current = tonumber(redis.call('HGET', KEYS[1], 'version') or '0')
+if current ~= tonumber(ARGV[1]) then return {0, 'version'} end
+local ops = cmsgpack.unpack(ARGV[3])
+-- Guards first, so that a failed guard changes nothing.
+for _, op in ipairs(ops) do
+  local key = KEYS[op[2]]
+  if op[1] == 'fits' then
+    local held = tonumber(redis.call('HGET', key, op[3]) or '0')
+    if held + tonumber(op[4]) > tonumber(op[5]) then return {0, 'capacity'} end
+  end
+  if op[1] == 'exists' and redis.call('EXISTS', key) == 0 then return {0, 'missing'} end
+end
+for _, op in ipairs(ops) do
+  local key = KEYS[op[2]]
+  if op[1] == 'sadd' then redis.call('SADD', key, op[3])
+  elseif op[1] == 'srem' then redis.call('SREM', key, op[3])
+  elseif op[1] == 'zadd' then redis.call('ZADD', key, op[3], op[4])
+  elseif op[1] == 'zrem' then redis.call('ZREM', key, op[3])
+  elseif op[1] == 'hincrby' then
+    if redis.call('HINCRBY', key, op[3], op[4]) <= 0 then redis.call('HDEL', key, op[3]) end
+  end
+end
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], 'version', current + 1, unpack(ARGV, 4))
+if tonumber(ARGV[2]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[2]) end
+return {1, current + 1}
+"""
+
+_CLAIM = """
+-- KEYS[1] the caller's record, KEYS[2] the index, KEYS[3] the brokers' version, then per
+-- candidate broker (in the user's order): its idle zset, sold set and demand zset.
+-- ARGV[1] the brokers' version the candidates were chosen at, ARGV[2] now, ARGV[3] key prefix of
+-- the user's records, ARGV[4] the caller's index member, ARGV[5] a demand member,
+-- ARGV[6..] the caller record's fields (broker_resource_id and created_at are filled in here).
+if (redis.call('GET', KEYS[3]) or '0') ~= ARGV[1] then return {-2} end
+-- The caller may be new, released, or initialized and not launched; nothing else.
+local status = redis.call('HGET', KEYS[1], 'status')
+local live = status and status ~= 'released'
+if live and (status ~= 'init' or redis.call('HGET', KEYS[1], 'launched') == '1') then return {-1, status} end
+local version = tonumber(redis.call('HGET', KEYS[1], 'version') or '0')
+local created = ARGV[2]
+if live then created = redis.call('HGET', KEYS[1], 'created_at') end
+for b = 0, (#KEYS - 3) / 3 - 1 do
+  local idle, sold, demand = KEYS[4 + 3 * b], KEYS[5 + 3 * b], KEYS[6 + 3 * b]
+  redis.call('ZADD', demand, ARGV[2], ARGV[5])
+  while true do
+    local oldest = redis.call('ZPOPMIN', idle)
+    if #oldest == 0 then break end
+    local id = oldest[1]
+    local key = ARGV[3] .. id
+    -- Pool membership and records change together, so this holds; checked all the same.
+    if redis.call('HGET', key, 'status') == 'running' and redis.call('HGET', key, 'broker_sold') == '0' then
+      redis.call('HSET', key, 'broker_sold', '1', 'updated_at', ARGV[2])
+      redis.call('HINCRBY', key, 'version', 1)
+      redis.call('SADD', sold, id)
+      redis.call('DEL', KEYS[1])
+      redis.call('HSET', KEYS[1], 'version', version + 1, 'broker_resource_id', id, 'created_at', created,
+                 unpack(ARGV, 6))
+      redis.call('ZADD', KEYS[2], 'NX', created, ARGV[4])
+      return {b + 1, id, version + 1, created}
+    end
+  end
+end
+return {0}
+"""
+
+_CLAIM_TIMERS = """
+-- Timers due by ARGV[1] are claimed by pushing them to ARGV[2]: if the claimer dies, they fall due again.
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[3]))
+for _, member in ipairs(due) do redis.call('ZADD', KEYS[1], ARGV[2], member) end
+return due
+"""
+
+_SET_IF_EXISTS = """
+if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], unpack(ARGV)) end
+"""
+
+_HOLD_LEASE = """
+local holder = redis.call('GET', KEYS[1])
+if holder and holder ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+
+_DROP_LEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+class Claim(msgspec.Struct):
+    """What an `apply` claim did: sold `record` from the broker at `position` (from 1), found all
+    candidates empty (position 0), found the caller launched already (`taken`: its status), or
+    chose from an outdated broker list (`stale`)."""
+
+    position: int = 0
+    record: Resource | None = None
+    taken: str = ""
+    stale: bool = False
+
+
+class Stale(Exception):
+    """A write was refused: `reason` is `version` (the record changed), `capacity` or `missing`."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+# -- ops (index changes that go with a record write) ------------------------------------------
+
+
+def sadd(key: str, member: str) -> Op:
+    return ("sadd", key, member)
+
+
+def srem(key: str, member: str) -> Op:
+    return ("srem", key, member)
+
+
+def zadd(key: str, score: float, member: str) -> Op:
+    return ("zadd", key, repr(float(score)), member)
+
+
+def zrem(key: str, member: str) -> Op:
+    return ("zrem", key, member)
+
+
+def hincrby(key: str, field: str, amount: int) -> Op:
+    """Add to a counter; a counter that falls to zero or below is removed."""
+    return ("hincrby", key, field, str(amount))
+
+
+def fits(key: str, field: str, add: int, limit: int) -> Op:
+    """Guard: the counter plus `add` must not exceed `limit`."""
+    return ("fits", key, field, str(add), str(limit))
+
+
+def exists(key: str) -> Op:
+    """Guard: the key must exist."""
+    return ("exists", key)
+
+
+# -- record encoding ---------------------------------------------------------------------------
+
+
+def _field_text(value: Any) -> bytes | str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, ResourceParam):
+        return msgspec.msgpack.encode(value)
+    return str(value)
+
+
+def encode_fields(record: Resource, *, skip: tuple[str, ...] = ()) -> list[Any]:
+    """The record as hash fields (all but `version`, which the scripts maintain)."""
+    flat: list[Any] = []
+    for name in record.__struct_fields__:
+        if name != "version" and name not in skip:
+            flat += [name, _field_text(getattr(record, name))]
+    return flat
+
+
+def decode_record(raw: dict[bytes, bytes]) -> Resource | None:
+    if not raw:
+        return None
+    fields: dict[str, Any] = {k.decode(): v for k, v in raw.items()}
+    param = msgspec.msgpack.decode(fields.pop("param"), type=ResourceParam)
+    text: dict[str, Any] = {k: v.decode() for k, v in fields.items()}
+    # Hash fields are text; the lax mode turns "3" into 3 and "1" into True.
+    return msgspec.convert({**text, "param": param}, Resource, strict=False)
+
+
+class Keys:
+    def __init__(self, prefix: str) -> None:
+        self.base = f"{prefix}:broker"
+        self.index = f"{self.base}:index"
+        self.blocks = f"{self.base}:blocks"
+        self.timers = f"{self.base}:timers"
+        self.brokers = f"{self.base}:brokers"
+        self.broker_seq = f"{self.base}:broker-seq"
+        self.brokers_version = f"{self.base}:brokers-version"
+
+    def records(self, user: str) -> str:
+        return f"{self.base}:res:{user}:"
+
+    def record(self, user: str, resource_id: str) -> str:
+        return self.records(user) + resource_id
+
+    def broker(self, user: str, name: str) -> str:
+        return f"{self.base}:broker:{user}:{name}"
+
+    def pool(self, user: str, name: str, part: str) -> str:
+        return f"{self.base}:pool:{user}:{name}:{part}"
+
+    def lease(self, user: str, name: str) -> str:
+        return f"{self.base}:lease:{user}:{name}"
+
+
+def timer_member(kind: str, user: str, resource_id: str) -> str:
+    return f"{kind}|{user}|{resource_id}"
+
+
+def index_member(user: str, resource_id: str) -> str:
+    return f"{user}/{resource_id}"
+
+
+class BrokerStore:
+    def __init__(self, redis: Redis, prefix: str) -> None:
+        self.redis = redis
+        self.keys = Keys(prefix)
+        self._commit = redis.register_script(_COMMIT)
+        self._claim = redis.register_script(_CLAIM)
+        self._claim_timers = redis.register_script(_CLAIM_TIMERS)
+        self._set_if_exists = redis.register_script(_SET_IF_EXISTS)
+        self._hold_lease = redis.register_script(_HOLD_LEASE)
+        self._drop_lease = redis.register_script(_DROP_LEASE)
+
+    # -- records -------------------------------------------------------------------------------
+
+    async def load(self, user: str, resource_id: str) -> Resource | None:
+        return decode_record(await self.redis.hgetall(self.keys.record(user, resource_id)))
+
+    async def load_many(self, refs: Iterable[tuple[str, str]]) -> list[Resource | None]:
+        refs = list(refs)
+        records: list[Resource | None] = []
+        for start in range(0, len(refs), 500):
+            pipe = self.redis.pipeline(transaction=False)
+            for user, resource_id in refs[start : start + 500]:
+                pipe.hgetall(self.keys.record(user, resource_id))
+            records += [decode_record(raw) for raw in await pipe.execute()]
+        return records
+
+    async def commit(
+        self, record: Resource, expected: int, ops: Iterable[Op] = (), *, ttl: int = 0
+    ) -> Resource:
+        """Write `record` if it is still at version `expected`, with `ops`; the record as written."""
+        keys = [self.keys.record(record.user, record.resource_id)]
+        encoded = []
+        for op in ops:
+            if op[1] not in keys:
+                keys.append(op[1])
+            encoded.append([op[0], keys.index(op[1]) + 1, *op[2:]])
+        result = await self._commit(
+            keys=keys, args=[expected, ttl, msgspec.msgpack.encode(encoded), *encode_fields(record)]
+        )
+        if result[0] == 0:
+            raise Stale(result[1].decode())
+        return msgspec.structs.replace(record, version=int(result[1]))
+
+    async def claim(
+        self, caller: Resource, brokers: list[BrokerConfig], brokers_version: int, now: float
+    ) -> Claim:
+        """Give `caller` the oldest idle resource of the first of `brokers` that has one, in one step.
+
+        The candidates were chosen from the brokers as of `brokers_version`; if they changed since,
+        nothing happens (`Claim.stale`). A caller that is launched already is refused (`Claim.taken`).
+        """
+        keys = [self.keys.record(caller.user, caller.resource_id), self.keys.index, self.keys.brokers_version]
+        for broker in brokers:
+            keys += [self.keys.pool(broker.user, broker.name, part) for part in ("idle", "sold", "demand")]
+        args = [
+            str(brokers_version),
+            repr(now),
+            self.keys.records(caller.user),
+            index_member(caller.user, caller.resource_id),
+            uuid.uuid4().hex,
+            *encode_fields(caller, skip=("broker_resource_id", "created_at")),
+        ]
+        result = await self._claim(keys=keys, args=args)
+        code = int(result[0])
+        if code == -2:
+            return Claim(stale=True)
+        if code == -1:
+            return Claim(taken=result[1].decode())
+        if code == 0:
+            return Claim()
+        sold = msgspec.structs.replace(
+            caller, broker_resource_id=result[1].decode(), version=int(result[2]), created_at=float(result[3])
+        )
+        return Claim(position=code, record=sold)
+
+    async def index_refs(self) -> list[tuple[str, str]]:
+        """(user, resource_id) of every record, oldest first (released ones expire: see `forget`)."""
+        members = await self.redis.zrange(self.keys.index, 0, -1)
+        return [tuple(m.decode().split("/", 1)) for m in members]  # type: ignore[misc]
+
+    async def forget(self, refs: list[tuple[str, str]]) -> None:
+        """Drop index entries of records that expired."""
+        if refs:
+            await self.redis.zrem(self.keys.index, *(index_member(u, r) for u, r in refs))
+
+    async def reservations(self) -> dict[str, int]:
+        raw = await self.redis.hgetall(self.keys.blocks)
+        return {k.decode(): int(v) for k, v in raw.items()}
+
+    async def reserved(self, block: str) -> int:
+        return int(await self.redis.hget(self.keys.blocks, block) or 0)
+
+    # -- durable timers ------------------------------------------------------------------------
+
+    async def claim_timers(self, now: float, lease: float, limit: int = 100) -> list[tuple[str, str, str]]:
+        due = await self._claim_timers(keys=[self.keys.timers], args=[repr(now), repr(now + lease), limit])
+        return [tuple(m.decode().split("|", 2)) for m in due]  # type: ignore[misc]
+
+    async def schedule(self, kind: str, user: str, resource_id: str, due: float) -> None:
+        await self.redis.zadd(self.keys.timers, {timer_member(kind, user, resource_id): due})
+
+    async def drop_timer(self, kind: str, user: str, resource_id: str) -> None:
+        await self.redis.zrem(self.keys.timers, timer_member(kind, user, resource_id))
+
+    # -- brokers -------------------------------------------------------------------------------
+
+    async def put_broker(self, config: BrokerConfig) -> None:
+        """Create or update a broker; an update keeps its place in the user's order and its pool."""
+        seq = await self.redis.incr(self.keys.broker_seq)
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(self.keys.broker(config.user, config.name), "config", msgspec.msgpack.encode(config))
+        pipe.zadd(self.keys.brokers, {f"{config.user}/{config.name}": seq}, nx=True)
+        pipe.incr(self.keys.brokers_version)
+        await pipe.execute()
+
+    async def remove_broker(self, user: str, name: str) -> bool:
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.delete(
+            self.keys.broker(user, name), self.keys.pool(user, name, "demand"), self.keys.lease(user, name)
+        )
+        pipe.zrem(self.keys.brokers, f"{user}/{name}")
+        pipe.incr(self.keys.brokers_version)
+        deleted, *_ = await pipe.execute()
+        return bool(deleted)
+
+    async def brokers_version(self) -> int:
+        return int(await self.redis.get(self.keys.brokers_version) or 0)
+
+    async def brokers(self, user: str | None = None) -> list[BrokerConfig]:
+        """Brokers in the order they were added (of one user, or of all)."""
+        names = [m.decode().split("/", 1) for m in await self.redis.zrange(self.keys.brokers, 0, -1)]
+        wanted = [(u, n) for u, n in names if user is None or u == user]
+        if not wanted:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for u, n in wanted:
+            pipe.hget(self.keys.broker(u, n), "config")
+        return [msgspec.msgpack.decode(raw, type=BrokerConfig) for raw in await pipe.execute() if raw]
+
+    async def broker(self, user: str, name: str) -> BrokerConfig | None:
+        raw = await self.redis.hget(self.keys.broker(user, name), "config")
+        return msgspec.msgpack.decode(raw, type=BrokerConfig) if raw else None
+
+    async def broker_state(self, user: str, name: str) -> BrokerState:
+        raw = await self.redis.hmget(self.keys.broker(user, name), list(BrokerState.__struct_fields__))
+        values = {f: float(v) for f, v in zip(BrokerState.__struct_fields__, raw) if v is not None}
+        return BrokerState(**values)
+
+    async def set_broker_state(self, user: str, name: str, **fields: float) -> None:
+        """Update a broker's timers, unless the broker was removed meanwhile."""
+        flat = [text for field, value in fields.items() for text in (field, repr(float(value)))]
+        await self._set_if_exists(keys=[self.keys.broker(user, name)], args=flat)
+
+    # -- pools ---------------------------------------------------------------------------------
+
+    async def pool_counts(self, user: str, name: str) -> dict[str, int]:
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.scard(self.keys.pool(user, name, "warming"))
+        pipe.zcard(self.keys.pool(user, name, "idle"))
+        pipe.scard(self.keys.pool(user, name, "sold"))
+        pipe.scard(self.keys.pool(user, name, "deleting"))
+        return dict(zip(POOL_PARTS, await pipe.execute()))
+
+    async def members(self, user: str, name: str, part: str) -> list[str]:
+        key = self.keys.pool(user, name, part)
+        raw = await (self.redis.zrange(key, 0, -1) if part == "idle" else self.redis.smembers(key))
+        return sorted(m.decode() for m in raw) if part != "idle" else [m.decode() for m in raw]
+
+    async def idle_since(self, user: str, name: str) -> list[tuple[str, float]]:
+        """Idle resources, longest idle first, with the time they became ready."""
+        raw = await self.redis.zrange(self.keys.pool(user, name, "idle"), 0, -1, withscores=True)
+        return [(m.decode(), score) for m, score in raw]
+
+    async def demand(self, user: str, name: str, since: float) -> int:
+        """Applies seen since `since`; older entries are dropped."""
+        key = self.keys.pool(user, name, "demand")
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zremrangebyscore(key, "-inf", f"({since!r}")
+        pipe.zcard(key)
+        return (await pipe.execute())[1]
+
+    # -- leases --------------------------------------------------------------------------------
+
+    async def hold_lease(self, user: str, name: str, holder: str, ttl: float) -> bool:
+        """Take or renew the lease on a broker's pool loop; False while another replica holds it."""
+        return bool(
+            await self._hold_lease(keys=[self.keys.lease(user, name)], args=[holder, int(ttl * 1000)])
+        )
+
+    async def drop_lease(self, user: str, name: str, holder: str) -> None:
+        await self._drop_lease(keys=[self.keys.lease(user, name)], args=[holder])

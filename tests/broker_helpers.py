@@ -1,0 +1,105 @@
+"""Helpers shared by the broker tests: the launched server, params, process checks, waiting.
+
+The fixtures are in tests/broker_fixtures.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from services.broker.config import Timing
+from services.broker.operators import procfs
+from services.broker.operators.process import ProcessTable
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVER = f"{sys.executable} {ROOT}/tests/http_server.py --port $PORT_HTTP"
+HTTP = {"http": "http"}
+
+# Intervals short enough for tests, long enough not to spin on two CPUs.
+FAST = Timing(
+    pool_interval=0.1,
+    lease_seconds=1.5,
+    sweep_interval=0.1,
+    claim_seconds=3.0,
+    trace_timeout=20.0,
+    ready_timeout=20.0,
+    cooling_seconds=60.0,
+    recycle_seconds=60.0,
+    release_retry_seconds=0.5,
+)
+
+# The same as worker options, for spawned broker processes.
+FAST_ARGS = [
+    arg for f in fields(Timing) for arg in (f"--{f.name.replace('_', '-')}", str(getattr(FAST, f.name)))
+] + ["--stop-grace", "1"]
+
+
+def param(image: str = SERVER, **fields: Any) -> dict[str, Any]:
+    return {
+        "city": "sz",
+        "platform": "linux",
+        "ports": HTTP,
+        "image": image,
+        "worker_version": "v1",
+        **fields,
+    }
+
+
+def const_broker(user: str, name: str, num: int, image: str = SERVER, **fields: Any) -> dict[str, Any]:
+    return {
+        "user": user,
+        "name": name,
+        "strategy": {"type": "const", "num": num},
+        "param": param(image),
+        **fields,
+    }
+
+
+def marked(prefix: str) -> dict[str, int]:
+    """Live processes launched in this test's namespace: marker -> pid."""
+    return procfs.marked_processes(f"{prefix}/")
+
+
+def marked_pids(prefix: str) -> list[tuple[str, int]]:
+    """Every live process launched in this namespace as (marker, pid), duplicates included."""
+    wanted = f"{procfs.MARKER}={prefix}/".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            environ = (entry / "environ").read_bytes() if entry.name.isdigit() else b""
+        except OSError:
+            continue
+        for item in environ.split(b"\0"):
+            if item.startswith(wanted) and procfs.is_running(
+                int(entry.name), procfs.start_time(int(entry.name)) or -1
+            ):
+                found.append((item.split(b"=", 1)[1].decode(), int(entry.name)))
+    return sorted(found)
+
+
+async def tracked_pids(redis, prefix: str) -> list[tuple[str, int]]:
+    """Every process the broker has recorded, as (marker, pid)."""
+    table = ProcessTable(redis, prefix)
+    found = []
+    async for key in redis.scan_iter(match=f"{prefix}:broker:proc:*"):
+        user, resource_id = key.decode().split(":", 3)[3].split(":", 1)
+        for index, slot in (await table.load(user, resource_id)).items():
+            found.append((f"{prefix}/{user}/{resource_id}/{index}", slot.pid))
+    return sorted(found)
+
+
+async def eventually(check, timeout: float = 15.0, interval: float = 0.05):
+    """Await `check()` until it returns a truthy value; that value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = await check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s (last: {result!r})")
+        await asyncio.sleep(interval)

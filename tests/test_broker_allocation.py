@@ -1,0 +1,161 @@
+"""The `allocation` operator: instances placed by a real allocation service on nodes whose labels
+match the resource's city and platform, processes pinned to the CPUs the allocation bound, capacity
+from the allocation service, allocations freed on release (retried when the service was away)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bus.idempotency import IdempotencyStore
+from services.allocation.manager import ResourceManager as AllocationManager
+from services.allocation.store import NodeStore
+from services.allocation.worker import make_plugins, make_service
+from tests.broker_helpers import eventually, marked, param
+
+pytest_plugins = ["tests.broker_fixtures"]
+
+U = "team-a"
+TYPES = '[{"platform": "linux", "group": "sz", "cpu_per_instance": 1, "mem_per_instance": 536870912}]'
+
+
+async def start_allocation(serve, redis, events, prefix):
+    manager = AllocationManager(NodeStore(redis, prefix), make_plugins(), events)
+    return await serve(make_service(manager, prefix, IdempotencyStore(redis, prefix=prefix)))
+
+
+async def add_node(client, name: str, city: str, cpu: int = 2) -> None:
+    await client.request(
+        "resource.add-node",
+        {
+            "nodename": name,
+            "resource": {"cpumem": {"cpu": cpu, "memory": "4G"}},
+            "labels": {"city": city, "platform": "linux"},
+        },
+        dict,
+    )
+
+
+async def allocations(client, node: str) -> list[str]:
+    reply = await client.request("resource.get-allocations", {"nodename": node}, dict)
+    return sorted(a["workload_id"] for a in reply["allocations"])
+
+
+def allowed_cpus(pid: int) -> str:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Cpus_allowed_list:"):
+            return line.split(":", 1)[1].strip()
+    raise AssertionError("no Cpus_allowed_list")
+
+
+async def test_instances_are_allocated_pinned_and_freed(
+    serve, redis, events, prefix, client, start_broker, broker_call
+):
+    await start_allocation(serve, redis, events, prefix)
+    await add_node(client, "n1", "sz")
+    await add_node(client, "n2", "gz")
+    await start_broker(operator="allocation", instance_types=TYPES)
+    b = broker_call
+    assert await b("get-instance-type", {"user": U, "platform": "linux", "group": "sz"}) == {
+        "cpu_per_instance": 1.0,
+        "mem_per_instance": 512 << 20,
+    }
+
+    await b("init", {"user": U, "resource_id": "job", "param": param()})
+    # n1 (city sz) has 2 cores for bound 1-CPU instances: 2 of the 3 asked for.
+    reply = await b(
+        "launch", {"user": U, "resource_id": "job", "filter": {"least_instance": 1, "request_instance": 3}}
+    )
+    assert reply["request_instance"] == 2
+    info = await b.wait_running(U, "job")
+    assert info["status"] == "running" and info["current_instances"] == 2
+    assert await allocations(client, "n1") == [f"broker/{U}/job/0", f"broker/{U}/job/1"]
+    assert await allocations(client, "n2") == []
+    pinned = sorted(allowed_cpus(pid) for pid in marked(prefix).values())
+    assert pinned == ["0", "1"]  # one bound core each
+
+    detail = await b("get-resource-detail", {"user": U})
+    sz = next(block for block in detail["blocks"] if block["block"] == "linux/sz")
+    assert (sz["cpu_total"], sz["cpu_used"], sz["report_instance"]) == (2, 2, 0)
+
+    await b("init", {"user": U, "resource_id": "more", "param": param()})
+    err = await b.error(
+        "launch", {"user": U, "resource_id": "more", "filter": {"least_instance": 1, "request_instance": 1}}
+    )
+    assert (err.code, err.details["available"]) == ("no_enough_resources", 0)
+    await b("init", {"user": U, "resource_id": "far", "param": param(city="bj")})  # no node in that city
+    assert (
+        await b.error(
+            "launch",
+            {"user": U, "resource_id": "far", "filter": {"least_instance": 1, "request_instance": 1}},
+        )
+    ).code == "no_enough_resources"
+
+    await b("release", {"user": U, "resource_id": "job"})
+    assert await allocations(client, "n1") == [] and not marked(prefix)
+    await b(
+        "launch", {"user": U, "resource_id": "more", "filter": {"least_instance": 1, "request_instance": 1}}
+    )
+    await b.wait_running(U, "more")
+    await b("release", {"user": U, "resource_id": "more"})
+
+
+async def test_a_warm_pool_on_the_allocation_operator(
+    serve, redis, events, prefix, client, start_broker, broker_call
+):
+    await start_allocation(serve, redis, events, prefix)
+    await add_node(client, "n1", "sz")
+    await start_broker(operator="allocation", instance_types=TYPES)
+    b = broker_call
+    await b(
+        "add-broker", {"user": U, "name": "warm", "strategy": {"type": "const", "num": 3}, "param": param()}
+    )
+    pool = await b.wait_idle(U, "warm", 2)
+    assert pool["idle"] + pool["warming"] == 2  # the node fits two: the third launch waits for capacity
+    assert pool["cooling_until"] == 0  # lack of capacity does not cool a broker down
+    sold = (
+        await b(
+            "apply",
+            {
+                "user": U,
+                "resource_id": "c",
+                "param": param(),
+                "filter": {"least_instance": 1, "request_instance": 1},
+            },
+        )
+    )["broker_resource_id"]
+    assert f"broker/{U}/{sold}/0" in await allocations(client, "n1")
+    await b("release", {"user": U, "resource_id": "c"})
+    await b("remove-broker", {"user": U, "name": "warm"})
+
+    async def freed():
+        return await allocations(client, "n1") == []
+
+    await eventually(freed)
+
+
+async def test_a_failed_release_is_retried_until_the_allocations_are_freed(
+    serve, redis, events, prefix, client, start_broker, broker_call
+):
+    allocation = await start_allocation(serve, redis, events, prefix)
+    await add_node(client, "n1", "sz")
+    await start_broker(operator="allocation", instance_types=TYPES, allocation_timeout=0.5)
+    b = broker_call
+    await b("init", {"user": U, "resource_id": "job", "param": param()})
+    await b(
+        "launch", {"user": U, "resource_id": "job", "filter": {"least_instance": 1, "request_instance": 1}}
+    )
+    await b.wait_running(U, "job")
+
+    await allocation.drain(timeout=5)  # the allocation service goes away
+    err = await b.error("release", {"user": U, "resource_id": "job"})
+    assert (err.code, err.status) == ("internal", 500) and "retried" in err.message
+    assert (await b("get-resource", {"user": U, "resource_id": "job"}))["status"] == "deleting"
+    assert not marked(prefix)  # the process is stopped; only the allocation is left to free
+
+    await start_allocation(serve, redis, events, prefix)  # it comes back
+
+    async def released():
+        return (await b("get-resource", {"user": U, "resource_id": "job"}))["status"] == "released"
+
+    await eventually(released, timeout=10)
+    assert await allocations(client, "n1") == []

@@ -1,0 +1,75 @@
+"""The `process` operator's bookkeeping with real processes and Redis: a process started by a broker
+that died before recording it is adopted (not started twice), and a reused pid is never signalled."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+
+from services.broker.messages import ResourceParam
+from services.broker.operators import procfs
+from services.broker.operators.base import LaunchSpec
+from services.broker.operators.process import ProcessOperator, ProcessTable, Slot
+from services.servers import free_port
+from tests.broker_helpers import HTTP, ROOT, eventually, marked
+
+pytest_plugins = ["tests.broker_fixtures"]
+
+PARAM = ResourceParam(ports=HTTP, image=f"{sys.executable} {ROOT}/tests/http_server.py --port $PORT_HTTP")
+
+
+def operator(redis, prefix: str) -> ProcessOperator:
+    return ProcessOperator(ProcessTable(redis, prefix), prefix=prefix, stop_grace=1.0)
+
+
+async def test_a_process_started_before_a_crash_is_adopted(redis, prefix, broker_processes):
+    ops = operator(redis, prefix)
+    port = free_port()
+    # What a broker leaves behind when it dies between starting a process and recording its pid.
+    await ops.table.put("u", "r", 0, Slot(ports={"http": port}))
+    env = {**os.environ, "PORT_HTTP": str(port), "BERTH_INSTANCE": ops.marker("u", "r", 0)}
+    orphan = subprocess.Popen([sys.executable, f"{ROOT}/tests/http_server.py", "--port", str(port)],
+                              env=env, start_new_session=True)
+    # A process of another resource whose id only starts alike is not taken for it.
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True,
+                             env={**env, "BERTH_INSTANCE": ops.marker("u", "r/x", 0)})
+    try:
+        await ops.launch(LaunchSpec("u", "r", PARAM, 1))
+        slots = await ops.table.load("u", "r")
+        assert slots[0].pid == orphan.pid and slots[0].start_time == procfs.start_time(orphan.pid)
+        assert sorted(marked(prefix).values()) == sorted([orphan.pid, other.pid])  # nothing new started
+
+        async def running():
+            return (await ops.status("u", "r")).status == "running"
+
+        await eventually(running)
+        await ops.release("u", "r", 1)
+        assert await asyncio.to_thread(orphan.wait, 5) is not None
+        assert other.poll() is None
+    finally:
+        other.kill()
+        other.wait()
+        orphan.kill()
+        orphan.wait()
+
+
+async def test_a_reused_pid_is_neither_ours_nor_signalled(redis, prefix):
+    ops = operator(redis, prefix)
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    bystander = subprocess.Popen(sleeper, start_new_session=True)
+    try:
+        started = procfs.start_time(bystander.pid)
+        # The record says this pid started at another time: the process it names has exited.
+        await ops.table.put("u", "old", 0, Slot(ports={"http": free_port()}, pid=bystander.pid,
+                                                pgid=bystander.pid, start_time=started - 1))
+        info = await ops.status("u", "old")
+        assert (info.status, info.message) == ("failed", "1 of 1 instances exited")
+        assert await ops.running_instances("u", ["old"]) == [0]
+        await ops.release("u", "old", 1)
+        assert bystander.poll() is None  # not signalled
+        assert await ops.table.load("u", "old") == {}
+    finally:
+        bystander.kill()
+        bystander.wait()
