@@ -16,7 +16,7 @@ import math
 import threading
 import time as _time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -64,8 +64,8 @@ class Entry(msgspec.Struct):
 class PodRef(msgspec.Struct, frozen=True):
     """A pod in an aggregation request: its UID and the containers to add up."""
 
-    uid: str
-    containers: list[str] = []
+    uid: Annotated[str, msgspec.Meta(min_length=1)]
+    containers: list[Annotated[str, msgspec.Meta(min_length=1)]] = []
 
 
 class MetricNotFound(BerthError):
@@ -195,6 +195,13 @@ class Store:
                 f"{metric} in scope {scope} is older than {self.insurance_seconds:g} s", data, details
             )
         return data
+
+    def latest(self, scope: str, key: Ids, metric: str) -> MetricData | None:
+        """The stored value or None, for an already validated entity key and without the staleness
+        check: the notifier's look-up, made for every registration after every round."""
+        with self._lock:
+            slot = self._live_slot(self._scopes[scope], key, metric, self._clock())
+        return None if slot is None else MetricData(slot.value, slot.time)
 
     def list(self, scope: str | None = None) -> list[Entry]:
         """Every stored value (of one scope, if given), ordered by scope, ids and metric."""

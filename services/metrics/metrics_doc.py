@@ -1,0 +1,23 @@
+"""Print the README's table of every metric the agent writes: `python -m services.metrics.metrics_doc`.
+
+The table comes from `metrics_list.METRICS`, the list the tests check every sampled metric
+against; paste the output into the README again whenever that list changes.
+"""
+
+from __future__ import annotations
+
+from services.metrics.metrics_list import METRICS, SCOPES
+
+
+def table() -> str:
+    """One row per metric, grouped by scope in the order of `SCOPES`."""
+    order = list(SCOPES)
+    lines = ["| scope | ids | metric | unit | meaning |", "|---|---|---|---|---|"]
+    for m in sorted(METRICS, key=lambda m: order.index(m.scope)):
+        ids = ", ".join(f"`{name}`" for name in SCOPES[m.scope]) or "-"
+        lines.append(f"| {m.scope} | {ids} | `{m.name}` | {m.unit} | {m.description.replace('|', '/')} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(table())
