@@ -29,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.stats import percentile  # noqa: E402
 from bus.client import BusClient  # noqa: E402
 from bus.connection import connect  # noqa: E402
 from bus.redis import connect_redis  # noqa: E402
@@ -52,11 +53,6 @@ def node_request(cores: int, numa_nodes: int = 2, numa_memory_gib: int = 128) ->
         "numa-cpu": [",".join(str(c) for c in range(n * per, (n + 1) * per)) for n in range(numa_nodes)],
         "numa-memory": [f"{numa_memory_gib}G"] * numa_nodes,
     }
-
-
-def percentile(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
 
 
 class Table:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import math
 import os
 import signal
 import statistics
@@ -37,6 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.stats import percentile  # noqa: E402
 from bus.client import BusClient  # noqa: E402
 from bus.connection import connect  # noqa: E402
 from bus.redis import connect_redis  # noqa: E402
@@ -53,12 +53,6 @@ PARAM = {
 }
 ONE = {"least_instance": 1, "request_instance": 1}
 WORKER_ARGS = ["--pool-interval", "0.2", "--sweep-interval", "0.2", "--stop-grace", "2"]
-
-
-def percentile(samples: list[float], q: float) -> float:
-    """Nearest rank: the smallest sample with at least q of all samples at or below it."""
-    ordered = sorted(samples)
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
 def start_workers(count: int, nats: str, redis: str, prefix: str) -> list[subprocess.Popen]:

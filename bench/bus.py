@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import msgspec  # noqa: E402
 from nats.micro import ServiceConfig, add_service  # noqa: E402
 
+from bench.stats import percentile  # noqa: E402
 from bus.codec import encode  # noqa: E402
 from bus.connection import connect  # noqa: E402
 from bus.service import Service  # noqa: E402
@@ -63,11 +63,6 @@ async def serve(url: str) -> None:
     await nc.drain()
 
 
-def percentiles(samples: list[float]) -> tuple[float, float]:
-    ordered = sorted(samples)
-    return ordered[len(ordered) // 2], ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
-
-
 async def measure(nc, subject: str, requests: int, in_flight: int) -> dict[str, float]:
     latencies: list[float] = []
     slots = asyncio.Semaphore(in_flight)
@@ -87,7 +82,7 @@ async def measure(nc, subject: str, requests: int, in_flight: int) -> dict[str, 
     else:
         await asyncio.gather(*(one() for _ in range(requests)))
     elapsed = time.perf_counter() - started
-    p50, p99 = percentiles(latencies)
+    p50, p99 = percentile(latencies, 0.5), percentile(latencies, 0.99)
     return {"rate": requests / elapsed, "p50": p50 * 1e3, "p99": p99 * 1e3}
 
 

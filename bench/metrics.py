@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import msgspec  # noqa: E402
 
+from bench.stats import percentile  # noqa: E402
 from bus.codec import encode  # noqa: E402
 from bus.connection import connect  # noqa: E402
 from services.metrics.cgroups import detect_layout  # noqa: E402
@@ -69,11 +70,6 @@ def cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # fields 14 and 15 of the file
-
-
-def percentiles(samples: list[float]) -> tuple[float, float]:
-    ordered = sorted(samples)
-    return ordered[len(ordered) // 2], ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
 
 
 def start_agent(nats: str, redis: str, interval: int) -> subprocess.Popen:
@@ -182,13 +178,13 @@ def print_table(results: dict, raw: list[float], seconds: float) -> None:
             ANCHORS[interval],
         ))
         rows.append((f"  metrics / cgroups tracked at {interval} s", f"{r['metrics']} / {r['cgroups']}", ""))
-        p50, p99 = percentiles(r["events"])
+        p50, p99 = percentile(r["events"], 0.5), percentile(r["events"], 0.99)
         rows.append((
             f"  event latency p50 / p99 at {interval} s (n={len(r['events'])})",
             f"{p50 * ms:.2f} / {p99 * ms:.2f} ms", "goal p99 < 5 ms",
         ))
-    get50, get99 = percentiles(results[1]["get"])
-    raw50, raw99 = percentiles(raw)
+    get50, get99 = percentile(results[1]["get"], 0.5), percentile(results[1]["get"], 0.99)
+    raw50, raw99 = percentile(raw, 0.5), percentile(raw, 0.99)
     rows.append((
         f"get over the bus p50 / p99 (n={len(results[1]['get'])})", f"{get50 * ms:.3f} / {get99 * ms:.3f} ms",
         f"raw NATS round trip {raw50 * ms:.3f} / {raw99 * ms:.3f} ms",
