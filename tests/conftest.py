@@ -70,15 +70,24 @@ async def redis(redis_url):
 @pytest_asyncio.fixture
 async def prefix(nc, redis):
     """A fresh namespace for one test; its Redis keys and events stream go away afterwards."""
-    name = f"t{uuid.uuid4().hex[:12]}"
+    name = new_prefix()
     yield name
+    await clean_namespace(nc, redis, name)
+
+
+def new_prefix() -> str:
+    return f"t{uuid.uuid4().hex[:12]}"
+
+
+async def clean_namespace(nc, redis, name: str) -> None:
+    """Delete a namespace's Redis keys and its events stream."""
     keys = [k async for k in redis.scan_iter(match=f"{name}:*", count=1000)]
     if keys:
         await redis.delete(*keys)
     try:
         await nc.jetstream().delete_stream(f"{name}-events")
     except Exception:
-        pass  # the test made no stream
+        pass  # the namespace made no stream
 
 
 @pytest.fixture
@@ -125,28 +134,24 @@ class Worker:
         return self.proc.wait(timeout)
 
 
-@pytest.fixture
-def spawn_worker(nats_url, redis_url, prefix):
-    """Start a worker process of a service module in this test's namespace; stopped at the end."""
-    workers: list[Worker] = []
+def start_worker(
+    module: str, nats_url: str, redis_url: str, prefix: str, *args: str, env: dict[str, str] | None = None
+) -> Worker:
+    """Start `python -m services.runner <module>` and wait for its "ready" line."""
+    argv = [
+        sys.executable, "-m", "services.runner", module,
+        "--nats", nats_url, "--redis", redis_url, "--prefix", prefix, "--memory-stream", *args,
+    ]
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+    line = proc.stdout.readline()
+    if not line.startswith("ready"):
+        proc.kill()
+        raise RuntimeError(f"worker {module} did not start (exit {proc.wait()}): {line!r}")
+    return Worker(proc, line.strip())
 
-    def spawn(module: str, *args: str, env: dict[str, str] | None = None) -> Worker:
-        argv = [
-            sys.executable, "-m", "services.runner", module,
-            "--nats", nats_url, "--redis", redis_url, "--prefix", prefix, "--memory-stream", *args,
-        ]
-        proc = subprocess.Popen(
-            argv, cwd=ROOT, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}
-        )
-        line = proc.stdout.readline()
-        if not line.startswith("ready"):
-            proc.kill()
-            raise RuntimeError(f"worker {module} did not start (exit {proc.wait()}): {line!r}")
-        worker = Worker(proc, line.strip())
-        workers.append(worker)
-        return worker
 
-    yield spawn
+def stop_workers(workers: list[Worker]) -> None:
+    """SIGTERM (drain) every worker, then wait; one that does not exit in 15 s is killed."""
     for worker in workers:
         worker.signal(signal.SIGTERM)
     for worker in workers:
@@ -155,3 +160,16 @@ def spawn_worker(nats_url, redis_url, prefix):
         except subprocess.TimeoutExpired:
             worker.proc.kill()
             worker.proc.wait()
+
+
+@pytest.fixture
+def spawn_worker(nats_url, redis_url, prefix):
+    """Start a worker process of a service module in this test's namespace; stopped at the end."""
+    workers: list[Worker] = []
+
+    def spawn(module: str, *args: str, env: dict[str, str] | None = None) -> Worker:
+        workers.append(start_worker(module, nats_url, redis_url, prefix, *args, env=env))
+        return workers[-1]
+
+    yield spawn
+    stop_workers(workers)

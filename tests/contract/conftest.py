@@ -1,0 +1,164 @@
+"""Contract tests: DESIGN.md §2 and §8, line by line, as a client written from the contract sees them.
+
+These tests never use berth's own Structs, codec or client: requests are plain `msgpack.packb` maps
+sent with nats-py, replies are decoded with `msgpack.unpackb`, and errors are read from the raw
+headers and body. A test here fails when the wire changes, whatever our code thinks the wire is.
+
+Each module talks to real worker processes (`python -m services.runner ...`) started once for the
+module in a namespace of its own; tests keep apart by using their own node, user and resource names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import pytest
+import pytest_asyncio
+
+from tests.conftest import clean_namespace, new_prefix, start_worker, stop_workers
+
+ERROR_CODE_HEADER = "Nats-Service-Error-Code"
+ERROR_HEADER = "Nats-Service-Error"
+
+_names = itertools.count()
+
+
+def unique(stem: str) -> str:
+    """A name no other test of the session uses (node names, users, resource ids)."""
+    return f"{stem}-{next(_names)}"
+
+
+@dataclass
+class WireReply:
+    """A reply as a contract client reads it: the raw headers and the unpacked body."""
+
+    headers: dict[str, str]
+    body: Any
+    data: bytes
+
+    @property
+    def ok(self) -> bool:
+        return ERROR_CODE_HEADER not in self.headers
+
+    @property
+    def status(self) -> int | None:
+        return int(self.headers[ERROR_CODE_HEADER]) if not self.ok else None
+
+    @property
+    def error(self) -> dict[str, Any]:
+        assert not self.ok, f"expected an error reply, got {self.body!r}"
+        return self.body["error"]
+
+    @property
+    def code(self) -> str:
+        return self.error["code"]
+
+    @property
+    def details(self) -> dict[str, Any]:
+        return self.error["details"]
+
+    def expect_ok(self) -> Any:
+        assert self.ok, f"expected success, got {self.status} {self.body!r}"
+        return self.body
+
+
+class Wire:
+    """Plain nats-py + msgpack requests under one namespace's prefix."""
+
+    def __init__(self, nc, prefix: str) -> None:
+        self.nc = nc
+        self.prefix = prefix
+
+    def subject(self, suffix: str) -> str:
+        return f"{self.prefix}.{suffix}"
+
+    async def request(self, suffix: str, payload: Any = None, *, timeout: float = 10.0) -> WireReply:
+        """`payload` is a map (packed with msgpack), or bytes sent as they are."""
+        data = payload if isinstance(payload, bytes) else msgpack.packb({} if payload is None else payload)
+        msg = await self.nc.request(self.subject(suffix), data, timeout=timeout)
+        return WireReply(dict(msg.headers or {}), msgpack.unpackb(msg.data, strict_map_key=False), msg.data)
+
+    async def ok(self, suffix: str, payload: Any = None, *, timeout: float = 10.0) -> Any:
+        return (await self.request(suffix, payload, timeout=timeout)).expect_ok()
+
+    async def capture(self, pattern: str) -> "Capture":
+        """Collect the events on `<prefix>.events.<pattern>` from now on."""
+        capture = Capture()
+        capture.sub = await self.nc.subscribe(self.subject(f"events.{pattern}"), cb=capture.add)
+        await self.nc.flush()
+        return capture
+
+
+@dataclass
+class Capture:
+    """Events received on a subscription: (subject, unpacked body), in arrival order."""
+
+    events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    sub: Any = None
+    _arrived: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def add(self, msg) -> None:
+        self.events.append((msg.subject, msgpack.unpackb(msg.data, strict_map_key=False)))
+        self._arrived.set()
+
+    async def wait_for(self, count: int, timeout: float = 5.0) -> list[tuple[str, dict[str, Any]]]:
+        """At least `count` events; fails the test if they do not come within `timeout`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while len(self.events) < count:
+            self._arrived.clear()
+            left = deadline - loop.time()
+            if left <= 0:
+                raise AssertionError(f"expected {count} events, got {len(self.events)}: {self.events!r}")
+            try:
+                await asyncio.wait_for(self._arrived.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+        return self.events
+
+    async def before(self, subject: str, timeout: float = 5.0) -> list[tuple[str, dict[str, Any]]]:
+        """The events that arrived before the first one on `subject` (which must come).
+
+        To show that a request published nothing, follow it with a change that publishes a known
+        event (a sentinel) and take the events before it: one worker publishes on one connection,
+        so its events arrive in the order it sent them. No "nothing happened within N s" waits."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            for index, (seen, _) in enumerate(self.events):
+                if seen == subject:
+                    return self.events[:index]
+            await self.wait_for(len(self.events) + 1, max(0.0, deadline - loop.time()))
+
+    async def close(self) -> None:
+        await self.sub.unsubscribe()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def namespace(nc, redis):
+    """One namespace (subject and key prefix) for a whole contract module."""
+    name = new_prefix()
+    yield name
+    await clean_namespace(nc, redis, name)
+
+
+@pytest.fixture(scope="module")
+def module_workers(nats_url, redis_url, namespace):
+    """Start worker processes in the module's namespace; all are stopped after the module."""
+    workers = []
+
+    def spawn(module: str, *args: str, env: dict[str, str] | None = None):
+        workers.append(start_worker(module, nats_url, redis_url, namespace, *args, env=env))
+        return workers[-1]
+
+    yield spawn
+    stop_workers(workers)
+
+
+@pytest.fixture(scope="module")
+def wire(nc, namespace) -> Wire:
+    return Wire(nc, namespace)
