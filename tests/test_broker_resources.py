@@ -111,7 +111,6 @@ async def test_release_twice_and_released_records(start_broker, broker_call, pre
     assert (err.code, err.status) == ("resource_not_found", 404)
     for command, payload in [
         ("get-service-info", ref("gone")),
-        ("is-service-preparing", ref("gone")),
         ("launch", {**ref("gone"), "filter": ONE}),
         ("scale", {**ref("gone"), "filter": ONE}),
     ]:
@@ -120,8 +119,10 @@ async def test_release_twice_and_released_records(start_broker, broker_call, pre
     assert record["status"] == "released" and record["no_ready_instance"] == 0
     listed = await b("list-resources", {"status": "released"})
     assert [r["resource_id"] for r in listed["resources"]] == ["gone"] and listed["total"] == 1
-    # Unknown ids are simply not preparing; a released id can start a new life (as in crm).
+    # Unknown and released ids are simply not preparing (crm deletes released records); a released
+    # id can start a new life (as in crm).
     assert await b("is-service-preparing", ref("never")) == {"preparing": False}
+    assert await b("is-service-preparing", ref("gone")) == {"preparing": False}
     await b("init", {**ref("gone"), "param": param()})
     assert (await b("get-resource", ref("gone")))["status"] == "init"
 

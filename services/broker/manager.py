@@ -93,12 +93,10 @@ class ResourceManager:
         return record
 
     async def is_preparing(self, user: str, resource_id: str) -> bool:
+        # crm answers (false, nil) for an id it does not know, and a released record is one it has
+        # deleted: so unknown and released both read "not preparing", never resource_not_found.
         record = await self.store.load(user, resource_id)
-        if record is None:
-            return False
-        if not record.live:
-            raise errors.resource_not_found(resource_id)
-        return record.status == INIT
+        return record is not None and record.status == INIT
 
     async def all_records(self) -> list[Resource]:
         refs = await self.store.index_refs()
