@@ -446,7 +446,7 @@ def test_normal_bindings_fill_used_volumes_best_fit_first(plugin):
     assert plugin.deploy_capacity(capacity, usage, request).capacity == 8
     _, workloads = plugin.calculate_deploy(capacity, usage, 8, request)
     assert devices(workloads, "/d") == ["/a", "/b", "/b", "/c", "/c", "/c", "/c", "/c"]
-    assert code_of(plugin.calculate_deploy, capacity, usage, 9, request) == "insufficient_capacity"
+    assert code_of(plugin.calculate_deploy, capacity, usage, 9, request) == "insufficient_resource"
 
 
 def test_monopoly_bindings_take_a_whole_idle_volume_split_by_size(plugin):
@@ -481,7 +481,7 @@ def test_unlimited_bindings_share_the_emptiest_volume_at_size_0(plugin):
     engines, workloads = plugin.calculate_deploy(capacity, usage, 2, request)
     assert workloads[1]["volume_plan_request"] == {"AUTO:/u:rw:0:0:0:0:0": {"/b": 0}}
     assert engines[0]["volumes"] == ["/b:/u:rw:0"]
-    assert code_of(plugin.calculate_deploy, capacity, usage, 101, request) == "insufficient_capacity"
+    assert code_of(plugin.calculate_deploy, capacity, usage, 101, request) == "insufficient_resource"
 
 
 def test_auto_volumes_on_a_node_without_volumes_do_not_fit(plugin):
@@ -490,7 +490,7 @@ def test_auto_volumes_on_a_node_without_volumes_do_not_fit(plugin):
         assert plugin.deploy_capacity(capacity, usage, {"volumes": [volume]}).capacity == 0
         assert (
             code_of(plugin.calculate_deploy, capacity, usage, 1, {"volumes": [volume]})
-            == "insufficient_capacity"
+            == "insufficient_resource"
         )
 
 
@@ -515,7 +515,7 @@ def test_mount_iops_are_charged_to_the_disk_of_the_path(plugin, big):
         ]
     )
     assert usage["disks"][0]["read_IOPS"] == 1000
-    assert code_of(plugin.calculate_deploy, *big, 11, request) == "insufficient_capacity"
+    assert code_of(plugin.calculate_deploy, *big, 11, request) == "insufficient_resource"
 
 
 def test_mount_iops_need_a_disk(plugin):
@@ -555,7 +555,7 @@ def test_storage_only_requests(plugin):
     assert plugin.deploy_capacity(capacity, usage, {"storage": "1G"}).capacity == 1000  # not capped
     plugin.calculate_deploy(capacity, usage, 1000, {"storage": "1G"})
     assert (
-        code_of(plugin.calculate_deploy, capacity, usage, 1001, {"storage": "1G"}) == "insufficient_capacity"
+        code_of(plugin.calculate_deploy, capacity, usage, 1001, {"storage": "1G"}) == "insufficient_resource"
     )
     # with mount volumes the plan count (max_deploy_count) caps it too
     assert plugin.deploy_capacity(capacity, usage, {"storage": "1G", "volumes": ["/a:/b"]}).capacity == 100

@@ -150,7 +150,7 @@ def test_storage_capacity_is_what_deploy_places(node, request):
         try:
             storage.calculate_deploy(capacity, usage, count + 1, request)
         except BerthError as error:
-            assert error.code == "insufficient_capacity"
+            assert error.code == "insufficient_resource"
         else:
             raise AssertionError(f"{count + 1} instances fit where capacity said {count}")
 
@@ -223,7 +223,7 @@ def test_gpu_deploy_capacity_fits_exactly_and_releases_exactly(node, cards):
     try:
         gpu.calculate_deploy(capacity, usage, count + 1, request)
     except BerthError as error:
-        assert error.code == "insufficient_capacity"
+        assert error.code == "insufficient_resource"
     else:
         raise AssertionError(f"{count + 1} instances fit where capacity said {count}")
 

@@ -549,7 +549,7 @@ class ResourceManager:
                 try:
                     placed += await self._commit_deploy(node, names, ids[start:start + plan[node]], requests)
                 except BerthError as error:
-                    if error.code == "insufficient_capacity":
+                    if error.code in ("insufficient_capacity", "insufficient_resource"):
                         raise NodeFilledUp(node, error) from None
                     raise
                 start += plan[node]

@@ -51,7 +51,8 @@ class ResourcePlugin(Protocol):
     def calculate_deploy(
         self, capacity: Raw, usage: Raw, deploy_count: int, request: Raw | None
     ) -> tuple[list[Raw], list[Raw]]:
-        """(engines_params, workloads_resource), one of each per instance, or raise insufficient_capacity."""
+        """(engines_params, workloads_resource), one of each per instance; a shortfall raises the plugin's
+        insufficient_* error (eru's split, DESIGN.md §8)."""
 
     def calculate_realloc(
         self, capacity: Raw, usage: Raw, workload_resource: Raw, request: Raw | None

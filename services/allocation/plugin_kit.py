@@ -71,13 +71,9 @@ def recoded(code: str, parse: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         raise BerthError(exc.message, code=code, details=exc.details) from None
 
 
-def insufficient_capacity(message: str, **details: Any) -> BerthError:
-    """What a deploy that does not fit raises (eru's split: deploy is `insufficient_capacity`)."""
-    return BerthError(message, code="insufficient_capacity", details=details)
-
-
 def insufficient_resource(message: str, **details: Any) -> BerthError:
-    """What a storage or gpu realloc that does not fit raises."""
+    """What any storage or gpu shortfall raises, deploy and realloc alike (eru's ErrInsufficientResource;
+    only cpumem's deploy and unbound realloc answer `insufficient_capacity`)."""
     return BerthError(message, code="insufficient_resource", details=details)
 
 

@@ -19,7 +19,6 @@ from services.allocation.plugin_kit import (
     chosen_source,
     decode,
     encode,
-    insufficient_capacity,
     insufficient_resource,
     metric,
     metric_description,
@@ -61,7 +60,7 @@ class GpuPlugin:
         free = _free(*_record(capacity, usage))
         for product, cards in wanted.items():
             if cards * count > free.get(product, 0):
-                raise insufficient_capacity(
+                raise insufficient_resource(
                     f"not enough {product}",
                     product=product,
                     requested=cards * count,

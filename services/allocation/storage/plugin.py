@@ -17,7 +17,6 @@ from services.allocation.plugin_kit import (
     chosen_source,
     decode,
     encode,
-    insufficient_capacity,
     insufficient_resource,
     metric,
     metric_description,
@@ -91,12 +90,12 @@ class StoragePlugin:
         cap, used = _record(capacity, usage)
         fits = _storage_fits(cap, used, wanted)
         if fits is not None and fits < count:
-            raise insufficient_capacity("not enough storage", requested=count, available=fits)
+            raise insufficient_resource("not enough storage", requested=count, available=fits)
         plans = [Plan()] * count
         if wanted.needs_planning():
             plans = volume_plans(Host.of(cap, used), wanted.volumes_request, self.max_deploy_count)
             if len(plans) < count:
-                raise insufficient_capacity("not enough volume plans", requested=count, available=len(plans))
+                raise insufficient_resource("not enough volume plans", requested=count, available=len(plans))
         instances = [instance(wanted, plan, cap) for plan in plans[:count]]
         return [encode(engine) for engine, _ in instances], [encode(workload) for _, workload in instances]
 
