@@ -83,8 +83,11 @@ async def test_plugin_level_commands_use_unkeyed_maps(client, alloc):
     assert [e["cpu_map"] for e in deploy["engines_params"]] == [{"0": 100}, {"1": 100}]
     await client.request("resource.cpumem.remove-node", {"nodename": "p1"}, dict)
     with pytest.raises(BusError) as caught:
-        await client.request("resource.cpumem.remove-node", {"nodename": "p1"}, dict)
+        await client.request("resource.cpumem.get-node-resource-info", {"nodename": "p1"}, dict)
     assert caught.value.code == "node_not_found"
+    # Removing a missing node is not an error (eru), at either level.
+    assert await client.request("resource.cpumem.remove-node", {"nodename": "p1"}, dict) == {}
+    assert await client.request("resource.remove-node", {"nodename": "p1"}, dict) == {}
 
 
 async def test_info_defaults_and_labels(call):
@@ -294,6 +297,23 @@ async def test_capacity_change_and_exact_info_round_trip(call):
     await call("set-node-resource-info", {"nodename": "cap1", "capacity": info["capacity"], "usage": info["usage"]})
     again = await call("get-node-resource-info", {"nodename": "cap1"})
     assert again["capacity"] == info["capacity"] and again["usage"] == info["usage"]
+
+
+async def test_get_remove_set_round_trip_recreates_the_node(call, events):
+    """set-node-resource-info creates records for a node that does not exist (eru), so it can
+    restore a removed node exactly: in the index, announced as added, with every plugin's state."""
+    await add(call, "rt1", cpu=3, storage={"volumes": ["/data:10G"], "storage": "20G"})
+    await call("set-node-resource-usage", {"nodename": "rt1", "resource_request": {"cpumem": {"cpu": "0:30"}}})
+    snapshot = await call("get-node-resource-info", {"nodename": "rt1"})
+    await call("remove-node", {"nodename": "rt1"})
+    stream = await events.subscribe("resource.rt1.>")
+    await call("set-node-resource-info", {"nodename": "rt1", "capacity": snapshot["capacity"], "usage": snapshot["usage"]})
+    restored = await call("get-node-resource-info", {"nodename": "rt1"})
+    assert (restored["capacity"], restored["usage"]) == (snapshot["capacity"], snapshot["usage"])
+    assert [n["nodename"] for n in (await call("list-nodes", {}))["nodes"]] == ["rt1"]
+    added = [await stream.next(timeout=2) for _ in range(3)]
+    assert sorted(e["plugin"] for _, e in added) == ["cpumem", "gpu", "storage"]
+    assert {s.rsplit(".", 1)[-1] for s, _ in added} == {"added"}
 
 
 # -- errors and bad input -------------------------------------------------------------------------

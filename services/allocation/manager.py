@@ -356,17 +356,22 @@ class ResourceManager:
         return {n: s.capacity for n, s in created.items()}, {n: s.usage for n, s in created.items()}
 
     async def remove_node(self, names: list[str], node: str) -> None:
-        """Manager level (all plugins) removes a node no workload holds; plugin level one plugin's record."""
+        """Manager level (all plugins) removes a node no workload holds; plugin level one plugin's record.
+
+        Removing what does not exist succeeds and changes nothing (eru: "deleting a missing node is
+        not an error"), so a retried or replayed removal is harmless."""
         whole = len(names) == len(self.plugins)
 
         async def compute():
-            record = await self._existing(node)
-            states = self._states(record, names)
+            record = await self.store.load(node)
+            if record is None:
+                return None, Change(), ({}, True)
+            present = {name: record.plugins[name] for name in names if name in record.plugins}
             if whole:
-                return record, Change(delete="delete_if_empty"), (states, True)
-            if set(record.plugins) == set(names):  # the last plugin leaves: the node goes
-                return record, Change(delete="delete"), (states, True)
-            return record, Change(remove_plugins=names), (states, False)
+                return record, Change(delete="delete_if_empty"), (present, True)
+            if set(record.plugins) <= set(names):  # the last plugins leave: the node goes
+                return record, Change(delete="delete"), (present, True)
+            return record, Change(remove_plugins=list(present)), (present, False)
 
         try:
             (removed, gone), version = await self._mutate(node, compute)
@@ -428,11 +433,25 @@ class ResourceManager:
         return {n: s.usage for n, s in before.items()}, {n: s.usage for n, s in after.items()}
 
     async def set_info(self, names, node, capacity: dict[str, Raw | None], usage: dict[str, Raw | None]) -> None:
-        for name in names:
-            self.plugins[name].validate_record(capacity[name] or {}, usage[name] or {})
-        await self._change_states(
-            node, names, "usage", lambda name, _: PluginState(capacity[name] or {}, usage[name] or {})
-        )
+        """Store exactly the given capacity and usage (absolute). Like eru's SetNodeResourceInfo it
+        works for a node, or a plugin of a node, that does not exist yet: those records are created
+        (and announced as `added`), so a get -> remove -> set round trip restores a node exactly."""
+        given = {name: PluginState(capacity[name] or {}, usage[name] or {}) for name in names}
+        for name, state in given.items():
+            self.plugins[name].validate_record(state.capacity, state.usage)
+
+        async def compute():
+            record = await self.store.load(node)
+            before = {} if record is None else {n: record.plugins[n] for n in names if n in record.plugins}
+            return record, Change(plugins=encode_states(given)), before
+
+        await self.store.add_to_index(node)  # before the record: a crash leaves an entry readers skip
+        before, version = await self._mutate(node, compute)
+        for name, state in given.items():
+            if name in before:
+                await self._publish(node, "usage", version, plugin=name, before=as_map(before[name]), after=as_map(state))
+            else:
+                await self._publish(node, "added", version, plugin=name, after=as_map(state))
 
     async def node_info(
         self, names: list[str], node: str, workloads: list[Raw] | None
