@@ -111,15 +111,17 @@ def test_step1_cpu_request_defaults_to_limit(plugin):
     assert (workload["cpu_request"], workload["cpu_limit"]) == (2.0, 2.0)
 
 
-def test_step2_negative_memory_is_invalid_memory_and_checked_before_cpu(plugin):
+def test_step2_negative_memory_in_a_deploy_is_invalid_argument_checked_before_cpu(plugin):
+    # DESIGN.md §2: a negative quantity outside a delta is invalid_argument naming the field (a
+    # realloc below zero keeps eru's invalid_memory: test_upstream_realloc_errors).
     error = error_of(deployed, plugin, {"memory-request": -1, "cpu-request": -1})
-    assert error.code == "invalid_memory" and error.field == "memory-request"
+    assert error.code == "invalid_argument" and error.field == "memory-request"
     assert error_of(deployed, plugin, {"memory-limit": "-1G"}).field == "memory-limit"
 
 
-def test_step3_negative_cpu_is_invalid_cpu(plugin):
+def test_step3_negative_cpu_in_a_deploy_is_invalid_argument(plugin):
     error = error_of(deployed, plugin, {"cpu-bind": True, "cpu-request": -1})
-    assert error.code == "invalid_cpu" and error.field == "cpu-request"
+    assert error.code == "invalid_argument" and error.field == "cpu-request"
     assert error_of(deployed, plugin, {"cpu-request": 1, "cpu-limit": -1}).field == "cpu-limit"
 
 

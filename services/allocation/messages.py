@@ -16,9 +16,6 @@ from schemas.common import Event
 
 Raw = dict[str, Any]
 NodeName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]+$", min_length=1, max_length=253)]
-# A reference to an existing node in a list: no pattern check (it costs 10x the decode on lists of
-# thousands of names); a name that could not exist is simply not found.
-NodeRef = Annotated[str, Meta(min_length=1, max_length=253)]
 # The server decodes a long candidate list as its MessagePack bytes and decodes the names once
 # per distinct list (see services/allocation/view.py NodeSet): the *Wire subclasses below.
 NULL = msgspec.Raw(b"\xc0")
@@ -93,7 +90,7 @@ class Done(Struct):
 
 
 class GetNodesDeployCapacity(Struct):
-    nodenames: list[NodeRef]
+    nodenames: list[NodeName]
     workload_resource_request: Raw | None = None
 
 
@@ -157,7 +154,7 @@ class SetNodeResourceUsage(Struct):
 
 
 class GetMostIdleNode(Struct):
-    nodenames: Annotated[list[NodeRef], Meta(min_length=1, max_length=100_000)]
+    nodenames: Annotated[list[NodeName], Meta(min_length=1, max_length=100_000)]
 
 
 class MostIdleNode(Struct):
@@ -198,7 +195,7 @@ class MetricsReply(Struct):
 class Allocate(Struct, omit_defaults=True):
     deploy_count: DeployCount
     nodename: NodeName | None = None
-    nodenames: list[NodeRef] | None = None
+    nodenames: list[NodeName] | None = None
     strategy: Annotated[str, Meta(pattern="^(spread|pack|each)$")] = "spread"
     workload_resource_request: Raw | None = None
     workload_ids: list[WorkloadId] | None = None
@@ -257,7 +254,7 @@ class AllocationsReply(Struct):
 
 
 class ListNodes(Struct):
-    nodenames: list[NodeRef] | None = None
+    nodenames: list[NodeName] | None = None
     labels: Labels = {}
     offset: Annotated[int, Meta(ge=0)] = 0
     limit: Annotated[int, Meta(ge=1, le=1000)] = 100

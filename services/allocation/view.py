@@ -24,7 +24,7 @@ from typing import Callable, Iterable
 import msgspec
 
 from bus.codec import decode_as, encode
-from services.allocation.messages import NodeRef
+from services.allocation.messages import NodeName
 from services.allocation.placement import insufficient
 from services.allocation.plugin import DeployCapacity
 from services.allocation.store import NodeRecord
@@ -34,7 +34,8 @@ class NodeSet:
     """A list of node names as it came on the wire: known by its bytes, decoded only when needed.
 
     A scheduler sends the same long candidate list again and again; comparing its bytes costs a
-    fraction of decoding, hashing and freeing thousands of strings on every request.
+    fraction of decoding, checking (every name is a subject token), hashing and freeing thousands
+    of strings on every request: a view keyed by the bytes decodes its list once.
     """
 
     def __init__(self, raw: bytes | msgspec.Raw, field: str = "nodenames") -> None:
@@ -49,7 +50,7 @@ class NodeSet:
 
     @cached_property
     def names(self) -> list[str]:
-        return decode_as(self.key, list[NodeRef], self.field)
+        return decode_as(self.key, list[NodeName], self.field)
 
     def __len__(self) -> int:
         """The list's length from its MessagePack header, without decoding the names."""

@@ -128,7 +128,7 @@ class CpuMemPlugin:
         self, capacity: Raw, usage: Raw, workload_resource: Raw, request: Raw | None
     ) -> tuple[Raw, Raw, Raw]:
         """Re-place a workload after adding the request's deltas to what it holds (eru §2.10)."""
-        delta = parse_workload_request(request)
+        delta = parse_workload_request(request, delta=True)
         current = decode_workload_resource(workload_resource, "workload_resource")
         # keep-cpu-bind follows the current binding; without it the request decides (so {} unbinds).
         bind = bool(current.cpu_map) if delta.keep_cpu_bind else delta.cpu_bind

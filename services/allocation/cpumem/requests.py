@@ -22,20 +22,24 @@ MAX_PIECES = 2**31 - 1
 _PIECES = re.compile(r"-?[0-9]+")
 
 
-def parse_workload_request(raw: Any) -> WorkloadRequest:
+def parse_workload_request(raw: Any, *, delta: bool = False) -> WorkloadRequest:
     """The raw values of a workload request; None or {} is the empty request (unbound, nothing asked).
 
-    Negative quantities pass here: a realloc request holds deltas, and `validate_workload_request`
-    rejects negative totals with eru's invalid_cpu / invalid_memory codes.
+    A negative quantity is `invalid_argument` (DESIGN.md §2) except in a delta (a realloc request),
+    where it subtracts; `validate_workload_request` then rejects a negative total with eru's
+    invalid_cpu / invalid_memory codes.
     """
     raw = _as_map(raw, "workload_resource_request")
+    # Memory is read first: eru validates memory before cpu (step 2 before step 3).
+    memory_request = _size(raw, "memory-request", allow_negative=delta)
+    memory_limit = _size(raw, "memory-limit", allow_negative=delta)
     return WorkloadRequest(
         cpu_bind=_bool(raw, "cpu-bind"),
         keep_cpu_bind=_bool(raw, "keep-cpu-bind"),
-        cpu_request=_cpu(raw, "cpu-request"),
-        cpu_limit=_cpu(raw, "cpu-limit"),
-        memory_request=_size(raw, "memory-request", allow_negative=True),
-        memory_limit=_size(raw, "memory-limit", allow_negative=True),
+        cpu_request=_cpu(raw, "cpu-request", allow_negative=delta),
+        cpu_limit=_cpu(raw, "cpu-limit", allow_negative=delta),
+        memory_request=memory_request,
+        memory_limit=memory_limit,
     )
 
 
@@ -174,8 +178,8 @@ def _bool(raw: dict[str, Any], key: str) -> bool:
     return value
 
 
-def _cpu(raw: dict[str, Any], key: str) -> float:
-    return parse_cpu(raw[key], key, allow_negative=True) if key in raw else 0.0
+def _cpu(raw: dict[str, Any], key: str, *, allow_negative: bool) -> float:
+    return parse_cpu(raw[key], key, allow_negative=allow_negative) if key in raw else 0.0
 
 
 def _size(raw: dict[str, Any], key: str, *, allow_negative: bool) -> int:

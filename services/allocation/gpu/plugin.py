@@ -6,6 +6,8 @@ Requests, workload resources, engine params and node capacity and usage all shar
 
 from __future__ import annotations
 
+import math
+
 from functools import reduce
 
 import msgspec
@@ -194,6 +196,7 @@ class GpuPlugin:
 
 def _counts(raw: object, field: str, *, minimum: int | None) -> Counts:
     """A prod_count_map, products sorted, checked: named products and counts of at least `minimum`."""
+    _check_count_types(raw, field)
     counts = decode(raw, GpuResource, field).prod_count_map
     _check_counts(counts, field, minimum=minimum)
     return dict(sorted(counts.items()))
@@ -204,6 +207,15 @@ def _node_counts(raw: object, field: str, delta: bool) -> Counts | None:
     if raw is None:
         return None
     return {p: cards for p, cards in _counts(raw, field, minimum=None if delta else 0).items() if cards}
+
+
+def _check_count_types(raw: object, field: str) -> None:
+    """Name the product whose count is not a whole number (a decoder names only the map)."""
+    counts = raw.get("prod_count_map") if isinstance(raw, dict) else None
+    for product, cards in counts.items() if isinstance(counts, dict) else ():
+        integral = isinstance(cards, int) or (isinstance(cards, float) and math.isfinite(cards) and cards.is_integer())
+        if isinstance(cards, bool) or not integral:
+            raise InvalidArgument(f"{field}.prod_count_map.{product}", f"a card count must be an integer, got {cards!r}")
 
 
 def _check_counts(counts: Counts, field: str, *, minimum: int | None) -> None:

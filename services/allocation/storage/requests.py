@@ -68,7 +68,8 @@ def _first_bindings(raw: Raw, field: str, keys: tuple[str, ...], delta: bool) ->
 def _storage(raw: Raw, key: str, field: str, delta: bool) -> int:
     if key not in raw:
         return 0
-    return recoded("invalid_storage", parse_size, raw[key], f"{field}.{key}", allow_negative=delta)
+    # A quantity that does not parse, or is negative outside a delta, is invalid_argument (§2).
+    return parse_size(raw[key], f"{field}.{key}", allow_negative=delta)
 
 
 def validate_request(request: StorageRequest, field: str, *, add_volume_sizes: bool) -> StorageRequest:
@@ -176,9 +177,7 @@ def parse_node_request(raw: object, field: str, *, delta: bool) -> NodeRequest |
     if "volumes" in raw:
         request.volumes = _node_volumes(raw["volumes"], f"{field}.volumes", delta)
     if "storage" in raw:
-        request.storage = recoded(
-            "invalid_storage", parse_size, raw["storage"], f"{field}.storage", allow_negative=delta
-        )
+        request.storage = parse_size(raw["storage"], f"{field}.storage", allow_negative=delta)
     if "disks" in raw:
         request.disks = _disks(raw["disks"], f"{field}.disks", delta)
     return request
