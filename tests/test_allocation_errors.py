@@ -44,9 +44,9 @@ async def held_workload(call, request: dict) -> dict:
 CASES = [
     # (code, status, command, payload)
     ("invalid_argument", 400, "calculate-deploy", {"nodename": "e0", "deploy_count": -1}),
-    ("invalid_cpu", 400, "calculate-deploy", deploy({"cpumem": {"cpu-request": -1}})),
+    ("invalid_argument", 400, "calculate-deploy", deploy({"cpumem": {"cpu-request": -1}})),
     ("invalid_cpu", 400, "calculate-deploy", deploy({"cpumem": {"cpu-bind": True}})),
-    ("invalid_memory", 400, "calculate-deploy", deploy({"cpumem": {"memory-request": -1}})),
+    ("invalid_argument", 400, "calculate-deploy", deploy({"cpumem": {"memory-request": -1}})),
     ("invalid_cpu_map", 400, "add-node", {"nodename": "x1", "resource": {"cpumem": {"memory": "1G"}}}),
     ("invalid_numa_cpu", 400, "set-node-resource-info",
      {"nodename": "e0", "capacity": {"cpumem": {"cpu": 2, "cpu_map": {"0": 100, "1": 100}, "memory": GiB,
@@ -56,7 +56,7 @@ CASES = [
      {"nodename": "x2", "resource": {"cpumem": {"cpu": 2, "memory": "2G", "numa-cpu": ["0", "1"],
                                                 "numa-memory": ["1G"]}}}),
     ("invalid_volume", 400, "calculate-deploy", deploy({"storage": {"volumes": ["bad::::"]}})),
-    ("invalid_storage", 400, "calculate-deploy", deploy({"storage": {"storage-request": "lots"}})),
+    ("invalid_argument", 400, "calculate-deploy", deploy({"storage": {"storage-request": "lots"}})),
     ("insufficient_capacity", 409, "calculate-deploy", deploy({"cpumem": {"cpu-bind": True, "cpu-request": 1}}, 3)),
     ("insufficient_resource", 409, "allocate", deploy({"gpu": {"prod_count_map": {"nvidia-3070": 1}}}, 3)),
     ("insufficient_resource", 409, "calculate-deploy", deploy({"storage": {"storage-request": "1T"}})),

@@ -115,14 +115,14 @@ def test_step2_negative_memory_in_a_deploy_is_invalid_argument_checked_before_cp
     # DESIGN.md §2: a negative quantity outside a delta is invalid_argument naming the field (a
     # realloc below zero keeps eru's invalid_memory: test_upstream_realloc_errors).
     error = error_of(deployed, plugin, {"memory-request": -1, "cpu-request": -1})
-    assert error.code == "invalid_argument" and error.field == "memory-request"
-    assert error_of(deployed, plugin, {"memory-limit": "-1G"}).field == "memory-limit"
+    assert error.code == "invalid_argument" and error.field == "workload_resource_request.memory-request"
+    assert error_of(deployed, plugin, {"memory-limit": "-1G"}).field == "workload_resource_request.memory-limit"
 
 
 def test_step3_negative_cpu_in_a_deploy_is_invalid_argument(plugin):
     error = error_of(deployed, plugin, {"cpu-bind": True, "cpu-request": -1})
-    assert error.code == "invalid_argument" and error.field == "cpu-request"
-    assert error_of(deployed, plugin, {"cpu-request": 1, "cpu-limit": -1}).field == "cpu-limit"
+    assert error.code == "invalid_argument" and error.field == "workload_resource_request.cpu-request"
+    assert error_of(deployed, plugin, {"cpu-request": 1, "cpu-limit": -1}).field == "workload_resource_request.cpu-limit"
 
 
 def test_step4_binding_needs_a_cpu_request(plugin):
@@ -174,7 +174,8 @@ def test_unbound_limit_above_request_is_kept(plugin):
 )
 def test_wrongly_typed_request_values_are_rejected_naming_the_key(plugin, request_, field):
     error = error_of(deployed, plugin, request_)
-    assert isinstance(error, InvalidArgument) and error.code == "invalid_argument" and error.field == field
+    assert isinstance(error, InvalidArgument) and error.code == "invalid_argument"
+    assert error.field == f"workload_resource_request.{field}"  # the path from the argument's root
 
 
 def test_a_request_that_is_not_a_map_is_rejected(plugin):
@@ -250,7 +251,7 @@ def test_add_node_with_the_list_form_orders_cores_numerically(plugin):
 )
 def test_malformed_cpu_is_rejected(plugin, cpu):
     error = error_of(plugin.add_node, {"cpu": cpu, "memory": 1}, None)
-    assert isinstance(error, InvalidArgument) and error.field == "cpu"
+    assert isinstance(error, InvalidArgument) and error.field == "resource.cpu"
 
 
 @pytest.mark.parametrize(
@@ -269,7 +270,7 @@ def test_malformed_cpu_is_rejected(plugin, cpu):
     ],
 )
 def test_malformed_node_request_values_are_rejected(plugin, request_, field):
-    assert error_of(plugin.add_node, request_, None).field == field
+    assert error_of(plugin.add_node, request_, None).field == f"resource.{field}"
 
 
 def test_add_node_with_numa_splits_memory_over_numa_nodes_not_cores(plugin):
@@ -1021,7 +1022,7 @@ def test_set_flags_must_be_booleans(plugin, delta, incr):
 
 def test_negative_capacity_only_in_delta_requests(plugin):
     capacity, usage = make_node(plugin, {0: 100})
-    assert error_of(plugin.set_capacity, capacity, usage, None, {"memory": -1}, False, True).field == "memory"
+    assert error_of(plugin.set_capacity, capacity, usage, None, {"memory": -1}, False, True).field == "resource_request.memory"
     new_capacity, _ = plugin.set_capacity(capacity, usage, None, {"memory": -1}, True, True)
     assert new_capacity["memory"] == 16 * GiB - 1
     error = error_of(plugin.set_capacity, capacity, usage, None, {"memory": "-17G"}, True, True)

@@ -8,9 +8,11 @@ wire shape and the manager, which does the work.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any
 
-from bus.errors import InvalidArgument
+from bus.errors import BerthError, InvalidArgument
 from bus.service import Command
 from services.allocation.manager import ResourceManager
 from services.allocation.messages import (
@@ -59,7 +61,7 @@ from services.allocation.messages import (
     WorkloadAllocation,
 )
 from services.allocation.placement import total_capacity
-from services.allocation.plugin import EngineInfo
+from services.allocation.plugin import EngineInfo, keyed_field
 from services.allocation.view import NodeSet
 from schemas.common import Empty
 
@@ -114,6 +116,36 @@ COMMANDS = plugin_commands(None) + MANAGER_ONLY_COMMANDS + [
 EVENTS = {"resource.<node>.<added|removed|capacity|usage|allocated|released|labels>": ResourceEvent}
 
 
+def naming_keyed_fields(cls: type) -> type:
+    """Every handler of a manager-level instance names a plugin's field by its whole path (the
+    plugin's key included), as the keyed request spells it."""
+
+    def wrap(handler):
+        @functools.wraps(handler)
+        async def handle(self, req):
+            try:
+                return await handler(self, req)
+            except BerthError as error:
+                if self.plugin is None and "plugin" in error.details and error.field:
+                    rename_field(error, keyed_field(error.field, error.details["plugin"]))
+                raise
+
+        return handle
+
+    for name, member in list(vars(cls).items()):
+        if inspect.iscoroutinefunction(member) and not name.startswith("_"):
+            setattr(cls, name, wrap(member))
+    return cls
+
+
+def rename_field(error: BerthError, field: str) -> None:
+    if error.message.startswith(f"{error.field}:"):
+        error.message = field + error.message[len(error.field):]
+        error.args = (error.message,)
+    error.details["field"] = field
+
+
+@naming_keyed_fields
 class Endpoints:
     """Handlers for one plugin (`plugin` set) or for the manager (all plugins, keyed maps)."""
 

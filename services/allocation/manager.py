@@ -21,7 +21,7 @@ from bus.errors import BerthError
 from bus.events import EventBus
 from services.allocation import placement
 from services.allocation.messages import ResourceEvent
-from services.allocation.plugin import DeployCapacity, EngineInfo, ResourcePlugin
+from services.allocation.plugin import DeployCapacity, EngineInfo, NamingPlugin, ResourcePlugin
 from services.allocation.view import CapacityView, NodeSet, Views
 from services.allocation.store import (
     Change,
@@ -61,7 +61,7 @@ class ResourceManager:
         intent_timeout: float = 30.0,
     ) -> None:
         self.store = store
-        self.plugins = plugins
+        self.plugins = {name: NamingPlugin(plugin) for name, plugin in plugins.items()}
         self.events = events
         self.attempts = attempts
         self.intent_timeout = intent_timeout

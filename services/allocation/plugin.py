@@ -12,9 +12,13 @@ subclasses naming the field at fault.
 
 from __future__ import annotations
 
+import functools
+import re
 from typing import Any, Protocol
 
 import msgspec
+
+from bus.errors import BerthError
 
 Raw = dict[str, Any]
 
@@ -96,3 +100,48 @@ class ResourcePlugin(Protocol):
     def metrics_description(self) -> list[Raw]: ...
 
     def metrics(self, podname: str, nodename: str, capacity: Raw, usage: Raw) -> list[Raw]: ...
+
+
+class NamingPlugin:
+    """A plugin whose errors say which plugin raised them (`details.plugin`), so that a reply at
+    manager level can name a field by its whole path (see `keyed_field`)."""
+
+    def __init__(self, plugin: ResourcePlugin) -> None:
+        self._plugin = plugin
+        self.name = plugin.name
+        self.priority = plugin.priority
+
+    def __getattr__(self, attribute: str) -> Any:
+        method = getattr(self._plugin, attribute)
+
+        @functools.wraps(method)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(*args, **kwargs)
+            except BerthError as error:
+                error.details.setdefault("plugin", self.name)
+                raise
+
+        setattr(self, attribute, call)  # wrapped once, then found without __getattr__
+        return call
+
+
+# The request keys whose value a manager-level request keys by plugin (DESIGN.md §8).
+KEYED_KEYS = frozenset({
+    "workload_resource_request", "workload_resource", "workloads_resource",
+    "resource", "resource_request", "capacity", "usage",
+})
+_FIELD = re.compile(r"^(?P<key>[a-z_]+)(?P<item>\[\d+\]|\.[^.\[]+)?(?P<rest>.*)$")
+
+
+def keyed_field(field: str, plugin: str) -> str:
+    """A plugin's field path as a manager-level request spells it: the plugin's name follows the
+    key (`workload_resource_request.cpu-request` -> `workload_resource_request.cpumem.cpu-request`;
+    `workloads_resource[0].cpu_map` -> `workloads_resource[0].cpumem.cpu_map`)."""
+    match = _FIELD.match(field)
+    if not match or match["key"] not in KEYED_KEYS:
+        return field
+    key, item, rest = match["key"], match["item"] or "", match["rest"]
+    if key == "workloads_resource":  # a list (or map) of workload resources: the plugin follows the item
+        return f"{key}{item}.{plugin}{rest}" if item else f"{key}.{plugin}"
+    return f"{key}.{plugin}{item}{rest}"

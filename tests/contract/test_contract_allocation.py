@@ -385,23 +385,23 @@ REFUSALS = [
     R("deploy_count-negative", M + DEPLOY, lambda h: deploy(h.node, None, -1), INVALID, "deploy_count"),
     R("deploy_count-huge", M + DEPLOY, lambda h: deploy(h.node, None, 2**63), INVALID, "deploy_count"),
     R("cpu-request-string", CPU + DEPLOY,
-      lambda h: deploy(h.node, {"cpu-request": "1"}), INVALID, "cpu-request"),
+      lambda h: deploy(h.node, {"cpu-request": "1"}), INVALID, f"{WRR}.cpu-request"),
     R("cpu-request-nan", CPU + DEPLOY,
-      lambda h: deploy(h.node, {"cpu-request": math.nan}), INVALID, "cpu-request"),
+      lambda h: deploy(h.node, {"cpu-request": math.nan}), INVALID, f"{WRR}.cpu-request"),
     R("cpu-request-inf", CPU + DEPLOY,
-      lambda h: deploy(h.node, {"cpu-request": math.inf}), INVALID, "cpu-request"),
+      lambda h: deploy(h.node, {"cpu-request": math.inf}), INVALID, f"{WRR}.cpu-request"),
     R("cpu-request-huge", CPU + DEPLOY,
-      lambda h: deploy(h.node, {"cpu-request": 1e300}), INVALID, "cpu-request"),
+      lambda h: deploy(h.node, {"cpu-request": 1e300}), INVALID, f"{WRR}.cpu-request"),
     R("cpu-request-negative", CPU + DEPLOY,
-      lambda h: deploy(h.node, {"cpu-request": -1}), INVALID, "cpu-request"),
+      lambda h: deploy(h.node, {"cpu-request": -1}), INVALID, f"{WRR}.cpu-request"),
     R("cpu-limit-nan-manager", M + DEPLOY,
-      lambda h: deploy(h.node, {"cpumem": {"cpu-limit": math.nan}}), INVALID, "cpu-limit"),
+      lambda h: deploy(h.node, {"cpumem": {"cpu-limit": math.nan}}), INVALID, f"{WRR}.cpumem.cpu-limit"),
     R("memory-request-negative", CPU + DEPLOY,
-      lambda h: deploy(h.node, {"memory-request": -1}), INVALID, "memory-request"),
+      lambda h: deploy(h.node, {"memory-request": -1}), INVALID, f"{WRR}.memory-request"),
     R("memory-request-huge", CPU + DEPLOY,
-      lambda h: deploy(h.node, {"memory-request": 2**64 - 1}), INVALID, "memory-request"),
+      lambda h: deploy(h.node, {"memory-request": 2**64 - 1}), INVALID, f"{WRR}.memory-request"),
     R("memory-request-not-a-size", CPU + DEPLOY,
-      lambda h: deploy(h.node, {"memory-request": "lots"}), INVALID, "memory-request"),
+      lambda h: deploy(h.node, {"memory-request": "lots"}), INVALID, f"{WRR}.memory-request"),
     R("storage-request-negative", STO + DEPLOY,
       lambda h: deploy(h.node, {"storage-request": -1}), INVALID, f"{WRR}.storage-request"),
     R("storage-request-nan", STO + DEPLOY,
@@ -409,9 +409,9 @@ REFUSALS = [
     R("gpu-count-negative", GPU_ + DEPLOY,
       lambda h: deploy(h.node, {"prod_count_map": {GPU: -1}}), INVALID, f"{WRR}.prod_count_map.{GPU}"),
     R("cpu-bind-null", CPU + DEPLOY,
-      lambda h: deploy(h.node, {**BOUND, "cpu-bind": None}), INVALID, "cpu-bind"),
+      lambda h: deploy(h.node, {**BOUND, "cpu-bind": None}), INVALID, f"{WRR}.cpu-bind"),
     R("keep-cpu-bind-null", CPU + "calculate-realloc",
-      lambda h: h.realloc("cpumem", {"keep-cpu-bind": None}), INVALID, "keep-cpu-bind"),
+      lambda h: h.realloc("cpumem", {"keep-cpu-bind": None}), INVALID, f"{WRR}.keep-cpu-bind"),
     R("delta-null", M + "set-node-resource-capacity",
       lambda h: {"nodename": h.node, "resource_request": {"cpumem": {"memory": "1G"}}, "delta": None},
       INVALID, "delta"),
@@ -421,10 +421,10 @@ REFUSALS = [
     R("incr-null", M + "set-node-resource-usage",
       lambda h: {**_memory_delta(h.node, 1), "incr": None},
       INVALID, "incr"),
-    R("node-cpu-string", CPU + "add-node", _new({"cpu": "4", "memory": "1G"}), INVALID, "cpu"),
-    R("node-cpu-fraction", CPU + "add-node", _new({"cpu": 1.5, "memory": "1G"}), INVALID, "cpu"),
-    R("node-memory-fraction", CPU + "add-node", _new({"cpu": 1, "memory": 1024.5}), INVALID, "memory"),
-    R("node-memory-negative", CPU + "add-node", _new({"cpu": 1, "memory": -5}), INVALID, "memory"),
+    R("node-cpu-string", CPU + "add-node", _new({"cpu": "4", "memory": "1G"}), INVALID, "resource.cpu"),
+    R("node-cpu-fraction", CPU + "add-node", _new({"cpu": 1.5, "memory": "1G"}), INVALID, "resource.cpu"),
+    R("node-memory-fraction", CPU + "add-node", _new({"cpu": 1, "memory": 1024.5}), INVALID, "resource.memory"),
+    R("node-memory-negative", CPU + "add-node", _new({"cpu": 1, "memory": -5}), INVALID, "resource.memory"),
     R("malformed-msgpack", M + DEPLOY, lambda h: b"\xc1", INVALID, "$"),
     R("truncated-msgpack", M + DEPLOY, lambda h: msgpack.packb(deploy(h.node, None))[:-3], INVALID, "$"),
     R("payload-not-a-map", M + DEPLOY, lambda h: msgpack.packb([h.node, 1]), INVALID, "$"),
@@ -460,31 +460,31 @@ REFUSALS = [
     R("disk-malformed", STO + "add-node", _new({"disks": ["sda:/:1:2:3"]}), INVALID, "resource.disks[0]"),
     # §2 codes `invalid_cpu` ... `invalid_storage`, plugin level and manager level.
     R("invalid_cpu-bind-without-request-plugin", CPU + DEPLOY,
-      lambda h: deploy(h.node, {"cpu-bind": True}), "invalid_cpu", "cpu-request"),
+      lambda h: deploy(h.node, {"cpu-bind": True}), "invalid_cpu", f"{WRR}.cpu-request"),
     R("invalid_cpu-bind-without-request-manager", M + DEPLOY,
-      lambda h: deploy(h.node, {"cpumem": {"cpu-bind": True}}), "invalid_cpu", "cpu-request"),
+      lambda h: deploy(h.node, {"cpumem": {"cpu-bind": True}}), "invalid_cpu", f"{WRR}.cpumem.cpu-request"),
     R("invalid_cpu-realloc-below-zero-plugin", CPU + "calculate-realloc",
       lambda h: h.realloc("cpumem", {"keep-cpu-bind": True, "cpu-request": -2}),
-      "invalid_cpu", "cpu-request"),
+      "invalid_cpu", f"{WRR}.cpu-request"),
     R("invalid_cpu-realloc-below-zero-manager", M + "realloc",
       lambda h: h.realloc_all({"cpumem": {"keep-cpu-bind": True, "cpu-request": -2}}),
-      "invalid_cpu", "cpu-request"),
+      "invalid_cpu", f"{WRR}.cpumem.cpu-request"),
     R("invalid_memory-realloc-below-zero-plugin", CPU + "calculate-realloc",
       lambda h: h.realloc("cpumem", {"keep-cpu-bind": True, "memory-request": -2 * GiB}),
-      "invalid_memory", "memory-request"),
+      "invalid_memory", f"{WRR}.memory-request"),
     R("invalid_memory-realloc-below-zero-manager", M + "realloc",
       lambda h: h.realloc_all({"cpumem": {"keep-cpu-bind": True, "memory-request": "-2G"}}),
-      "invalid_memory", "memory-request"),
+      "invalid_memory", f"{WRR}.cpumem.memory-request"),
     R("invalid_memory-capacity-below-zero-plugin", CPU + "set-node-resource-capacity",
       lambda h: {"nodename": h.node, "resource_request": {"memory": "-100G"}, "delta": True},
       "invalid_memory", "capacity.memory"),
     R("invalid_memory-capacity-below-zero-manager", M + "set-node-resource-capacity",
       lambda h: {"nodename": h.node, "resource_request": {"cpumem": {"memory": "-100G"}}, "delta": True},
-      "invalid_memory", "capacity.memory"),
+      "invalid_memory", "capacity.cpumem.memory"),
     R("invalid_cpu_map-no-cores-plugin", CPU + "add-node",
-      _new({"memory": "1G"}), "invalid_cpu_map", "capacity.cpu_map"),
+      _new({"memory": "1G"}), "invalid_cpu_map", "resource.cpu"),
     R("invalid_cpu_map-no-cores-manager", M + "add-node",
-      _new({"cpumem": {"memory": "1G"}}), "invalid_cpu_map", "capacity.cpu_map"),
+      _new({"cpumem": {"memory": "1G"}}), "invalid_cpu_map", "resource.cpumem.cpu"),
     R("invalid_cpu_map-usage-beyond-capacity", CPU + "set-node-resource-usage",
       lambda h: {"nodename": h.node, "resource_request": {"cpu": "0:200"}},
       "invalid_cpu_map", "usage.cpu_map.0"),
@@ -493,28 +493,28 @@ REFUSALS = [
       "invalid_numa_cpu", "capacity.numa"),
     R("invalid_numa_cpu-manager", M + "set-node-resource-info",
       lambda h: {"nodename": h.node, "capacity": {"cpumem": _numa_without_core_1()}, "usage": {}},
-      "invalid_numa_cpu", "capacity.numa"),
+      "invalid_numa_cpu", "capacity.cpumem.numa"),
     R("invalid_numa_memory-plugin", CPU + "add-node",
-      _new(SHORT_NUMA), "invalid_numa_memory", "capacity.numa_memory"),
+      _new(SHORT_NUMA), "invalid_numa_memory", "resource.numa-memory"),
     R("invalid_numa_memory-manager", M + "add-node",
-      _new({"cpumem": SHORT_NUMA}), "invalid_numa_memory", "capacity.numa_memory"),
+      _new({"cpumem": SHORT_NUMA}), "invalid_numa_memory", "resource.cpumem.numa-memory"),
     R("invalid_volume-plugin", STO + DEPLOY,
       lambda h: deploy(h.node, {"volumes": ["bad::::"]}), "invalid_volume", f"{WRR}.volumes[0]"),
     R("invalid_volume-manager", M + DEPLOY,
-      lambda h: deploy(h.node, {"storage": {"volumes": ["bad::::"]}}), "invalid_volume", f"{WRR}.volumes[0]"),
+      lambda h: deploy(h.node, {"storage": {"volumes": ["bad::::"]}}), "invalid_volume", f"{WRR}.storage.volumes[0]"),
     R("invalid_volume-node-request", STO + "add-node",
       _new({"volumes": ["sda"]}), "invalid_volume", "resource.volumes[0]"),
     R("storage-request-not-a-size-plugin", STO + DEPLOY,
       lambda h: deploy(h.node, {"storage-request": "lots"}), INVALID, f"{WRR}.storage-request"),
     R("storage-request-not-a-size-manager", M + DEPLOY,
-      lambda h: deploy(h.node, {"storage": {"storage-request": "lots"}}), INVALID, f"{WRR}.storage-request"),
+      lambda h: deploy(h.node, {"storage": {"storage-request": "lots"}}), INVALID, f"{WRR}.storage.storage-request"),
     R("invalid_storage-usage-beyond-capacity-plugin", STO + "set-node-resource-usage",
       lambda h: {"nodename": h.node, "resource_request": {"storage": "500G"}}, "invalid_storage", "usage.storage"),
     R("invalid_storage-usage-beyond-capacity-manager", M + "set-node-resource-usage",
       lambda h: {"nodename": h.node, "resource_request": {"storage": {"storage": "500G"}}},
-      "invalid_storage", "usage.storage"),
+      "invalid_storage", "usage.storage.storage"),
     R("invalid_storage-realloc-below-zero", M + "realloc",
-      lambda h: h.realloc_all({"storage": {"storage-request": "-1T"}}), "invalid_storage", f"{WRR}.storage"),
+      lambda h: h.realloc_all({"storage": {"storage-request": "-1T"}}), "invalid_storage", f"{WRR}.storage.storage-request"),
     # §8 "a missing node is `node_not_found`"; 404 `*_not_found`, `plugin_not_found`.
     R("node_not_found-plugin", CPU + "get-node-resource-info",
       lambda h: {"nodename": GHOST}, "node_not_found", "nodename"),
@@ -1164,7 +1164,7 @@ async def test_byte_sizes_parse_exactly_or_are_refused(wire, size, expected):
     payload = {"nodename": node, "resource": {"cpu": 1, "memory": size}}
     reply = await wire.request("resource.cpumem.add-node", payload)
     if expected is None:
-        assert_error(reply, INVALID, "memory")
+        assert_error(reply, INVALID, "resource.memory")
         missing = await wire.request("resource.cpumem.get-node-resource-info", {"nodename": node})
         assert_error(missing, "node_not_found")
     else:
@@ -1187,7 +1187,7 @@ async def test_cpu_quantities_are_numbers_int_or_float(wire):
         reply = await wire.ok("resource.cpumem.calculate-deploy", deploy(node, {**BOUND, "cpu-request": cpu}))
         assert reply["workloads_resource"][0]["cpu_request"] == cpu
     text = await wire.request("resource.cpumem.calculate-deploy", deploy(node, {"cpu-request": "0.5"}))
-    assert_error(text, INVALID, "cpu-request")
+    assert_error(text, INVALID, f"{WRR}.cpu-request")
 
 
 async def test_negative_values_subtract_in_delta_requests(wire):
@@ -1198,14 +1198,14 @@ async def test_negative_values_subtract_in_delta_requests(wire):
     shrink = {"nodename": held.node, "resource_request": {"memory": "-1G"}}
     shrunk = await wire.ok("resource.cpumem.set-node-resource-capacity", {**shrink, "delta": True})
     assert shrunk["after"]["memory"] == shrunk["before"]["memory"] - GiB
-    assert_error(await wire.request("resource.cpumem.set-node-resource-capacity", shrink), INVALID, "memory")
+    assert_error(await wire.request("resource.cpumem.set-node-resource-capacity", shrink), INVALID, "resource_request.memory")
     less = held.realloc("cpumem", {"keep-cpu-bind": True, "memory-request": "-512M"})
     realloc = await wire.ok("resource.cpumem.calculate-realloc", less)
     assert realloc["workload_resource"]["memory_request"] == GiB // 2
     assert realloc["delta_resource"]["memory_request"] == -GiB // 2
     below = held.realloc("cpumem", {"keep-cpu-bind": True, "memory-request": "-2G"})
     below_zero = await wire.request("resource.cpumem.calculate-realloc", below)
-    assert_error(below_zero, "invalid_memory", "memory-request")
+    assert_error(below_zero, "invalid_memory", f"{WRR}.memory-request")
 
 
 async def test_totals_saturate_at_max_int(wire):

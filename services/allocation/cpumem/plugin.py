@@ -85,14 +85,17 @@ class CpuMemPlugin:
 
     def add_node(self, resource: Raw | None, info: EngineInfo | Raw | None) -> tuple[Raw, Raw]:
         """A new node's record from its node request, completed from engine info (eru §2.6)."""
-        request = parse_node_request(resource, self.share_base, delta=False)
+        request = parse_node_request(resource, self.share_base, delta=False, field="resource")
         capacity = request.to_resource()
         if info is not None:
             capacity = self._fill_from_engine(capacity, request.numa, request.numa_memory, _engine_info(info))
         if capacity.numa and not capacity.numa_memory:
             capacity.numa_memory = split_memory(capacity.memory, capacity.numa)
         usage = complete_usage(capacity, NodeResource())
-        validate_record(capacity, usage)
+        try:
+            validate_record(capacity, usage)
+        except BerthError as error:
+            raise _as_request_error(error) from None
         return encode(capacity), encode(usage)
 
     def validate_record(self, capacity: Raw, usage: Raw) -> None:
@@ -402,6 +405,20 @@ def _check_unbound(capacity: NodeResource, usage: NodeResource, want: WorkloadRe
 def _check_flags(delta: Any, incr: Any) -> None:
     _check_bool("delta", delta)
     _check_bool("incr", incr)
+
+
+# The node-request key each capacity key comes from (add-node builds the record from the request).
+_REQUEST_KEYS = {"cpu": "cpu", "cpu_map": "cpu", "memory": "memory", "numa": "numa-cpu", "numa_memory": "numa-memory"}
+
+
+def _as_request_error(error: BerthError) -> BerthError:
+    """A record validation error of add-node, naming the request key the operator sent instead."""
+    field = error.field or ""
+    key = field.split(".")[1] if field.startswith("capacity.") else None
+    if key not in _REQUEST_KEYS:
+        return error
+    reason = error.message.split(": ", 1)[-1]
+    return BerthError(f"resource.{_REQUEST_KEYS[key]}: {reason}", code=error.code, field=f"resource.{_REQUEST_KEYS[key]}")
 
 
 def _check_bool(field: str, value: Any) -> None:

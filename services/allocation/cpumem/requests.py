@@ -22,41 +22,41 @@ MAX_PIECES = 2**31 - 1
 _PIECES = re.compile(r"-?[0-9]+")
 
 
-def parse_workload_request(raw: Any, *, delta: bool = False) -> WorkloadRequest:
+def parse_workload_request(raw: Any, *, delta: bool = False, field: str = "workload_resource_request") -> WorkloadRequest:
     """The raw values of a workload request; None or {} is the empty request (unbound, nothing asked).
 
     A negative quantity is `invalid_argument` (DESIGN.md §2) except in a delta (a realloc request),
     where it subtracts; `validate_workload_request` then rejects a negative total with eru's
     invalid_cpu / invalid_memory codes.
     """
-    raw = _as_map(raw, "workload_resource_request")
+    raw = _as_map(raw, field)
     # Memory is read first: eru validates memory before cpu (step 2 before step 3).
-    memory_request = _size(raw, "memory-request", allow_negative=delta)
-    memory_limit = _size(raw, "memory-limit", allow_negative=delta)
+    memory_request = _size(raw, field, "memory-request", allow_negative=delta)
+    memory_limit = _size(raw, field, "memory-limit", allow_negative=delta)
     return WorkloadRequest(
-        cpu_bind=_bool(raw, "cpu-bind"),
-        keep_cpu_bind=_bool(raw, "keep-cpu-bind"),
-        cpu_request=_cpu(raw, "cpu-request", allow_negative=delta),
-        cpu_limit=_cpu(raw, "cpu-limit", allow_negative=delta),
+        cpu_bind=_bool(raw, field, "cpu-bind"),
+        keep_cpu_bind=_bool(raw, field, "keep-cpu-bind"),
+        cpu_request=_cpu(raw, field, "cpu-request", allow_negative=delta),
+        cpu_limit=_cpu(raw, field, "cpu-limit", allow_negative=delta),
         memory_request=memory_request,
         memory_limit=memory_limit,
     )
 
 
-def validate_workload_request(request: WorkloadRequest) -> WorkloadRequest:
+def validate_workload_request(request: WorkloadRequest, field: str = "workload_resource_request") -> WorkloadRequest:
     """eru's eight validation steps, in their order; returns the normalised request."""
     cpu_request, cpu_limit = request.cpu_request, request.cpu_limit
     memory_request, memory_limit = request.memory_request, request.memory_limit
     if cpu_request == 0 and cpu_limit > 0:
         cpu_request = cpu_limit
     if memory_limit < 0 or memory_request < 0:
-        field = "memory-limit" if memory_limit < 0 else "memory-request"
-        raise InvalidArgument(field, "limit or request less than 0", code="invalid_memory")
+        key = "memory-limit" if memory_limit < 0 else "memory-request"
+        raise InvalidArgument(f"{field}.{key}", "limit or request less than 0", code="invalid_memory")
     if cpu_request < 0 or cpu_limit < 0:
-        field = "cpu-limit" if cpu_limit < 0 else "cpu-request"
-        raise InvalidArgument(field, "limit or request less than 0", code="invalid_cpu")
+        key = "cpu-limit" if cpu_limit < 0 else "cpu-request"
+        raise InvalidArgument(f"{field}.{key}", "limit or request less than 0", code="invalid_cpu")
     if cpu_request == 0 and request.cpu_bind:
-        raise InvalidArgument("cpu-request", "unlimited request with bind", code="invalid_cpu")
+        raise InvalidArgument(f"{field}.cpu-request", "unlimited request with bind", code="invalid_cpu")
     if memory_request == 0 and memory_limit > 0:
         memory_request = memory_limit
     if memory_request > 0 and memory_limit > 0 and memory_limit < memory_request:
@@ -95,72 +95,69 @@ class NodeRequest(msgspec.Struct):
         )
 
 
-def parse_node_request(raw: Any, share_base: int, *, delta: bool) -> NodeRequest:
+def parse_node_request(raw: Any, share_base: int, *, delta: bool, field: str = "resource_request") -> NodeRequest:
     """A node request: `cpu` (a count or "id:pieces,..."), `share`, `memory`, `numa-cpu`, `numa-memory`.
 
     A map carrying `cpu_map` is a NodeResource snapshot (what set_capacity returned as `before`) and
     is taken verbatim, so replaying it restores a custom or oversold cpu map exactly.
     Negative values are accepted only in a delta request.
     """
-    raw = _as_map(raw, "resource_request")
+    raw = _as_map(raw, field)
     if "cpu_map" in raw:
-        snapshot = decode_node_resource(raw, "resource_request")
+        snapshot = decode_node_resource(raw, field)
         return NodeRequest(snapshot.cpu_map, snapshot.memory, snapshot.numa, snapshot.numa_memory)
     return NodeRequest(
-        cpu_map=_cpu_map(raw, share_base, delta) if "cpu" in raw else None,
-        memory=_size(raw, "memory", allow_negative=delta) if "memory" in raw else None,
-        numa=_numa_cpu(raw["numa-cpu"]) if "numa-cpu" in raw else None,
-        numa_memory=_numa_memory(raw["numa-memory"], delta) if "numa-memory" in raw else None,
+        cpu_map=_cpu_map(raw, share_base, delta, field) if "cpu" in raw else None,
+        memory=_size(raw, field, "memory", allow_negative=delta) if "memory" in raw else None,
+        numa=_numa_cpu(raw["numa-cpu"], f"{field}.numa-cpu") if "numa-cpu" in raw else None,
+        numa_memory=_numa_memory(raw["numa-memory"], delta, f"{field}.numa-memory") if "numa-memory" in raw else None,
     )
 
 
-def _cpu_map(raw: dict[str, Any], share_base: int, delta: bool) -> dict[str, int]:
+def _cpu_map(raw: dict[str, Any], share_base: int, delta: bool, field: str) -> dict[str, int]:
     cpu = raw["cpu"]
     if isinstance(cpu, str):
-        return _cpu_list(cpu, delta)
-    count = _whole_number(cpu, "cpu", MAX_CORES)
-    share = _whole_number(raw["share"], "share", MAX_PIECES) if "share" in raw else 0
+        return _cpu_list(cpu, delta, f"{field}.cpu")
+    count = _whole_number(cpu, f"{field}.cpu", MAX_CORES)
+    share = _whole_number(raw["share"], f"{field}.share", MAX_PIECES) if "share" in raw else 0
     return {str(core): share or share_base for core in range(count)}
 
 
-def _cpu_list(text: str, delta: bool) -> dict[str, int]:
+def _cpu_list(text: str, delta: bool, field: str) -> dict[str, int]:
     """The list form "0:100,1:200,3:50"; "" means no cores."""
     cpu_map: dict[str, int] = {}
     for entry in filter(None, (part.strip() for part in text.split(","))):
         core, sep, pieces = (part.strip() for part in entry.partition(":"))
         if not sep:
-            raise InvalidArgument("cpu", f"{entry!r} is not 'id:pieces'")
-        check_ids([core], "cpu", "invalid_argument")
+            raise InvalidArgument(field, f"{entry!r} is not 'id:pieces'")
+        check_ids([core], field, "invalid_argument")
         if core in cpu_map:
-            raise InvalidArgument("cpu", f"core {core} is listed twice")
+            raise InvalidArgument(field, f"core {core} is listed twice")
         if not _PIECES.fullmatch(pieces) or abs(int(pieces)) > MAX_PIECES:
-            raise InvalidArgument("cpu", f"pieces of core {core} must be an int32, got {pieces!r}")
+            raise InvalidArgument(field, f"pieces of core {core} must be an int32, got {pieces!r}")
         if int(pieces) < 0 and not delta:
-            raise InvalidArgument("cpu", f"pieces of core {core} must not be negative")
+            raise InvalidArgument(field, f"pieces of core {core} must not be negative")
         cpu_map[core] = int(pieces)
     return sorted_by_id(cpu_map)
 
 
-def _numa_cpu(value: Any) -> dict[str, str]:
+def _numa_cpu(value: Any, field: str) -> dict[str, str]:
     """Element i lists the cores of NUMA node i, e.g. ["0,1,2,3", "4,5,6,7"]."""
     numa: dict[str, str] = {}
-    for node, cores in enumerate(_string_list(value, "numa-cpu")):
+    for node, cores in enumerate(_string_list(value, field)):
         for core in (part.strip() for part in cores.split(",")):
-            check_ids([core], f"numa-cpu[{node}]", "invalid_argument")
+            check_ids([core], f"{field}[{node}]", "invalid_argument")
             if core in numa:
-                raise InvalidArgument("numa-cpu", f"core {core} is in NUMA nodes {numa[core]} and {node}")
+                raise InvalidArgument(field, f"core {core} is in NUMA nodes {numa[core]} and {node}")
             numa[core] = str(node)
     return sorted_by_id(numa)
 
 
-def _numa_memory(value: Any, delta: bool) -> dict[str, int]:
+def _numa_memory(value: Any, delta: bool, field: str) -> dict[str, int]:
     """Element i is the memory of NUMA node i, an integer or a size string."""
     if not isinstance(value, list):
-        raise InvalidArgument("numa-memory", f"must be a list, got {type(value).__name__}")
-    return {
-        str(node): parse_size(size, f"numa-memory[{node}]", allow_negative=delta)
-        for node, size in enumerate(value)
-    }
+        raise InvalidArgument(field, f"must be a list, got {type(value).__name__}")
+    return {str(node): parse_size(size, f"{field}[{node}]", allow_negative=delta) for node, size in enumerate(value)}
 
 
 def _as_map(raw: Any, field: str) -> dict[str, Any]:
@@ -171,19 +168,19 @@ def _as_map(raw: Any, field: str) -> dict[str, Any]:
     return raw
 
 
-def _bool(raw: dict[str, Any], key: str) -> bool:
+def _bool(raw: dict[str, Any], field: str, key: str) -> bool:
     value = raw.get(key, False)
     if not isinstance(value, bool):
-        raise InvalidArgument(key, f"must be a boolean, got {type(value).__name__}")
+        raise InvalidArgument(f"{field}.{key}", f"must be a boolean, got {type(value).__name__}")
     return value
 
 
-def _cpu(raw: dict[str, Any], key: str, *, allow_negative: bool) -> float:
-    return parse_cpu(raw[key], key, allow_negative=allow_negative) if key in raw else 0.0
+def _cpu(raw: dict[str, Any], field: str, key: str, *, allow_negative: bool) -> float:
+    return parse_cpu(raw[key], f"{field}.{key}", allow_negative=allow_negative) if key in raw else 0.0
 
 
-def _size(raw: dict[str, Any], key: str, *, allow_negative: bool) -> int:
-    return parse_size(raw[key], key, allow_negative=allow_negative) if key in raw else 0
+def _size(raw: dict[str, Any], field: str, key: str, *, allow_negative: bool) -> int:
+    return parse_size(raw[key], f"{field}.{key}", allow_negative=allow_negative) if key in raw else 0
 
 
 def _whole_number(value: Any, field: str, maximum: int) -> int:

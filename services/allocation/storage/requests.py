@@ -122,9 +122,8 @@ def _paired(request: VolumeBinding, limit: VolumeBinding, field: str) -> VolumeB
 
 def _storage_pair(request: int, limit: int, field: str) -> tuple[int, int]:
     if request < 0 or limit < 0:
-        raise field_error(
-            "invalid_storage", f"{field}.storage", "storage request and limit must not be negative"
-        )
+        key = "storage-request" if request < 0 else "storage-limit"
+        raise field_error("invalid_storage", f"{field}.{key}", "storage request and limit must not be negative")
     if limit > 0 and request == 0:
         request = limit
     if limit > 0 and request > limit:
