@@ -18,7 +18,8 @@ What the runtime adds to `nats.micro`:
 - optional idempotency by `request_id` (see `bus.idempotency`);
 - drain: queued requests finish and their replies flush before the connection closes;
 - optional broadcast: every instance receives the request (its own queue group) and the first
-  reply wins, for commands that must reach every replica (a write into per-process state).
+  reply wins, for commands that must reach every replica (a write into per-process state); a
+  broadcast endpoint may be idempotent too, each instance then keeping its own answers.
 """
 
 from __future__ import annotations
@@ -137,9 +138,6 @@ class Service:
     ) -> None:
         if idempotent and self.idempotency is None:
             raise ValueError(f"endpoint {subject} is idempotent but the service has no idempotency store")
-        if idempotent and broadcast:
-            # The first instance to claim the request id would answer for all: the others would skip it.
-            raise ValueError(f"endpoint {subject} cannot be both idempotent and broadcast")
         endpoint_name = name or subject.replace(".", "-")
         self.specs.append(EndpointSpec(endpoint_name, subject, request, response, handler, idempotent, broadcast))
 
@@ -249,7 +247,7 @@ class Service:
             req = decode(data, spec.request)
             if spec.idempotent and getattr(req, "request_id", None):
                 return await self.idempotency.run(
-                    f"{self.name}:{spec.subject}", req.request_id, data, lambda: self._call(spec, req)
+                    self._idempotency_scope(spec), req.request_id, data, lambda: self._call(spec, req)
                 )
             return await self._call(spec, req)
         except BerthError as error:
@@ -257,6 +255,20 @@ class Service:
         except Exception as error:
             log.error("%s: unexpected error\n%s", spec.subject, traceback.format_exc())
             return error_reply(BerthError(f"internal error: {type(error).__name__}: {error}", code="internal"))
+
+    def _idempotency_scope(self, spec: EndpointSpec) -> str:
+        """Where the answers to `spec`'s request ids are kept.
+
+        A queue-group endpoint shares one scope among all its instances: whichever instance gets
+        the retry replays the first answer. A broadcast request, though, reaches every instance and
+        each must apply it to its own state: with a shared scope the first instance to claim the id
+        would run it and the others would replay its answer without applying it. So each instance
+        keeps its own answers (the scope names the instance): a retry again reaches every instance,
+        each replays what it answered the first time, and the client takes the first reply as
+        before. An instance started after the first request has no answer stored and runs the retry.
+        """
+        scope = f"{self.name}:{spec.subject}"
+        return f"{scope}@{self.id}" if spec.broadcast else scope
 
     async def _call(self, spec: EndpointSpec, req: Any) -> Reply:
         try:

@@ -71,9 +71,9 @@ class MetricsClient:
 
     async def put(
         self, scope: str, metric: str, value: float, *, time: float | None = None,
-        ttl_seconds: float | None = None, **ids: Any,
+        ttl_seconds: float | None = None, request_id: str | None = None, **ids: Any,
     ) -> MetricValue:
-        optional = _present(time=time, ttl_seconds=ttl_seconds)
+        optional = _present(time=time, ttl_seconds=ttl_seconds, request_id=request_id)
         payload = {"scope": scope, "metric": metric, "value": value, **ids, **optional}
         return await self._call("put", payload, MetricValue)
 
@@ -84,16 +84,19 @@ class MetricsClient:
         return await self._call("has-synced", {}, Synced)
 
     async def register(
-        self, scope: str, metric: str, *, lease_seconds: float | None = None, **ids: Any
+        self, scope: str, metric: str, *, lease_seconds: float | None = None, request_id: str | None = None,
+        **ids: Any,
     ) -> Lease:
-        payload = {"scope": scope, "metric": metric, **ids, **_present(lease_seconds=lease_seconds)}
+        optional = _present(lease_seconds=lease_seconds, request_id=request_id)
+        payload = {"scope": scope, "metric": metric, **ids, **optional}
         return await self._call("register-notifier", payload, Lease)
 
-    async def renew(self, key: str) -> Lease:
-        return await self._call("renew-notifier", {"key": key}, Lease)
+    async def renew(self, key: str, *, request_id: str | None = None) -> Lease:
+        return await self._call("renew-notifier", {"key": key, **_present(request_id=request_id)}, Lease)
 
-    async def deregister(self, key: str) -> bool:
-        return (await self._call("deregister-notifier", {"key": key}, Deregistered)).removed
+    async def deregister(self, key: str, *, request_id: str | None = None) -> bool:
+        payload = {"key": key, **_present(request_id=request_id)}
+        return (await self._call("deregister-notifier", payload, Deregistered)).removed
 
     def watch(self, scope: str, metric: str, *, lease_seconds: float | None = None, **ids: Any) -> "Watch":
         """The metric's events while the `async with` block runs."""

@@ -38,11 +38,14 @@ def commands(node: str) -> list[Command]:
     return [
         Command(f"{group}.get", Get, MetricValue, "get"),
         Command(f"{group}.aggregate", Aggregate, MetricValue, "aggregate"),
-        # Every agent of the node keeps its own store, so every one of them must receive a put.
-        Command(f"{group}.put", Put, MetricValue, "put", broadcast=True),
+        # Every agent of the node keeps its own store, so every one of them must receive a put (and
+        # each keeps its own answers to request ids: see `Service._idempotency_scope`).
+        Command(f"{group}.put", Put, MetricValue, "put", idempotent=True, broadcast=True),
         Command(f"{group}.register-notifier", RegisterNotifier, Lease, "register_notifier", idempotent=True),
-        Command(f"{group}.renew-notifier", NotifierRequest, Lease, "renew_notifier"),
-        Command(f"{group}.deregister-notifier", NotifierRequest, Deregistered, "deregister_notifier"),
+        Command(f"{group}.renew-notifier", NotifierRequest, Lease, "renew_notifier", idempotent=True),
+        Command(
+            f"{group}.deregister-notifier", NotifierRequest, Deregistered, "deregister_notifier", idempotent=True
+        ),
         Command(f"{group}.has-synced", Empty, Synced, "has_synced"),
         Command(f"{group}.list", ListMetrics, Entries, "list"),
     ]

@@ -98,11 +98,15 @@ class Aggregate(Struct, kw_only=True):
 
 
 class Put(MetricRef, kw_only=True):
-    """`put`: store an external metric; without `time` the sample time is now."""
+    """`put`: store an external metric; without `time` the sample time is now.
+
+    With `request_id`, a retry replays the first answer (the same sample time) instead of storing
+    the value again; every agent of the node keeps its own answers (`put` reaches all of them)."""
 
     value: float
     time: float | UnsetType = UNSET
     ttl_seconds: float | UnsetType = UNSET
+    request_id: RequestId | UnsetType = UNSET
 
 
 class RegisterNotifier(MetricRef, kw_only=True):
@@ -120,9 +124,11 @@ class Lease(Struct):
 
 
 class NotifierRequest(Struct):
-    """`renew-notifier` and `deregister-notifier`."""
+    """`renew-notifier` and `deregister-notifier`; a retry with the same `request_id` replays the
+    first answer (a renewal is not restarted again, a deregistration still says `removed`)."""
 
     key: NotifierKey
+    request_id: RequestId | UnsetType = UNSET
 
 
 class Deregistered(Struct):

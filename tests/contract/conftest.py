@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,22 +123,65 @@ class Capture:
                 pass
         return self.events
 
+    async def first(self, subject: str, start: int = 0, timeout: float = 15.0) -> tuple[int, dict[str, Any]]:
+        """The first event on `subject` at index `start` or later, and its index (waits for it)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            for index in range(start, len(self.events)):
+                if self.events[index][0] == subject:
+                    return index, self.events[index][1]
+            await self.wait_for(len(self.events) + 1, max(0.0, deadline - loop.time()))
+
     async def before(self, subject: str, timeout: float = 5.0) -> list[tuple[str, dict[str, Any]]]:
         """The events that arrived before the first one on `subject` (which must come).
 
         To show that a request published nothing, follow it with a change that publishes a known
         event (a sentinel) and take the events before it: one worker publishes on one connection,
         so its events arrive in the order it sent them. No "nothing happened within N s" waits."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while True:
-            for index, (seen, _) in enumerate(self.events):
-                if seen == subject:
-                    return self.events[:index]
-            await self.wait_for(len(self.events) + 1, max(0.0, deadline - loop.time()))
+        index, _ = await self.first(subject, timeout=timeout)
+        return self.events[:index]
 
     async def close(self) -> None:
-        await self.sub.unsubscribe()
+        if self.sub is not None:
+            sub, self.sub = self.sub, None
+            await sub.unsubscribe()
+
+
+CLIENT_PROCESS = """
+import asyncio, json, sys
+import nats
+
+async def main(url, subject, payload):
+    nc = await nats.connect(url)
+    print("connected", flush=True)
+    sys.stdin.readline()  # wait for "go", so that every process sends at once
+    msg = await nc.request(subject, bytes.fromhex(payload), timeout=20)
+    print(json.dumps({"headers": dict(msg.headers or {}), "data": msg.data.hex()}), flush=True)
+    await nc.close()
+
+asyncio.run(main(*sys.argv[1:]))
+"""
+
+
+async def send_from_processes(nats_url: str, subject: str, data: bytes, count: int = 2) -> list[WireReply]:
+    """Send one request from `count` separate OS processes at the same moment; their replies."""
+    argv = [sys.executable, "-c", CLIENT_PROCESS, nats_url, subject, data.hex()]
+    procs = [subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(count)]
+    try:
+        for proc in procs:
+            assert (await asyncio.to_thread(proc.stdout.readline)).strip() == "connected"
+        for proc in procs:  # every one is connected and waiting: release them together
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        outputs = [await asyncio.to_thread(proc.communicate, timeout=30) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    replies = [json.loads(out) for out, _ in outputs]
+    return [WireReply(r["headers"], msgpack.unpackb(bytes.fromhex(r["data"])), bytes.fromhex(r["data"])) for r in replies]
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")

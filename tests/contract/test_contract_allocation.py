@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import sys
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ import msgpack
 import pytest
 from nats.js.api import DeliverPolicy
 
-from tests.contract.conftest import ERROR_CODE_HEADER, ERROR_HEADER, Capture, Wire, WireReply, unique
+from tests.contract.conftest import ERROR_CODE_HEADER, ERROR_HEADER, Capture, Wire, WireReply, send_from_processes, unique
 
 GiB = 1 << 30
 MAX_INT = 2**63 - 1
@@ -904,45 +903,19 @@ async def test_request_id_internal_error_is_not_stored(wire, redis, namespace, c
     assert (await wire.request(case.subject, payload)).data == fixed.data
 
 
-CLIENT_PROCESS = """
-import asyncio, sys
-import nats
-async def main():
-    nc = await nats.connect(sys.argv[1])
-    print("ready", flush=True)
-    sys.stdin.readline()
-    msg = await nc.request(sys.argv[2], bytes.fromhex(sys.argv[3]), timeout=10)
-    print(msg.data.hex(), (msg.headers or {}).get("Nats-Service-Error-Code", "ok"), flush=True)
-    await nc.close()
-asyncio.run(main())
-"""
-
-
 async def test_request_id_retry_from_two_processes_at_once_has_one_effect(wire, nats_url):
     """§2 request_id: the same request sent from two OS processes at once is placed once and both
     processes get the same answer."""
     node = await new_node(wire)
     payload = msgpack.packb({**deploy(node, BOUND_ONE), "request_id": unique("rid")})
-    argv = [sys.executable, "-c", CLIENT_PROCESS, nats_url, wire.subject("resource.allocate"), payload.hex()]
-    pipes = {"stdin": asyncio.subprocess.PIPE, "stdout": asyncio.subprocess.PIPE}
     capture = await wire.capture("resource.>")
-    clients = [await asyncio.create_subprocess_exec(*argv, **pipes) for _ in range(2)]
     try:
-        for client in clients:
-            assert (await asyncio.wait_for(client.stdout.readline(), 30)).strip() == b"ready"
-        for client in clients:  # both are connected and waiting: release them together
-            client.stdin.write(b"go\n")
-            await client.stdin.drain()
-        answers = [(await asyncio.wait_for(client.stdout.readline(), 30)).split() for client in clients]
+        replies = await send_from_processes(nats_url, wire.subject("resource.allocate"), payload)
         events = await until_sentinel(wire, capture)
     finally:
         await capture.close()
-        for client in clients:
-            if client.returncode is None:
-                client.kill()
-            await client.wait()
-    assert answers[0] == answers[1] and answers[0][1] == b"ok"
-    [placed] = msgpack.unpackb(bytes.fromhex(answers[0][0].decode()))["allocations"]
+    assert replies[0].data == replies[1].data
+    [placed] = replies[0].expect_ok()["allocations"]
     held = await wire.ok("resource.get-allocations", {"nodename": node})
     assert [a["workload_id"] for a in held["allocations"]] == [placed["workload_id"]]
     assert [subject for subject, _ in events] == [wire.subject(f"events.resource.{node}.allocated")]
