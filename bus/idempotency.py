@@ -3,8 +3,9 @@
 The first request with an id claims it in Redis with `SET NX` and a short lease, runs, and stores
 its reply for `ttl` seconds. A retry that arrives meanwhile, on any replica, waits for that reply
 instead of running again; a retry after the lease expired without a reply (the worker died) runs
-again. Internal errors are not stored, so a retry can succeed. A request id reused with a different
-payload is refused rather than answered with someone else's reply.
+again. Internal errors and refusals of malformed input (400) are not stored, so a retry can
+succeed. A request id reused with a different payload is refused rather than answered with someone
+else's reply.
 """
 
 from __future__ import annotations
@@ -18,6 +19,11 @@ import msgspec
 from redis.asyncio import Redis
 
 from bus.errors import BerthError, InvalidArgument
+
+
+# Answers that are not kept for a retry: a request refused as malformed (400) did nothing, so its
+# id stays free for the corrected request; an internal error (500) may succeed when tried again.
+_NOT_KEPT = frozenset({"400", "500"})
 
 
 class Reply(msgspec.Struct):
@@ -108,7 +114,7 @@ class IdempotencyStore:
         except BaseException:
             await self._release(keys=[key], args=[claim])
             raise
-        if reply.headers and reply.headers.get("Nats-Service-Error-Code") == "500":
+        if reply.headers and reply.headers.get("Nats-Service-Error-Code") in _NOT_KEPT:
             await self._release(keys=[key], args=[claim])
         else:
             stored = msgspec.msgpack.encode(_Entry("", digest, reply))

@@ -727,9 +727,10 @@ MANAGER_CHANGES = [
     Change("set-node-resource-capacity", "resource.set-node-resource-capacity", _node_and_missing,
            lambda c: _memory_delta(c["node"], 1), lambda c: _memory_delta(c["node"], 2),
            lambda c: _memory_delta(c["blocked"], 1), _add_blocked, ("node", "blocked")),
+    # set-node-resource-info creates what is missing: it fails only on malformed input, which is
+    # not kept (test_request_id_malformed_request_is_not_kept).
     Change("set-node-resource-info", "resource.set-node-resource-info", _prepare_info,
-           lambda c: _more_memory(c, 1), lambda c: _more_memory(c, 2),
-           lambda c: {**_more_memory(c, 0), "capacity": {**c["capacity"], "cpumem": _numa_without_core_1()}}),
+           lambda c: _more_memory(c, 1), lambda c: _more_memory(c, 2)),
     Change("set-node-resource-usage", "resource.set-node-resource-usage", _node_and_missing,
            lambda c: _memory_delta(c["node"], 1), lambda c: _memory_delta(c["node"], 2),
            lambda c: _memory_delta(c["blocked"], 1), _add_blocked, ("node", "blocked")),
@@ -773,15 +774,6 @@ def _grown(plugin: str, capacity: dict, n: int) -> dict:
     return {"prod_count_map": {GPU: capacity["prod_count_map"][GPU] + n}}
 
 
-def _bad_record(plugin: str, node: str) -> dict:
-    """A record the plugin must refuse: cpumem core 1 has no NUMA node; storage, gpu use beyond capacity."""
-    if plugin == "cpumem":
-        return {"nodename": node, "capacity": _numa_without_core_1(), "usage": {}}
-    if plugin == "storage":
-        return {"nodename": node, "capacity": {"storage": 1}, "usage": {"storage": 2}}
-    return {"nodename": node, "capacity": {"prod_count_map": {GPU: 1}}, "usage": {"prod_count_map": {GPU: 2}}}
-
-
 def _plugin_changes(p: str) -> list[Change]:
     at = f"resource.{p}."
 
@@ -817,7 +809,7 @@ def _plugin_changes(p: str) -> list[Change]:
                lambda c: delta(c["node"], 1), lambda c: delta(c["node"], 2), lambda c: delta(c["blocked"], 1),
                _add_blocked_to(p), ("node", "blocked")),
         Change(f"{p}.set-node-resource-info", at + "set-node-resource-info", prepare_info,
-               lambda c: grown(c, 1), lambda c: grown(c, 2), lambda c: _bad_record(p, c["node"])),
+               lambda c: grown(c, 1), lambda c: grown(c, 2)),
         Change(f"{p}.set-node-resource-usage", at + "set-node-resource-usage", _node_and_missing,
                lambda c: delta(c["node"], 1), lambda c: delta(c["node"], 2), lambda c: delta(c["blocked"], 1),
                _add_blocked_to(p), ("node", "blocked")),
@@ -853,7 +845,8 @@ async def test_request_id_retry_returns_the_first_answer_and_changes_nothing(wir
 @pytest.mark.parametrize("case", FAILING_CHANGES, ids=[c.id for c in FAILING_CHANGES])
 async def test_request_id_error_answer_is_replayed(wire, redis, namespace, case):
     """§2: a retry "returns the first answer" also when that answer was an error (other than
-    `internal`), even once the request would succeed; no success is stored for the id."""
+    `internal` and a refusal of malformed input), even once the request would succeed; no success
+    is stored for the id."""
     ctx = await case.prepare(wire)
     payload = {**case.failing(ctx), "request_id": unique("rid")}
     first = await wire.request(case.subject, payload)
@@ -865,6 +858,20 @@ async def test_request_id_error_answer_is_replayed(wire, redis, namespace, case)
     assert (retry.data, retry.headers) == (first.data, first.headers)
     stored = await stored_replies(redis, namespace, payload["request_id"])
     assert stored and not any(is_success(s) for s in stored)  # the error is the stored first answer
+
+
+@pytest.mark.parametrize("case", CHANGES, ids=[c.id for c in CHANGES])
+async def test_request_id_malformed_request_is_not_kept(wire, redis, namespace, case):
+    """§2 request_id, refined: a request refused as malformed (400) did nothing, so nothing is kept
+    for its id: the corrected request with the same id runs (it is not "another payload")."""
+    ctx = await case.prepare(wire)
+    request_id = unique("rid")
+    malformed = await wire.request(case.subject, {"request_id": request_id})  # required keys missing
+    assert (malformed.status, malformed.code) == (400, INVALID), malformed.body
+    assert await stored_replies(redis, namespace, request_id) == []
+    corrected = await wire.request(case.subject, {**case.payload(ctx), "request_id": request_id})
+    corrected.expect_ok()
+    assert [is_success(s) for s in await stored_replies(redis, namespace, request_id)] == [True]
 
 
 @pytest.mark.parametrize("case", CHANGES, ids=[c.id for c in CHANGES])

@@ -569,18 +569,10 @@ async def _registrations(c: Ctx, payload: dict) -> Any:
     return await c.registrations()
 
 
-async def _register_failing(c: Ctx) -> dict:
-    return {"scope": "cgroup", "metric": metric_name()}  # the scope needs a cgroup_path
-
-
 async def _renew_failing(c: Ctx) -> dict:
     key = await c.register("node", metric_name())
     await c.ok("deregister-notifier", {"key": key})
     return {"key": key}  # notifier_not_found
-
-
-async def _put_failing(c: Ctx) -> dict:
-    return {"scope": "node", "metric": metric_name(), "value": math.nan}
 
 
 def _idem_key(c: Ctx, payload: dict) -> str:
@@ -592,7 +584,7 @@ def _idem_key(c: Ctx, payload: dict) -> str:
 IDEMPOTENT = {
     "register-notifier": Idempotent(
         _register_prepare, _registrations, lambda p: {**p, "lease_seconds": 30},
-        lambda c, p: c.index_key, failing=_register_failing,
+        lambda c, p: c.index_key,
     ),
     "renew-notifier": Idempotent(
         _registered, _lease_left, lambda p: {**p, "key": "f" * 32},
@@ -605,7 +597,7 @@ IDEMPOTENT = {
     ),
     "put": Idempotent(
         _put_prepare, _stored_value, lambda p: {**p, "value": 2.0}, _idem_key,
-        failing=_put_failing, settle=_put_published,
+        settle=_put_published,
     ),
 }  # fmt: skip
 
@@ -646,7 +638,7 @@ async def test_request_id_deregister_retry_still_says_removed(ctx):
 @pytest.mark.parametrize("command", [command for command, case in IDEMPOTENT.items() if case.failing])
 async def test_request_id_error_reply_is_replayed(ctx, command):
     # §2 "returns the first answer": an error answer is kept and replayed too. (deregister-notifier
-    # answers every well-formed request; `internal` is not kept, see below.)
+    # answers every well-formed request; `internal` and malformed requests are not kept: below.)
     payload = {**await IDEMPOTENT[command].failing(ctx), "request_id": unique("rid")}
     first = await ctx.call(command, payload)
     assert not first.ok
@@ -654,6 +646,18 @@ async def test_request_id_error_reply_is_replayed(ctx, command):
     assert (again.data, again.headers) == (first.data, first.headers)
     stored = [k async for k in ctx.redis.scan_iter(match=f"{ctx.ns}:idem:*:{payload['request_id']}")]
     assert len(stored) == 1
+
+
+@pytest.mark.parametrize("command", IDEMPOTENT)
+async def test_request_id_malformed_request_is_not_kept(ctx, command):
+    # §2 request_id, refined: a request refused as malformed (400) did nothing, so nothing is kept
+    # for its id, and the corrected request with the same id runs.
+    payload = await request_id_payload(ctx, IDEMPOTENT[command])
+    malformed = {**payload, "scope": "no-such-scope"} if "scope" in payload else {"request_id": payload["request_id"]}
+    assert_error(await ctx.call(command, malformed), 400, "invalid_argument")
+    assert [k async for k in ctx.redis.scan_iter(match=f"{ctx.ns}:idem:*:{payload['request_id']}")] == []
+    corrected = await ctx.call(command, payload)
+    assert corrected.ok, corrected.body
 
 
 @pytest.mark.parametrize("command", IDEMPOTENT)
