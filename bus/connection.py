@@ -54,3 +54,23 @@ async def connect(url: str | None = None, *, name: str = "berth", worker: bool =
     settings.update(options)
     nc = await nats.connect(**settings)
     return nc
+
+
+async def subscriptions_in_place(nc: Client, timeout: float = 10.0) -> None:
+    """Return once the server has registered every subscription this connection asked for so far.
+
+    `nc.flush()` is not enough: nats-py writes its PING straight to the socket, while SUB commands
+    wait in the client's pending buffer for its flusher task. A flush right after a run of
+    `subscribe` calls (as `Service.start` makes) can thus get its PONG before the server has seen
+    the SUBs, and a request sent by another client at that moment gets "no responders".
+
+    A message, though, goes through the same buffer as the SUBs, behind them, and the server handles
+    one connection's commands in order: once a message we publish to a subscription of our own comes
+    back, every endpoint subscribed before it is in place, and answers.
+    """
+    probe = await nc.subscribe(nc.new_inbox())
+    try:
+        await nc.publish(probe.subject, b"")
+        await probe.next_msg(timeout=timeout)
+    finally:
+        await probe.unsubscribe()

@@ -39,6 +39,7 @@ from nats.micro.service import Endpoint as MicroEndpoint
 from nats.micro.service import Service as MicroService
 
 from bus.codec import decode, encode
+from bus.connection import subscriptions_in_place
 from bus.errors import BerthError
 from bus.idempotency import IdempotencyStore, Reply
 from schemas.common import ErrorBody, ErrorInfo
@@ -170,7 +171,7 @@ class Service:
             # nats.micro keeps per-endpoint stats on its Endpoint object; since the real work runs in
             # our own task, we complete those stats ourselves when the task ends (see _account).
             self._stats[spec.name] = self._micro._endpoints[-1]
-        await nc.flush()
+        await subscriptions_in_place(nc)  # so that "started" means every endpoint answers
         log.info("%s serving %d endpoints under %s (id %s)", self.name, len(self.specs), self.prefix, self.id)
 
     @property

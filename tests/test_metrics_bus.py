@@ -20,6 +20,7 @@ from services.metrics.client import MetricsClient
 from services.metrics.provisioners import Provisioner
 from services.metrics.store import PodRef
 from services.metrics.worker import MetricsWorker, Options
+from tests.bus_helpers import idempotency_keys, until
 
 NODE = "n1"
 
@@ -53,19 +54,14 @@ def metrics(nc, prefix) -> MetricsClient:
 
 
 async def wait_synced(metrics: MetricsClient, timeout: float = 10.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            synced = await metrics.has_synced()
-            if synced.synced:
-                return synced
-        except BusError as error:
-            # Once in about a dozen runs, nats-server answered "no responders" to the first request
-            # to a worker that had just printed "ready" (after flushing its subscriptions).
-            if error.code != "no_responders":
-                raise
-        assert time.monotonic() < deadline, "the first round did not finish"
-        await asyncio.sleep(0.05)
+    """has-synced, polled until the first round is done. Every endpoint answers from the start (a
+    worker prints "ready" only once its subscriptions are in place: services/runner.py)."""
+
+    async def synced():
+        answer = await metrics.has_synced()
+        return answer if answer.synced else None
+
+    return await until(synced, timeout=timeout)
 
 
 async def error_of(call) -> BusError:
@@ -78,15 +74,17 @@ async def error_of(call) -> BusError:
 
 
 class Gated(Provisioner):
-    """A provisioner whose first round waits until the test opens the gate."""
+    """A provisioner whose first round says it started, then waits until the test opens the gate."""
 
     name = "gated"
 
     def __init__(self) -> None:
         super().__init__(interval=1.0)
+        self.started = threading.Event()
         self.gate = threading.Event()
 
     def _collect(self, batch, now) -> None:
+        self.started.set()
         self.gate.wait(10)
         batch.add("node", (), "gated.metric", 1.0)
 
@@ -101,8 +99,8 @@ class Broken(Provisioner):
 async def test_has_synced_turns_true_after_the_first_round_and_names_the_failed(start_agent, metrics):
     gated = Gated()
     await start_agent(provisioners=[gated, Broken()], interval=2.0)
-    await asyncio.sleep(0.2)
-    assert (await metrics.has_synced()).synced is False
+    assert await asyncio.to_thread(gated.started.wait, 10)  # the first round is under way ...
+    assert (await metrics.has_synced()).synced is False  # ... so it is not done
     gated.gate.set()
     synced = await wait_synced(metrics)
     assert (synced.failed, synced.interval_seconds) == (["broken"], 2.0)
@@ -119,15 +117,14 @@ async def test_get_reads_node_metrics_from_the_kernel(start_agent, metrics):
     assert before <= cpus.time <= time.time()
     assert (await metrics.get("node", "mem.total.system")).value > 0
     # Rates need a second round: one interval later the node's CPU usage is there too.
-    deadline = time.monotonic() + 5
-    while True:
+    async def usage():
         try:
-            usage = await metrics.get("node", "cpu.usage.ratio.system")
-            break
+            return await metrics.get("node", "cpu.usage.ratio.system")
         except BusError as error:
-            assert error.code == "metric_not_found" and time.monotonic() < deadline
-            await asyncio.sleep(0.2)
-    assert 0 <= usage.value <= 1
+            assert error.code == "metric_not_found"
+            return None
+
+    assert 0 <= (await until(usage, timeout=10, interval=0.2)).value <= 1
 
 
 # -- put, get, list -------------------------------------------------------------------------------
@@ -164,14 +161,22 @@ async def test_put_then_get_and_list_in_every_scope(agent, metrics, scope, ids):
     ]
 
 
-async def test_put_without_time_is_stamped_now_and_a_ttl_makes_it_expire(agent, metrics):
-    before = time.time()
-    stored = await metrics.put("node", "ext.short", 1.0, ttl_seconds=0.5)
-    assert before <= stored.time <= time.time()
-    assert (await metrics.get("node", "ext.short")).value == 1.0
-    await asyncio.sleep(0.7)
-    error = await error_of(metrics.get("node", "ext.short"))
-    assert error.code == "metric_not_found"
+async def test_put_without_time_is_stamped_now_and_a_ttl_makes_it_expire(nc, redis, prefix, serve, metrics):
+    # The agent's store reads the test's clock: "now" and "later" are what the test says, not sleeps.
+    now = time.time()
+    worker = MetricsWorker(nc, redis, prefix, Options(node=NODE), provisioners=[], clock=lambda: now)
+    worker.start()
+    try:
+        await serve(worker.service)
+        stored = await metrics.put("node", "ext.short", 1.0, ttl_seconds=0.5)
+        assert stored.time == now
+        now += 0.25
+        assert (await metrics.get("node", "ext.short")) == stored  # within its TTL
+        now += 0.25
+        error = await error_of(metrics.get("node", "ext.short"))  # the TTL is over
+        assert (error.code, error.details["missing"]) == ("metric_not_found", "metric")
+    finally:
+        await worker.stop()
 
 
 async def test_list_pages_in_order_and_filters_by_scope(agent, metrics):
@@ -317,15 +322,21 @@ BAD_INPUT = [
 
 @pytest.mark.parametrize("command,payload,field", BAD_INPUT)
 async def test_bad_input_is_invalid_argument_naming_the_field(
-    agent, metrics, nc, prefix, command, payload, field
+    agent, metrics, nc, redis, prefix, command, payload, field
 ):
-    data = payload if isinstance(payload, bytes) else msgpack.packb(payload)
+    data = payload if isinstance(payload, bytes) else msgpack.packb({**payload, "request_id": "bad"})
     msg = await nc.request(f"{prefix}.metrics.{NODE}.{command}", data, timeout=5)
     assert msg.headers["Nats-Service-Error-Code"] == "400"
     error = msgpack.unpackb(msg.data)["error"]
     assert (error["code"], error["details"]["field"]) == ("invalid_argument", field)
-    assert field in error["message"] and len(error["message"]) > len(field) + 2  # a reason follows
+    assert error["message"].startswith(f"{field}: ") and len(error["message"]) > len(field) + 2  # a reason
+    again = await nc.request(f"{prefix}.metrics.{NODE}.{command}", data, timeout=5)  # a retry
+    assert (again.headers, again.data) == (msg.headers, msg.data)  # answers the same
     assert (await metrics.has_synced()).synced  # the agent keeps serving
+    # Nothing changed: nothing stored, no registration, no answer kept for the request id.
+    assert (await metrics.list()).total == 0
+    assert [k async for k in redis.scan_iter(match=f"{prefix}:{{metrics:{NODE}}}:notifier*")] == []
+    assert await idempotency_keys(redis, prefix) == []
 
 
 # -- several agents, and the worker process ------------------------------------------------------
