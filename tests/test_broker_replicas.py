@@ -89,7 +89,7 @@ async def test_pool_keeps_refilling_when_the_lease_holder_is_killed(
 
 
 async def test_restart_of_every_replica_forgets_nothing(
-    spawn_worker, broker_call, broker_processes, redis, prefix
+    spawn_worker, broker_call, broker_processes, subscribe, redis, prefix
 ):
     first = [spawn_worker(BROKER, *FAST_ARGS) for _ in range(2)]
     b = broker_call
@@ -111,12 +111,24 @@ async def test_restart_of_every_replica_forgets_nothing(
         assert await asyncio.to_thread(worker.wait) == 0
     assert marked_pids(prefix) == before  # stopping the broker stops no launched process
 
+    events = await subscribe(f"broker.{U}.pool.*")
     for _ in range(2):
         spawn_worker(BROKER, *FAST_ARGS)
     pool = await b.wait_idle(U, "pool", 3)
     assert (pool["idle"], pool["warming"], pool["sold"]) == (3, 0, 1)
-    await asyncio.sleep(0.5)  # several pool rounds: nothing is launched again
     assert await all_tracked(redis, prefix) == before
+    # Pool rounds after the restart launch nothing again. The sentinel: one more resource asked for
+    # now must be the first and only launch of the new replicas, and its readiness (a later round
+    # of the same loop) must come with no other launch before it.
+    await b("add-broker", const_broker(U, "pool", 4))
+    kinds = []
+    while not kinds or kinds[-1] != "ready":
+        _, event = await events.next(timeout=20)
+        kinds.append(event["type"])
+    assert kinds == ["launched", "ready"]
+    after = await all_tracked(redis, prefix)
+    [added] = [p for p in after if p not in before]
+    assert [p for p in after if p != added] == before
     assert (await b("get-resource", {"user": U, "resource_id": "caller"}))["broker_resource_id"] == sold
     assert (await b("get-service-info", {"user": U, "resource_id": "cold"}))["current_instances"] == 2
     await b("apply", apply("after-restart"))
@@ -124,14 +136,20 @@ async def test_restart_of_every_replica_forgets_nothing(
 
 
 async def test_every_status_recovers_after_all_replicas_are_killed(
-    spawn_worker, broker_call, broker_processes, subscribe, redis, prefix
+    spawn_worker, broker_call, broker_processes, subscribe, redis, prefix, tmp_path
 ):
+    # Servers started with this gate do not listen before the file exists: they stay deploying
+    # (or warming) until the test opens it, however slow the machine is.
+    gate = tmp_path / "open"
+    gated = f"{SERVER} --wait-file {gate}"
     first = [spawn_worker(BROKER, *FAST_ARGS) for _ in range(2)]
     b = broker_call
     await b("init", {"user": U, "resource_id": "fresh", "param": param()})
-    for rid, image in (("steady", SERVER), ("gone", SERVER), ("slow", f"{SERVER} --delay 2")):
+    for rid, image in (("steady", SERVER), ("gone", SERVER), ("slow", gated)):
         await b("init", {"user": U, "resource_id": rid, "param": param(image)})
         await b("launch", {"user": U, "resource_id": rid, "filter": ONE})
+        # An answered launch has reached the operator: the record is never `init` any more.
+        assert (await b("get-resource", {"user": U, "resource_id": rid}))["status"] != "init"
     await b.wait_running(U, "steady")
     await b.wait_running(U, "gone")
     await b("release", {"user": U, "resource_id": "gone"})
@@ -139,13 +157,13 @@ async def test_every_status_recovers_after_all_replicas_are_killed(
     await b.wait_idle(U, "ready", 1)
     sold = (await b("apply", apply("buyer")))["broker_resource_id"]
     launched = await subscribe(f"broker.{U}.warmup.launched")
-    await b("add-broker", const_broker(U, "warmup", 2, image=f"{SERVER} --delay 1.5"))
+    await b("add-broker", const_broker(U, "warmup", 2, image=gated))
     for _ in range(2):
         await launched.next(timeout=10)
-    # A burst of launches, some of them still reaching the operator when the replicas die.
+    # A burst of launches, all of them still deploying when the replicas die.
     burst = [f"burst-{i}" for i in range(5)]
     for rid in burst:
-        await b("init", {"user": U, "resource_id": rid, "param": param()})
+        await b("init", {"user": U, "resource_id": rid, "param": param(gated)})
     await asyncio.gather(
         *(
             b(
@@ -156,8 +174,12 @@ async def test_every_status_recovers_after_all_replicas_are_killed(
         )
     )
     statuses = {r["resource_id"]: r["status"] for r in (await b("list-resources", {"user": U}))["resources"]}
-    assert statuses["fresh"] == "init" and statuses["slow"] in ("init", "deploying")
-    assert statuses["gone"] == "released" and statuses["steady"] == "running"
+    # Every launch was answered: none of them is `init` any more; the gated ones cannot be running.
+    assert {rid: statuses[rid] for rid in ["fresh", "steady", "gone", "slow", *burst]} == {
+        "fresh": "init", "steady": "running", "gone": "released", "slow": "deploying",
+        **{rid: "deploying" for rid in burst},
+    }
+    assert (await b.pool(U, "warmup"))["warming"] == 2
 
     for worker in first:
         worker.signal(signal.SIGKILL)
@@ -166,6 +188,7 @@ async def test_every_status_recovers_after_all_replicas_are_killed(
     steady_before = [p for p in marked_pids(prefix) if "/steady/" in p[0]]
     for _ in range(2):
         spawn_worker(BROKER, *FAST_ARGS)
+    gate.touch()  # the gated servers listen now, with the new replicas following them
 
     async def status(rid: str) -> str:
         return (await b("get-resource", {"user": U, "resource_id": rid}))["status"]

@@ -78,7 +78,7 @@ class Endpoints:
         return Done()
 
     async def launch(self, req: Launch) -> LaunchReply:
-        record = await self.m.launch(req.user, req.resource_id, req.city, req.filter)
+        record = await self.m.launch(req.user, req.resource_id, req.city or None, req.filter)
         return LaunchReply(record.request_instance, record.broker_resource_id)
 
     async def scale(self, req: Scale) -> LaunchReply:
@@ -106,7 +106,7 @@ class Endpoints:
         return RemovedBroker(await self.keeper.remove(req.user, req.name))
 
     async def list_brokers(self, req: ListBrokers) -> BrokerList:
-        return BrokerList(await self.keeper.views(req.user))
+        return BrokerList(await self.keeper.views(req.user or None))
 
     async def get_instance_type(self, req: GetInstanceType) -> InstanceType:
         return self.instance_types.get(req.platform, req.group)

@@ -5,7 +5,8 @@ command answers. Work that outlives a command is a durable timer in Redis, so an
 one started after a crash, finishes it:
 
   launch   make the operator run what the record asks for, then mark the resource deploying
-           (the replica that accepted the launch does it at once; the timer is the crash guard)
+           (the replica that accepted the launch does it at once: a `launch` command answers
+           once the record is `deploying`; the timer is the crash guard)
   trace    follow a deploying resource until it is finished, release it past its deadline
   release  finish a release that was begun, and retry one the operator refused
 
@@ -20,6 +21,7 @@ import secrets
 from collections.abc import Awaitable, Callable, Iterable
 
 import msgspec
+from msgspec import UNSET
 
 from bus.errors import BerthError
 from services.broker import errors, model
@@ -108,10 +110,10 @@ class ResourceManager:
         matching = [
             r
             for r in await self.all_records()
-            if (req.user is None or r.user == req.user)
-            and (req.status is None or r.status == req.status)
-            and (req.broker_name is None or r.broker_name == req.broker_name)
-            and (req.broker_sold is None or r.broker_sold == req.broker_sold)
+            if (req.user is UNSET or r.user == req.user)
+            and (req.status is UNSET or r.status == req.status)
+            and (req.broker_name is UNSET or r.broker_name == req.broker_name)
+            and (req.broker_sold is UNSET or r.broker_sold == req.broker_sold)
         ]
         page = matching[req.offset : req.offset + req.limit]
         return ResourceList([r.view() for r in page], len(matching))
@@ -208,13 +210,15 @@ class ResourceManager:
             no_ready_instance=need,
             deadline=now() + self.timing.trace_timeout,
         )
-        return await self._commit_launch(
+        written = await self._commit_launch(
             launched,
             record.version,
             need,
             free,
             refuse=lambda left: errors.no_enough_resources(left, f.least_instance),
+            wait=True,
         )
+        return written
 
     async def apply(self, user: str, resource_id: str, param: ResourceParam, f: InstanceFilter) -> Resource:
         """A ready resource of the first fitting broker, linked to the caller's resource (init'ed if new;
@@ -300,10 +304,17 @@ class ResourceManager:
         *,
         refuse: Callable[[int], BerthError],
         extra: Iterable[Op] = (),
+        wait: bool = False,
     ) -> Resource:
         """Write a launch: reserve `need` instances of the block (at most `free` reserved in all), set
-        the launch timer, and start the operator launch in the background. Another launch that took
-        the capacity first makes it `refuse(instances left)`."""
+        the launch timer, and start the operator launch. Another launch that took the capacity first
+        makes it `refuse(instances left)`.
+
+        With `wait`, the operator launch is done before returning and the record returned is the one
+        it wrote (`deploying`): a `launch` command must not answer while its record still says
+        `init` (crm's `deploying` is "the platform accepted the launch"). Should that work fail
+        (Redis unreachable, say), the `launch` timer finishes it; the record written so far is
+        returned. Without `wait` (a broker's own launches, scale) it runs in the background."""
         block = record.resource_block_key
         t = now()
         ops = [
@@ -326,11 +337,21 @@ class ResourceManager:
             if stale.reason == "missing":
                 raise errors.broker_not_found(record.user, record.broker_name) from None
             raise errors.already_launched(record.resource_id, "changed meanwhile") from None
-        self.background(self.finish_launch(record.user, record.resource_id))
-        return written
+        if not wait:
+            self.background(self.finish_launch(record.user, record.resource_id))
+            return written
+        try:
+            finished = await self.finish_launch(record.user, record.resource_id)
+        except Exception as error:  # the launch timer retries what failed here
+            user, resource_id = record.user, record.resource_id
+            log.error("launch of %s/%s failed; its timer retries it: %r", user, resource_id, error)
+            finished = None
+        return finished or written
 
-    async def finish_launch(self, user: str, resource_id: str) -> None:
-        """Make the operator run what the record asks for, then mark it deploying (the `launch` timer)."""
+    async def finish_launch(self, user: str, resource_id: str) -> Resource | None:
+        """Make the operator run what the record asks for, then mark it deploying (the `launch` timer).
+
+        Returns the record as written (`deploying`), or None when there was nothing to finish."""
         launch_timer = timer_member("launch", user, resource_id)
         for _ in range(RETRIES):
             record = await self.store.load(user, resource_id)
@@ -338,10 +359,10 @@ class ResourceManager:
                 # Released while launching: stop whatever this launch may have started.
                 await self.operator.release(user, resource_id, record.request_instance if record else 0)
                 await self.store.drop_timer("launch", user, resource_id)
-                return
+                return None
             if not record.pending:
                 await self.store.drop_timer("launch", user, resource_id)
-                return
+                return record
             message = ""
             try:
                 await self.operator.launch(
@@ -363,7 +384,8 @@ class ResourceManager:
                 continue
             if record.status != DEPLOYING:
                 await self.publish.status(deploying)
-            return
+            return deploying
+        return None
 
     # -- status ------------------------------------------------------------------------------------
 

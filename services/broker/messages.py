@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from msgspec import Meta, Struct, field
+from msgspec import UNSET, Meta, Struct, UnsetType, field
 
 from schemas.common import Event
 
@@ -111,7 +111,7 @@ class Launch(Struct):
     user: Token
     resource_id: ResourceId
     filter: InstanceFilter
-    city: str | None = None
+    city: str | UnsetType = UNSET  # absent: the city of the resource's param (null is not a city)
     request_id: RequestId = ""
 
 
@@ -176,10 +176,12 @@ class ResourceView(Struct):
 
 
 class ListResources(Struct):
-    user: Token | None = None
-    status: Status | None = None
-    broker_name: Token | None = None
-    broker_sold: bool | None = None
+    """Filters that are absent match everything; a present one is typed strictly (null is invalid)."""
+
+    user: Token | UnsetType = UNSET
+    status: Status | UnsetType = UNSET
+    broker_name: Token | UnsetType = UNSET
+    broker_sold: bool | UnsetType = UNSET
     offset: Offset = 0
     limit: Limit = 100
 
@@ -275,7 +277,7 @@ class RemovedBroker(Struct):
 
 
 class ListBrokers(Struct):
-    user: Token | None = None
+    user: Token | UnsetType = UNSET  # absent: every user
 
 
 class BrokerView(Struct):

@@ -48,14 +48,18 @@ class PoolKeeper:
         return await self.view(config)
 
     async def remove(self, user: str, name: str) -> list[str]:
-        """Remove a broker and release its unsold resources (sold ones stay with their callers)."""
-        if not await self.store.remove_broker(user, name):
-            raise errors.broker_not_found(user, name)
+        """Remove a broker and release its unsold resources (sold ones stay with their callers).
+
+        The pool is read before the broker goes, and a broker already gone whose pool still holds
+        resources is finished off: a removal interrupted half way (a crash, an error) completes
+        when it is asked again, instead of leaving resources no pool loop will ever release."""
         unsold = [
             rid
             for part in ("warming", "idle", "deleting")
             for rid in await self.store.members(user, name, part)
         ]
+        if not await self.store.remove_broker(user, name) and not unsold:
+            raise errors.broker_not_found(user, name)
         records = await self.store.load_many((user, rid) for rid in unsold)
         await asyncio.gather(*(self.manager.release_record(r) for r in records if r is not None))
         return sorted(unsold)
