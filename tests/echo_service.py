@@ -1,6 +1,12 @@
 """A test-only service that exercises the runtime: slow calls, errors, typed input, idempotency.
 
 Run in-process by the tests, or as worker processes: `python -m services.runner tests.echo_service`.
+
+Two commands let tests know what is in flight instead of sleeping and hoping:
+- `echo.meet` {parties}: each request waits in its handler until `parties` requests of its group
+  are there at once (a cyclic barrier in this process); so N replies prove N were served together;
+- `echo.hold` {gate}: each request says it arrived (RPUSH `<prefix>:echo:gate:<gate>:arrived`) and
+  waits until the test lets one through (BLPOP `<prefix>:echo:gate:<gate>:open`).
 """
 
 from __future__ import annotations
@@ -41,6 +47,19 @@ class Increment(msgspec.Struct):
     delay: Annotated[float, msgspec.Meta(ge=0, le=5)] = 0.0
 
 
+class Meet(msgspec.Struct):
+    parties: Annotated[int, msgspec.Meta(ge=1, le=1000)]
+    group: str = ""
+    tag: str = ""
+    timeout: Annotated[float, msgspec.Meta(gt=0, le=60)] = 10.0
+
+
+class Hold(msgspec.Struct):
+    gate: Annotated[str, msgspec.Meta(min_length=1)]
+    tag: str = ""
+    timeout: Annotated[int, msgspec.Meta(ge=1, le=60)] = 30
+
+
 class Empty(msgspec.Struct):
     pass
 
@@ -49,6 +68,7 @@ class Served(msgspec.Struct):
     tag: str
     pid: int
     instance: str
+    in_flight: int = 0  # requests the service was running when this one entered its handler
 
 
 class Counted(msgspec.Struct):
@@ -59,9 +79,32 @@ class EchoHandlers:
     def __init__(self, service: Service, redis) -> None:
         self.service = service
         self.redis = redis
+        self._barriers: dict[tuple[str, int], asyncio.Barrier] = {}
 
-    def served(self, tag: str = "") -> Served:
-        return Served(tag=tag, pid=os.getpid(), instance=self.service.id)
+    def served(self, tag: str = "", in_flight: int = 0) -> Served:
+        return Served(tag=tag, pid=os.getpid(), instance=self.service.id, in_flight=in_flight)
+
+    async def meet(self, req: Meet) -> Served:
+        in_flight = self.service.in_flight
+        barrier = self._barriers.setdefault((req.group, req.parties), asyncio.Barrier(req.parties))
+        try:
+            async with asyncio.timeout(req.timeout):
+                await barrier.wait()
+        except (TimeoutError, asyncio.BrokenBarrierError):
+            await barrier.abort()
+            self._barriers.pop((req.group, req.parties), None)
+            raise BerthError(
+                f"{req.parties} requests of group {req.group!r} were never in the handler at once",
+                code="not_met",
+            ) from None
+        return self.served(req.tag, in_flight)
+
+    async def hold(self, req: Hold) -> Served:
+        gate = f"{self.service.prefix}:echo:gate:{req.gate}"
+        await self.redis.rpush(f"{gate}:arrived", self.service.id)
+        if await self.redis.blpop([f"{gate}:open"], timeout=req.timeout) is None:
+            raise BerthError(f"gate {req.gate!r} was not opened within {req.timeout} s", code="not_opened")
+        return self.served(req.tag)
 
     async def sleep(self, req: Sleep) -> Served:
         await asyncio.sleep(req.seconds)
@@ -86,6 +129,8 @@ class EchoHandlers:
 
 COMMANDS = [
     Command("echo.sleep", Sleep, Served, "sleep"),
+    Command("echo.meet", Meet, Served, "meet"),
+    Command("echo.hold", Hold, Served, "hold"),
     Command("echo.fail", Fail, Empty, "fail"),
     Command("echo.crash", Empty, Empty, "crash"),
     Command("echo.typed", Typed, Typed, "typed"),

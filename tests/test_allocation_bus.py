@@ -12,6 +12,7 @@ from bus.idempotency import IdempotencyStore
 from services.allocation.manager import ResourceManager
 from services.allocation.store import NodeStore
 from services.allocation.worker import make_plugins, make_service
+from tests.bus_helpers import EventLog, idempotency_keys
 
 GiB = 1 << 30
 BOUND = {"cpumem": {"cpu-bind": True, "cpu-request": 1, "memory-request": GiB}}
@@ -38,6 +39,11 @@ def call(client, alloc):
 async def add(call, node: str, cpu: int = 4, memory: str = "8G", labels: dict | None = None, **extra) -> dict:
     resource = {"cpumem": {"cpu": cpu, "memory": memory}, **extra}
     return await call("add-node", {"nodename": node, "resource": resource, "labels": labels or {}})
+
+
+def answer(error: BusError) -> tuple:
+    """What a refusal says: a retry must answer exactly this again."""
+    return error.code, error.status, error.message, error.details
 
 
 async def error_of(call, command: str, payload: dict) -> BusError:
@@ -332,36 +338,65 @@ async def test_unknown_node_and_plugin(call, client, nc, prefix):
         await client.request("resource.tpu.add-node", {"nodename": "x"}, timeout=2)
 
 
-@pytest.mark.parametrize(
-    "command,payload,field",
-    [
-        ("add-node", {"nodename": "bad.name", "resource": {"cpumem": {"cpu": 1, "memory": "1G"}}}, "nodename"),
-        ("add-node", {"resource": {"cpumem": {"cpu": 1}}}, "nodename"),
-        ("add-node", {"nodename": "b1", "resource": {"cpumem": {"cpu": "4", "memory": "1G"}}}, "cpu"),
-        ("add-node", {"nodename": "b1", "resource": {"cpumem": {"cpu": 2, "memory": "lots"}}}, "memory"),
-        ("add-node", {"nodename": "b1", "resource": {"cpumem": {"cpu": 2, "memory": -5}}}, "memory"),
-        ("calculate-deploy", {"nodename": "b0", "deploy_count": 0}, "deploy_count"),
-        ("calculate-deploy", {"nodename": "b0", "deploy_count": "1"}, "deploy_count"),
-        ("calculate-deploy", {"nodename": "b0", "deploy_count": 1,
-                              "workload_resource_request": {"cpumem": {"cpu-request": float("nan")}}}, "cpu-request"),
-        ("calculate-deploy", {"nodename": "b0", "deploy_count": 1,
-                              "workload_resource_request": {"cpumem": {"cpu-request": -1}}}, "cpu-request"),
-        ("calculate-deploy", {"nodename": "b0", "deploy_count": 1,
-                              "workload_resource_request": {"cpumem": {"cpu-bind": None, "cpu-request": 1}}}, "cpu-bind"),
-        ("allocate", {"nodename": "b0", "nodenames": ["b0"], "deploy_count": 1}, "nodename"),
-        ("allocate", {"nodenames": ["b0"], "strategy": "random", "deploy_count": 1}, "strategy"),
-        ("release", {"workload_ids": []}, "workload_ids"),
-        ("get-nodes-deploy-capacity", {"nodenames": "b0"}, "nodenames"),
-    ],
-)
-async def test_bad_input_is_refused_naming_the_field_and_changes_nothing(call, command, payload, field):
+CPUMEM = "workload_resource_request.cpumem"
+
+# (command, bad payload, the field at fault: its path from the payload root)
+BAD_INPUT = [
+    ("add-node", {"nodename": "bad.name", "resource": {"cpumem": {"cpu": 1, "memory": "1G"}}}, "nodename"),
+    ("add-node", {"resource": {"cpumem": {"cpu": 1}}}, "nodename"),
+    ("add-node", {"nodename": "b1", "resource": {"cpumem": {"cpu": "4", "memory": "1G"}}},
+         "resource.cpumem.cpu"),
+    ("add-node", {"nodename": "b1", "resource": {"cpumem": {"cpu": 2, "memory": "lots"}}},
+         "resource.cpumem.memory"),
+    ("add-node", {"nodename": "b1", "resource": {"cpumem": {"cpu": 2, "memory": -5}}},
+         "resource.cpumem.memory"),
+    ("calculate-deploy", {"nodename": "b0", "deploy_count": 0}, "deploy_count"),
+    ("calculate-deploy", {"nodename": "b0", "deploy_count": "1"}, "deploy_count"),
+    ("calculate-deploy", {"nodename": "b0", "deploy_count": 1,
+                              "workload_resource_request": {"cpumem": {"cpu-request": float("nan")}}},
+         f"{CPUMEM}.cpu-request"),
+    ("calculate-deploy", {"nodename": "b0", "deploy_count": 1,
+                              "workload_resource_request": {"cpumem": {"cpu-request": -1}}},
+         f"{CPUMEM}.cpu-request"),
+    ("calculate-deploy", {"nodename": "b0", "deploy_count": 1,
+                              "workload_resource_request": {"cpumem": {"cpu-bind": None, "cpu-request": 1}}},
+         f"{CPUMEM}.cpu-bind"),
+    ("allocate", {"nodename": "b0", "nodenames": ["b0"], "deploy_count": 1}, "nodename"),
+    ("allocate", {"nodenames": ["b0"], "strategy": "random", "deploy_count": 1}, "strategy"),
+    ("release", {"workload_ids": []}, "workload_ids"),
+    ("get-nodes-deploy-capacity", {"nodenames": "b0"}, "nodenames"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("command,payload,field", BAD_INPUT)
+async def test_bad_input_is_refused_naming_the_field_and_changes_nothing(
+    call, nc, redis, prefix, command, payload, field
+):
     await add(call, "b0")
-    before = await call("get-node-resource-info", {"nodename": "b0"})
-    err = await error_of(call, command, payload)
-    assert err.status == 400 and err.code.startswith("invalid_"), (err.code, err.message)
-    assert field in err.details.get("field", "") or field in err.message, (err.details, err.message)
-    assert await call("get-node-resource-info", {"nodename": "b0"}) == before
-    assert (await call("list-nodes", {}))["total"] == 1
+    await call("allocate", {"nodename": "b0", "deploy_count": 1, "workload_resource_request": BOUND})
+
+    async def state():
+        return (
+            await call("get-node-resource-info", {"nodename": "b0"}),
+            await call("get-allocations", {"nodename": "b0"}),
+            await call("list-nodes", {}),
+        )
+
+    before = await state()
+    log = await EventLog.open(nc, prefix, "resource.>")
+    request = {**payload, "request_id": f"bad-{command}"}
+    err = await error_of(call, command, request)
+    assert (err.code, err.status, err.details["field"]) == ("invalid_argument", 400, field), err.message
+    assert err.message.startswith(f"{field}: ") and len(err.message) > len(field) + 2, err.message
+    assert answer(await error_of(call, command, request)) == answer(err)  # a retry answers the same
+    # Nothing changed: node record, ledger and listing as they were, no answer kept for the request
+    # id (the corrected request may use it), no event before the sentinel.
+    assert await state() == before
+    assert len(before[1]["allocations"]) == 1 and before[2]["total"] == 1
+    assert await idempotency_keys(redis, prefix) == []
+    await call("set-node-labels", {"nodename": "b0", "labels": {"sentinel": "1"}})
+    assert await log.before("resource.b0.labels") == []
+    await log.close()
 
 
 async def test_garbage_bytes_get_invalid_argument(alloc, nc, prefix, call):

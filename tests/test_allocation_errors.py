@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 
 from bus.errors import BusError
+from bus.idempotency import IdempotencyStore
 from services.allocation.manager import ResourceManager
 from services.allocation.store import NodeStore
 from services.allocation.worker import make_plugins, make_service
-from bus.idempotency import IdempotencyStore
+from tests.bus_helpers import EventLog, idempotency_keys
 
 GiB = 1 << 30
 NODE = {
@@ -41,45 +42,93 @@ async def held_workload(call, request: dict) -> dict:
     return placed["allocations"][0]
 
 
+CHANGES_STATE = {"add-node", "allocate", "realloc", "set-node-resource-info"}  # among the commands below
+CPUMEM = "workload_resource_request.cpumem"
+STORAGE = "workload_resource_request.storage"
+
 CASES = [
-    # (code, status, command, payload)
-    ("invalid_argument", 400, "calculate-deploy", {"nodename": "e0", "deploy_count": -1}),
-    ("invalid_argument", 400, "calculate-deploy", deploy({"cpumem": {"cpu-request": -1}})),
-    ("invalid_cpu", 400, "calculate-deploy", deploy({"cpumem": {"cpu-bind": True}})),
-    ("invalid_argument", 400, "calculate-deploy", deploy({"cpumem": {"memory-request": -1}})),
-    ("invalid_cpu_map", 400, "add-node", {"nodename": "x1", "resource": {"cpumem": {"memory": "1G"}}}),
+    # (code, status, command, payload, for a 400 the field at fault: its path from the payload root)
+    ("invalid_argument", 400, "calculate-deploy", {"nodename": "e0", "deploy_count": -1}, "deploy_count"),
+    # A negative quantity is invalid_argument (DESIGN.md §2); eru's codes are for what only the
+    # plugin can judge: a bound request without a quantity, a delta that leaves a negative total.
+    ("invalid_argument", 400, "calculate-deploy", deploy({"cpumem": {"cpu-request": -1}}),
+     f"{CPUMEM}.cpu-request"),
+    ("invalid_argument", 400, "calculate-deploy", deploy({"cpumem": {"memory-request": -1}}),
+     f"{CPUMEM}.memory-request"),
+    ("invalid_argument", 400, "calculate-deploy", deploy({"storage": {"storage-request": "lots"}}),
+     f"{STORAGE}.storage-request"),
+    ("invalid_cpu", 400, "calculate-deploy", deploy({"cpumem": {"cpu-bind": True}}),
+     f"{CPUMEM}.cpu-request"),
+    ("invalid_cpu", 400, "realloc",
+     {"workload_id": "held", "workload_resource_request": {"cpumem": {"cpu-request": -1}}},
+     f"{CPUMEM}.cpu-request"),
+    ("invalid_memory", 400, "realloc",
+     {"workload_id": "held", "workload_resource_request": {"cpumem": {"memory-request": -GiB}}},
+     f"{CPUMEM}.memory-request"),
+    ("invalid_storage", 400, "realloc",
+     {"workload_id": "held", "workload_resource_request": {"storage": {"storage-request": "-1G"}}},
+     f"{STORAGE}.storage-request"),
+    ("invalid_cpu_map", 400, "add-node", {"nodename": "x1", "resource": {"cpumem": {"memory": "1G"}}},
+     "resource.cpumem.cpu"),
     ("invalid_numa_cpu", 400, "set-node-resource-info",
      {"nodename": "e0", "capacity": {"cpumem": {"cpu": 2, "cpu_map": {"0": 100, "1": 100}, "memory": GiB,
                                                 "numa_memory": {"0": GiB}, "numa": {"0": "0"}}},
-      "usage": {"cpumem": {}}}),
+      "usage": {"cpumem": {}}}, "capacity.cpumem.numa"),
     ("invalid_numa_memory", 400, "add-node",
      {"nodename": "x2", "resource": {"cpumem": {"cpu": 2, "memory": "2G", "numa-cpu": ["0", "1"],
-                                                "numa-memory": ["1G"]}}}),
-    ("invalid_volume", 400, "calculate-deploy", deploy({"storage": {"volumes": ["bad::::"]}})),
-    ("invalid_argument", 400, "calculate-deploy", deploy({"storage": {"storage-request": "lots"}})),
-    ("insufficient_capacity", 409, "calculate-deploy", deploy({"cpumem": {"cpu-bind": True, "cpu-request": 1}}, 3)),
-    ("insufficient_resource", 409, "allocate", deploy({"gpu": {"prod_count_map": {"nvidia-3070": 1}}}, 3)),
-    ("insufficient_resource", 409, "calculate-deploy", deploy({"storage": {"storage-request": "1T"}})),
-    ("insufficient_resource", 409, "allocate", deploy({"storage": {"volumes": ["AUTO:/d:rw:60G"]}}, 2)),
-    ("node_exists", 409, "add-node", {"nodename": "e0"}),
-    ("node_not_found", 404, "get-node-resource-info", {"nodename": "nope"}),
-    ("plugin_not_found", 404, "calculate-deploy", deploy({"fpga": {"count": 1}})),
-    ("workload_not_found", 404, "realloc", {"workload_id": "missing"}),
-]
+                                                "numa-memory": ["1G"]}}},
+     "resource.cpumem.numa-memory"),
+    ("invalid_volume", 400, "calculate-deploy", deploy({"storage": {"volumes": ["bad::::"]}}),
+     f"{STORAGE}.volumes[0]"),
+    ("insufficient_capacity", 409, "calculate-deploy",
+     deploy({"cpumem": {"cpu-bind": True, "cpu-request": 1}}, 3), None),
+    ("insufficient_resource", 409, "allocate",
+     deploy({"gpu": {"prod_count_map": {"nvidia-3070": 1}}}, 3), None),
+    ("insufficient_resource", 409, "calculate-deploy", deploy({"storage": {"storage-request": "1T"}}), None),
+    ("insufficient_resource", 409, "allocate", deploy({"storage": {"volumes": ["AUTO:/d:rw:60G"]}}, 2), None),
+    ("node_exists", 409, "add-node", {"nodename": "e0"}, None),
+    ("node_not_found", 404, "get-node-resource-info", {"nodename": "nope"}, None),
+    ("plugin_not_found", 404, "calculate-deploy", deploy({"fpga": {"count": 1}}), None),
+    ("workload_not_found", 404, "realloc", {"workload_id": "missing"}, None),
+]  # fmt: skip
 
 
-@pytest.mark.parametrize("code,status,command,payload", CASES, ids=[f"{c[0]}-{c[2]}" for c in CASES])
-async def test_error_code(call, code, status, command, payload):
-    before = await call("get-node-resource-info", {"nodename": "e0"})
+@pytest.mark.parametrize("code,status,command,payload,field", CASES, ids=[f"{c[0]}-{c[2]}" for c in CASES])
+async def test_error_code(call, nc, redis, prefix, code, status, command, payload, field):
+    held = {"cpumem": {"cpu-request": 0.1, "memory-request": 1 << 20}}
+    await call("allocate", {**deploy(held), "workload_ids": ["held"]})  # a ledger entry
+
+    async def state():
+        return (
+            await call("get-node-resource-info", {"nodename": "e0"}),
+            await call("get-allocations", {"nodename": "e0"}),
+            await call("list-nodes", {}),
+        )
+
+    before = await state()
+    log = await EventLog.open(nc, prefix, "resource.>")
+    request = {**payload, "request_id": f"failing-{command}"}
     with pytest.raises(BusError) as caught:
-        await call(command, payload)
-    assert (caught.value.code, caught.value.status) == (code, status), caught.value.message
-    assert caught.value.message
+        await call(command, request)
+    err = caught.value
+    assert (err.code, err.status) == (code, status), err.message
+    assert err.message
     if status == 400:
-        assert caught.value.details.get("field"), caught.value.details
-    after = await call("get-node-resource-info", {"nodename": "e0"})
-    assert after == before
-    assert (await call("list-nodes", {}))["total"] == 1
+        assert err.details["field"] == field, err.details
+    with pytest.raises(BusError) as caught:  # a retry answers the same
+        await call(command, request)
+    again = caught.value
+    assert (again.code, again.status, again.message, again.details) == (err.code, status, err.message, err.details)
+    # Nothing changed by the failure: node record, ledger, listing; no event before the sentinel.
+    # A 400 (the request did nothing) keeps no answer; any other refusal of a command that changes
+    # state is kept for its retries (the others take no request id).
+    assert await state() == before
+    assert len(before[1]["allocations"]) == 1 and before[2]["total"] == 1
+    kept = [key.rsplit(":", 1)[-1] for key in await idempotency_keys(redis, prefix)]
+    assert kept == ([request["request_id"]] if status != 400 and command in CHANGES_STATE else [])
+    await call("set-node-labels", {"nodename": "e0", "labels": {"sentinel": "1"}})
+    assert await log.before("resource.e0.labels") == []
+    await log.close()
 
 
 async def test_insufficient_resource_on_bound_storage_and_gpu_realloc(call):

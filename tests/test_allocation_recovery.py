@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import pytest
@@ -11,6 +10,7 @@ from bus.idempotency import IdempotencyStore
 from services.allocation.manager import ResourceManager
 from services.allocation.store import NodeStore
 from services.allocation.worker import make_plugins, make_service
+from tests.bus_helpers import until
 
 GiB = 1 << 30
 BOUND = {"cpumem": {"cpu-bind": True, "cpu-request": 1, "memory-request": GiB}}
@@ -47,11 +47,10 @@ async def test_half_done_multi_node_allocation_is_released_by_the_reaper(call, m
     await manager.store.begin_intent("dead-worker", ["w1", "w2"], time.time() - 1)
     assert await used_cpus(call, "h1") == 1
 
-    for _ in range(50):
-        if await used_cpus(call, "h1") == 0:
-            break
-        await asyncio.sleep(0.1)
-    assert await used_cpus(call, "h1") == 0
+    async def reaped():
+        return await used_cpus(call, "h1") == 0
+
+    await until(reaped)
     assert await manager.store.expired_intents(time.time() + 3600) == {}
     assert (await call("get-allocations", {"nodename": "h1"}))["allocations"] == []
 

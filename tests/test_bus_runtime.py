@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import time
-
 from typing import Annotated
 
 import msgpack
@@ -15,6 +13,7 @@ import pytest
 from bus.codec import decode, encode
 from bus.errors import BusError, InvalidArgument, NoResponders, RequestTimeout
 from tests import echo_service
+from tests.bus_helpers import until
 from tests.echo_service import Counted, Served, Typed
 
 
@@ -24,32 +23,24 @@ async def echo(serve, prefix, redis):
 
 
 async def test_slow_requests_are_served_in_parallel(echo, client):
-    started = time.monotonic()
+    # Each request waits in its handler until all 20 are there at once: served one after another,
+    # not one of them could return (they would answer not_met).
     replies = await asyncio.gather(
-        *(client.request("echo.sleep", {"seconds": 0.5, "tag": str(i)}, Served) for i in range(20))
+        *(client.request("echo.meet", {"parties": 20, "tag": str(i)}, Served) for i in range(20))
     )
-    elapsed = time.monotonic() - started
     assert sorted(int(r.tag) for r in replies) == list(range(20))
-    # Sequential service would need 10 s; in parallel it is about one sleep.
-    assert elapsed < 5.0
+    assert max(r.in_flight for r in replies) == 20
 
 
 async def test_concurrency_is_bounded(serve, prefix, redis, client):
-    service = await serve(echo_service.make_service(prefix, redis, concurrency=2))
-    peak = 0
-
-    async def watch():
-        nonlocal peak
-        while True:
-            peak = max(peak, service.in_flight)
-            await asyncio.sleep(0.01)
-
-    watcher = asyncio.create_task(watch())
-    try:
-        await asyncio.gather(*(client.request("echo.sleep", {"seconds": 0.2}, Served) for _ in range(6)))
-    finally:
-        watcher.cancel()
-    assert peak == 2
+    await serve(echo_service.make_service(prefix, redis, concurrency=2))
+    # Requests meet in pairs, so two run at once (both slots are used); none ever entered its handler
+    # with more than two running.
+    replies = await asyncio.gather(
+        *(client.request("echo.meet", {"parties": 2, "tag": str(i)}, Served) for i in range(6))
+    )
+    assert sorted(int(r.tag) for r in replies) == list(range(6))
+    assert max(r.in_flight for r in replies) == 2
 
 
 @pytest.mark.parametrize(
@@ -136,17 +127,33 @@ async def test_request_id_reused_for_another_request_is_refused(echo, client):
 
 
 async def test_client_timeout_and_no_responders(echo, client):
-    with pytest.raises(RequestTimeout):
-        await client.request("echo.sleep", {"seconds": 2}, Served, timeout=0.2)
+    with pytest.raises(RequestTimeout):  # held at a gate nobody opens: no answer can come in time
+        await client.request("echo.hold", {"gate": "never", "timeout": 1}, Served, timeout=0.2)
     with pytest.raises(NoResponders):
         await client.request("echo.nothing-here", {}, timeout=1)
 
 
-async def test_in_flight_requests_complete_on_sigterm(spawn_worker, client):
+async def test_in_flight_requests_complete_on_sigterm(spawn_worker, client, redis, prefix):
     worker = spawn_worker("tests.echo_service")
-    calls = [asyncio.create_task(client.request("echo.sleep", {"seconds": 1.0, "tag": str(i)}, Served)) for i in range(10)]
-    await asyncio.sleep(0.3)  # the requests are in flight
+    gate = f"{prefix}:echo:gate:drain"
+    calls = [
+        asyncio.create_task(client.request("echo.hold", {"gate": "drain", "tag": str(i)}, Served, timeout=30))
+        for i in range(10)
+    ]
+    for _ in range(10):  # every request is in a handler, waiting at the gate
+        assert await redis.blpop([f"{gate}:arrived"], timeout=10) is not None
     worker.signal(signal.SIGTERM)
+
+    async def draining():  # the worker takes nothing new: its endpoints are unsubscribed
+        try:
+            await client.request("echo.whoami", {}, Served, timeout=1)
+        except NoResponders:
+            return True
+        return False
+
+    await until(draining)
+    assert not any(call.done() for call in calls)  # ... while the ten are still in flight
+    await redis.rpush(f"{gate}:open", *["go"] * 10)
     replies = await asyncio.gather(*calls)
     assert sorted(int(r.tag) for r in replies) == list(range(10))
     assert await asyncio.to_thread(worker.wait, 15) == 0

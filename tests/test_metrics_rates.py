@@ -67,12 +67,16 @@ def test_keys_are_independent():
 @given(st.lists(st.tuples(st.integers(0, 2**64 - 1), st.floats(0.001, 10)), min_size=1, max_size=30))
 def test_rates_are_never_negative(steps):
     counters = Counters()
-    now = 0.0
+    now, previous = 0.0, None
     for value, elapsed in steps:
-        now += elapsed
+        before, now = now, now + elapsed
         counters.new_round()
         rate = counters.rate("k", value, now)
-        assert rate is None or rate >= 0
+        if previous is None or value < previous:  # no reading yet, or the counter was reset
+            assert rate is None
+        else:
+            assert rate == (value - previous) / (now - before) and rate >= 0
+        previous = value
 
 
 def ticks(user=0, system=0, idle=0, iowait=0, steal=0) -> CpuTimes:

@@ -14,6 +14,7 @@ import math
 import os
 import re
 import socket
+import time
 from collections.abc import Callable, Sequence
 
 import msgspec
@@ -71,9 +72,10 @@ class MetricsWorker:
         *,
         provisioners: Sequence[Provisioner] | None = None,
         concurrency: int = 64,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         node = options.node
-        self.store = Store(options.insurance_seconds)
+        self.store = Store(options.insurance_seconds, clock)  # `clock`: the store's unix time (tests)
         self.agent = Agent(self.store, make_provisioners(options) if provisioners is None else provisioners)
         self.notifier = Notifier(
             nc, Registrations(redis, prefix, node), Publishing(redis, prefix, node), self.store,

@@ -1,0 +1,88 @@
+"""Helpers for tests that must show that something did *not* happen, without waiting for it.
+
+- `EventLog` keeps every event published under a subject pattern, in arrival order. To show that a
+  request published nothing, follow it with a change whose event must come (a sentinel) and take
+  the events before that one: a worker publishes on one connection, so its events arrive in the
+  order it sent them. No "nothing within N seconds" waits.
+- `idempotency_keys` lists the answers stored for request ids in a namespace: a refusal of bad input
+  (400) keeps none (bus/idempotency.py), any other refusal is kept under its own id and replayed.
+- `until` polls a condition with a deadline (for state that has no event to wait on).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgpack
+
+Event = tuple[str, dict[str, Any]]  # (subject, decoded body)
+
+
+class EventLog:
+    """The events on `<prefix>.events.<pattern>` since `open`, as (subject, body) in arrival order."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.events: list[Event] = []
+        self._changed = asyncio.Event()
+        self._sub = None
+
+    @classmethod
+    async def open(cls, nc, prefix: str, pattern: str = ">") -> EventLog:
+        log = cls(prefix)
+        log._sub = await nc.subscribe(f"{prefix}.events.{pattern}", cb=log._add)
+        await nc.flush()
+        return log
+
+    async def _add(self, msg) -> None:
+        self.events.append((msg.subject, msgpack.unpackb(msg.data, strict_map_key=False)))
+        self._changed.set()
+
+    def subject(self, suffix: str) -> str:
+        return f"{self.prefix}.events.{suffix}"
+
+    async def first(self, match: Callable[[Event], bool], *, after: int = 0, timeout: float = 10.0) -> int:
+        """The index of the first event from index `after` on that `match`es; it must come in time."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for index in range(after, len(self.events)):
+                if match(self.events[index]):
+                    return index
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"no matching event within {timeout} s; got {self.events[after:]!r}")
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+
+    async def before(self, suffix: str, *, after: int = 0, timeout: float = 10.0) -> list[Event]:
+        """The events (from index `after` on) that came before the first one on `<prefix>.events.<suffix>`,
+        which must come (the sentinel)."""
+        subject = self.subject(suffix)
+        index = await self.first(lambda event: event[0] == subject, after=after, timeout=timeout)
+        return self.events[after:index]
+
+    async def close(self) -> None:
+        await self._sub.unsubscribe()
+
+
+async def idempotency_keys(redis, prefix: str) -> list[str]:
+    """Every request id whose answer the namespace keeps (`<prefix>:idem:*`)."""
+    return sorted([key.decode() async for key in redis.scan_iter(match=f"{prefix}:idem:*")])
+
+
+async def until(check: Callable[[], Awaitable[Any]], timeout: float = 10.0, interval: float = 0.05) -> Any:
+    """Await `check()` until it returns a truthy value (that value); fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = await check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s (last: {result!r})")
+        await asyncio.sleep(interval)
