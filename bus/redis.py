@@ -1,14 +1,26 @@
-"""Redis connections for workers: one async client over a blocking pool sized to the concurrency.
+"""Redis connections for workers: one async client over a blocking pool sized to the concurrency,
+and automatic pipelining of the commands concurrent requests send.
 
 A `BlockingConnectionPool` makes a burst of requests wait for a connection instead of opening an
 unbounded number of them (DESIGN.md §1).
+
+A command sent on its own costs redis-py about 70 µs of CPU (pool checkout, health check, its own
+write and read, a timeout context); in a pipeline about 15 µs. `Pipelined` gathers the commands
+that concurrent tasks issue in one turn of the event loop and sends them as one pipeline, so a
+worker serving 64 requests at once pays the pipeline price without any request waiting for
+another: a batch leaves as soon as the loop has run every task that was ready.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
+import weakref
+from typing import Any
 
 from redis.asyncio import BlockingConnectionPool, Redis
+from redis.commands.core import AsyncScript
+from redis.exceptions import NoScriptError
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -22,3 +34,90 @@ def connect_redis(url: str | None = None, *, max_connections: int = 64, timeout:
         redis_url(url), max_connections=max_connections, timeout=timeout, health_check_interval=30
     )
     return Redis(connection_pool=pool)
+
+
+class Pipelined:
+    """Send the commands issued in one turn of the event loop together, in one pipeline.
+
+        batch = Pipelined(redis)
+        fields, held = await asyncio.gather(batch.execute_command("HGETALL", key), batch.script(s, keys, args))
+
+    Commands keep their order and their own results or errors; nothing is a transaction. A script
+    goes through redis-py's pipeline mechanism (SCRIPT EXISTS, and SCRIPT LOAD if the server lacks
+    it) until the server has confirmed it once; then it is sent as a plain EVALSHA, and a NOSCRIPT
+    answer (the server lost its scripts) only sends those commands again the first way.
+    """
+
+    def __init__(self, redis: Redis, *, max_batch: int = 512) -> None:
+        self.redis = redis
+        self.max_batch = max_batch
+        self._queued: list[tuple[tuple[Any, ...], dict[str, Any], AsyncScript | None, asyncio.Future]] = []
+        self._tasks: set[asyncio.Task] = set()
+        self._confirmed: set[str] = set()  # script shas the server is known to hold
+
+    @classmethod
+    def of(cls, redis: Redis) -> "Pipelined":
+        """The one batcher of a client, shared by every store on it (the bigger the batch, the better)."""
+        batcher = _batchers.get(redis)
+        if batcher is None:
+            batcher = _batchers[redis] = cls(redis)
+        return batcher
+
+    def execute_command(self, *args: Any, **options: Any) -> asyncio.Future:
+        return self._queue(args, options, None)
+
+    def script(self, script: AsyncScript, keys: list[Any], args: list[Any]) -> asyncio.Future:
+        """Run a registered script (`redis.register_script`) in the next batch."""
+        return self._queue((len(keys), *keys, *args), {}, script)
+
+    def _queue(self, args: tuple, options: dict, script: AsyncScript | None) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        if not self._queued:
+            loop.call_soon(self._send)
+        self._queued.append((args, options, script, future))
+        if len(self._queued) >= self.max_batch:
+            self._send()
+        return future
+
+    def _send(self) -> None:
+        batch, self._queued = self._queued, []
+        if batch:
+            task = asyncio.get_running_loop().create_task(self._run(batch))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, batch: list) -> None:
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for args, options, script, _ in batch:
+                    if script is None:
+                        pipe.execute_command(*args, **options)
+                    else:
+                        if script.sha not in self._confirmed:
+                            pipe.scripts.add(script)
+                        pipe.execute_command("EVALSHA", script.sha, *args)
+                loading = {script.sha for script in pipe.scripts}  # execute() forgets them
+                results = await pipe.execute(raise_on_error=False)
+                self._confirmed |= loading
+        except BaseException as error:  # the connection failed: every command of the batch failed
+            for *_, future in batch:
+                if not future.done():
+                    future.set_exception(error if isinstance(error, Exception) else ConnectionError("cancelled"))
+            if not isinstance(error, Exception):
+                raise
+            return
+        lost = [entry for entry, result in zip(batch, results) if isinstance(result, NoScriptError)]
+        if lost:  # not run: the server lost its scripts (a restart, SCRIPT FLUSH); load and send again
+            self._confirmed.clear()
+            await self._run(lost)
+        for (*_, future), result in zip(batch, results):
+            if future.done() or isinstance(result, NoScriptError):
+                continue  # its caller went away, or it was sent again
+            if isinstance(result, Exception):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+
+
+_batchers: "weakref.WeakKeyDictionary[Redis, Pipelined]" = weakref.WeakKeyDictionary()
