@@ -1,25 +1,36 @@
 """Replaying the first answer for a repeated `request_id` (DESIGN.md §2).
 
-The first request with an id claims it in Redis with `SET NX` and a short lease, runs, and stores
-its reply for `ttl` seconds. A retry that arrives meanwhile, on any replica, waits for that reply
-instead of running again; a retry after the lease expired without a reply (the worker died) runs
-again. Internal errors and refusals of malformed input (400) are not stored, so a retry can
-succeed. A request id reused with a different payload is refused rather than answered with someone
-else's reply.
+The first request with an id claims it in Redis, runs, and keeps its answer for `ttl` seconds (24 h).
+A retry that arrives meanwhile, on any replica, waits for that answer instead of running again.
+
+A claim is a short lease (`lease`, 2 s) that its holder renews while it works, so a claim whose
+worker died is free again within about `lease` seconds: the next retry takes it over and runs
+again. The claim remembers how many runs it had (`Claim.attempt`, 0 for the first), so that a
+handler can tell a takeover from a first run and give back what a dead run left behind.
+
+Internal errors and refusals of malformed input (400) are not kept, so a retry can succeed. A
+request id reused with a different payload is refused rather than answered with someone else's
+reply. Every Redis step is one script on one key (Redis Cluster safe), sent in the worker's shared
+pipeline (`bus.redis.Pipelined`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hashlib
+import logging
 import uuid
+from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 import msgspec
 from redis.asyncio import Redis
 
 from bus.errors import BerthError, InvalidArgument
+from bus.redis import Pipelined
 
+log = logging.getLogger("berth.idempotency")
 
 # Answers that are not kept for a retry: a request refused as malformed (400) did nothing, so its
 # id stays free for the corrected request; an internal error (500) may succeed when tried again.
@@ -33,24 +44,62 @@ class Reply(msgspec.Struct):
     headers: dict[str, str] | None = None
 
 
-class _Entry(msgspec.Struct, array_like=True):
-    token: str  # who holds the claim; empty once the reply is stored
-    digest: bytes
-    reply: Reply | None = None
+@dataclass(frozen=True)
+class Claim:
+    """The request a handler is running under: its id, and which run of it this is."""
+
+    request_id: str
+    attempt: int  # 0 the first time; n after n runs that never kept an answer (their worker died)
 
 
-# Store the reply only if we still hold the claim (our lease may have expired and been taken over).
-_STORE = """
-local current = redis.call('GET', KEYS[1])
-if current and current ~= ARGV[1] then return 0 end
-redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
+# The claim of the request the current task runs, for handlers that need it (None without one).
+current_claim: contextvars.ContextVar[Claim | None] = contextvars.ContextVar("berth_claim", default=None)
+
+# A claim is a hash: d (payload digest), t (holder's token), u (lease end, ms of server time),
+# a (runs so far), r (the kept answer). ARGV: digest, token, lease ms, ttl s.
+# Answers: {'claimed', attempt} | {'done', answer} | {'busy', ms left} | {'mismatch', ''}.
+_CLAIM = """
+local now = redis.call('TIME')
+now = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+local held = redis.call('HMGET', KEYS[1], 'd', 'r', 'u', 'a')
+if not held[1] then
+  redis.call('HSET', KEYS[1], 'd', ARGV[1], 't', ARGV[2], 'u', now + tonumber(ARGV[3]), 'a', 0)
+  redis.call('EXPIRE', KEYS[1], ARGV[4])
+  return {'claimed', '0'}
+end
+if held[1] ~= ARGV[1] then return {'mismatch', ''} end
+if held[2] then return {'done', held[2]} end
+local left = tonumber(held[3] or '0') - now
+if left > 0 then return {'busy', tostring(left)} end
+local attempt = tonumber(held[4] or '0') + 1
+redis.call('HSET', KEYS[1], 't', ARGV[2], 'u', now + tonumber(ARGV[3]), 'a', attempt)
+return {'claimed', tostring(attempt)}
+"""
+
+# Keep the answer if we still hold the claim. ARGV: token, answer, ttl s.
+_KEEP = """
+if redis.call('HGET', KEYS[1], 't') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'r', ARGV[2])
+redis.call('HDEL', KEYS[1], 't', 'u')
+redis.call('EXPIRE', KEYS[1], ARGV[3])
 return 1
 """
 
-# Release a claim we still hold, so that a retry can run at once.
+# Extend our lease. ARGV: token, lease ms.
+_RENEW = """
+if redis.call('HGET', KEYS[1], 't') ~= ARGV[1] then return 0 end
+local now = redis.call('TIME')
+redis.call('HSET', KEYS[1], 'u', tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) + tonumber(ARGV[2]))
+return 1
+"""
+
+# Give the claim up. ARGV: token, 'forget' (the run did nothing: the id is free) or 'expire' (the
+# next retry takes it over as a new attempt, and cleans up after this one).
 _RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
+if redis.call('HGET', KEYS[1], 't') ~= ARGV[1] then return 0 end
+if ARGV[2] == 'forget' and redis.call('HGET', KEYS[1], 'a') == '0' then return redis.call('DEL', KEYS[1]) end
+redis.call('HSET', KEYS[1], 'u', 0)
+return 1
 """
 
 
@@ -61,7 +110,7 @@ class IdempotencyStore:
         *,
         prefix: str = "berth",
         ttl: float = 24 * 3600,
-        lease: float = 30.0,
+        lease: float = 2.0,
         wait: float = 10.0,
         poll: float = 0.01,
     ) -> None:
@@ -71,52 +120,95 @@ class IdempotencyStore:
         self.lease = lease
         self.wait = wait
         self.poll = poll
-        self._store = redis.register_script(_STORE)
+        self.batch = Pipelined.of(redis)
+        self._claim = redis.register_script(_CLAIM)
+        self._keep = redis.register_script(_KEEP)
+        self._renew = redis.register_script(_RENEW)
         self._release = redis.register_script(_RELEASE)
+        self._held: dict[str, str] = {}  # claims this process holds now: key -> token
+        self._renewal: asyncio.TimerHandle | None = None
 
     def key(self, scope: str, request_id: str) -> str:
         return f"{self.prefix}:idem:{scope}:{request_id}"
 
     async def run(
-        self, scope: str, request_id: str, payload: bytes, call: Callable[[], Awaitable[Reply]]
+        self,
+        scope: str,
+        request_id: str,
+        payload: bytes,
+        call: Callable[[], Awaitable[Reply]],
+        undo: Callable[[Reply], Awaitable[None]] | None = None,
     ) -> Reply:
-        """The stored reply for (scope, request_id), or the result of `call()` stored for next time."""
+        """The kept answer for (scope, request_id), or the answer of `call()`, kept for next time.
+
+        `undo` gives back the effect of an answer that could not be kept because this run lost its
+        claim (its lease ran out while it worked, and a retry took over): the retry's answer counts.
+        """
         if len(request_id) > 200:
             raise InvalidArgument("request_id", "must be at most 200 characters")
         key = self.key(scope, request_id)
-        digest = hashlib.blake2b(payload, digest_size=16).digest()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.wait
-        while True:
-            claim = msgspec.msgpack.encode(_Entry(uuid.uuid4().hex, digest))
-            if await self.redis.set(key, claim, nx=True, px=int(self.lease * 1000)):
-                return await self._run_claimed(key, claim, digest, call)
-            raw = await self.redis.get(key)
-            if raw is None:
-                continue  # the holder released or its lease just expired: try to claim again
-            entry = msgspec.msgpack.decode(raw, type=_Entry)
-            if entry.digest != digest:
-                raise InvalidArgument("request_id", "was already used for a different request")
-            if entry.reply is not None:
-                return entry.reply
-            if loop.time() > deadline:
-                raise BerthError(
-                    f"request {request_id} is still being processed; retry later", code="busy",
-                    field="request_id",
-                )
-            await asyncio.sleep(self.poll)
-
-    async def _run_claimed(
-        self, key: str, claim: bytes, digest: bytes, call: Callable[[], Awaitable[Reply]]
-    ) -> Reply:
+        token = uuid.uuid4().hex
+        attempt = await self._take(key, token, hashlib.sha1(payload).digest(), request_id)
+        if isinstance(attempt, Reply):
+            return attempt
+        self._hold(key, token)
+        claim = current_claim.set(Claim(request_id, attempt))
         try:
             reply = await call()
         except BaseException:
-            await self._release(keys=[key], args=[claim])
+            await asyncio.shield(self.batch.script(self._release, [key], [token, "expire"]))
             raise
-        if reply.headers and reply.headers.get("Nats-Service-Error-Code") in _NOT_KEPT:
-            await self._release(keys=[key], args=[claim])
-        else:
-            stored = msgspec.msgpack.encode(_Entry("", digest, reply))
-            await self._store(keys=[key], args=[claim, stored, self.ttl])
+        finally:
+            current_claim.reset(claim)
+            self._held.pop(key, None)
+        status = (reply.headers or {}).get("Nats-Service-Error-Code")
+        if status in _NOT_KEPT:
+            await self.batch.script(self._release, [key], [token, "forget" if status == "400" else "expire"])
+        elif not await self.batch.script(self._keep, [key], [token, msgspec.msgpack.encode(reply), self.ttl]):
+            log.warning("request %s: the claim was taken over while it ran; its answer is not the one kept", request_id)
+            if undo is not None and status is None:  # an error answer changed nothing to give back
+                await undo(reply)
+            raise BerthError(f"request {request_id} took too long and was taken over; retry", code="busy",
+                             field="request_id")
         return reply
+
+    def _hold(self, key: str, token: str) -> None:
+        """Keep the claim's lease running while it is held: every third of a lease, one renewal
+        for every claim held at that moment (a timer, not a task per request)."""
+        self._held[key] = token
+        if self._renewal is None:
+            self._renewal = asyncio.get_running_loop().call_later(self.lease / 3, self._renew_held)
+
+    def _renew_held(self) -> None:
+        self._renewal = None
+        if not self._held:
+            return
+        for key, token in self._held.items():
+            self.batch.script(self._renew, [key], [token, int(self.lease * 1000)]).add_done_callback(_log_failure)
+        self._renewal = asyncio.get_running_loop().call_later(self.lease / 3, self._renew_held)
+
+    async def _take(self, key: str, token: str, digest: bytes, request_id: str) -> int | Reply:
+        """Claim the id (the run's attempt number), or the answer kept for it; waits while another
+        live run holds it."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.wait
+        pause = self.poll
+        while True:
+            status, value = await self.batch.script(self._claim, [key], [digest, token, int(self.lease * 1000), self.ttl])
+            if status == b"claimed":
+                return int(value)
+            if status == b"done":
+                return msgspec.msgpack.decode(value, type=Reply)
+            if status == b"mismatch":
+                raise InvalidArgument("request_id", "was already used for a different request")
+            if loop.time() > deadline:
+                raise BerthError(
+                    f"request {request_id} is still being processed; retry later", code="busy", field="request_id"
+                )
+            await asyncio.sleep(min(pause, int(value) / 1000))
+            pause = min(pause * 2, 0.1)
+
+
+def _log_failure(renewal: asyncio.Future) -> None:
+    if not renewal.cancelled() and renewal.exception() is not None:  # the next renewal tries again
+        log.warning("renewing a claim failed: %r", renewal.exception())

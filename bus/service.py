@@ -60,6 +60,7 @@ class EndpointSpec:
     handler: Handler
     idempotent: bool
     broadcast: bool = False
+    undo: Callable[[Any, bytes], Awaitable[None]] | None = None
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,9 @@ class Command:
     # The type the service decodes, when it differs from the documented `request`: a subclass that
     # keeps a large field as `msgspec.Raw` for the handler to decode lazily.
     wire: type | None = None
+    # For an idempotent command, the method that gives back the effect of an answer (the request and
+    # the encoded answer) that could not be kept because its run lost the claim to a retry.
+    undo: str | None = None
 
 
 def error_reply(error: BerthError) -> Reply:
@@ -136,11 +140,14 @@ class Service:
         name: str | None = None,
         idempotent: bool = False,
         broadcast: bool = False,
+        undo: Callable[[Any, bytes], Awaitable[None]] | None = None,
     ) -> None:
         if idempotent and self.idempotency is None:
             raise ValueError(f"endpoint {subject} is idempotent but the service has no idempotency store")
         endpoint_name = name or subject.replace(".", "-")
-        self.specs.append(EndpointSpec(endpoint_name, subject, request, response, handler, idempotent, broadcast))
+        self.specs.append(
+            EndpointSpec(endpoint_name, subject, request, response, handler, idempotent, broadcast, undo)
+        )
 
     def bind(self, commands: list[Command], target: object) -> None:
         """Serve each command with the method of `target` that it names."""
@@ -149,6 +156,7 @@ class Service:
             self.add_endpoint(
                 command.subject, command.wire or command.request, command.response, handler,
                 idempotent=command.idempotent, broadcast=command.broadcast,
+                undo=getattr(target, command.undo) if command.undo else None,
             )
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -247,8 +255,9 @@ class Service:
         try:
             req = decode(data, spec.request)
             if spec.idempotent and getattr(req, "request_id", None):
+                undo = (lambda reply: spec.undo(req, reply.body)) if spec.undo else None
                 return await self.idempotency.run(
-                    self._idempotency_scope(spec), req.request_id, data, lambda: self._call(spec, req)
+                    self._idempotency_scope(spec), req.request_id, data, lambda: self._call(spec, req), undo
                 )
             return await self._call(spec, req)
         except BerthError as error:

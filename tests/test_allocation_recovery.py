@@ -68,11 +68,20 @@ async def test_retry_of_an_unanswered_allocate_places_once(call, redis, prefix):
     await call("add-node", {"nodename": "u1", "resource": {"cpumem": {"cpu": 4, "memory": "8G"}}})
     request = {"nodename": "u1", "deploy_count": 2, "workload_resource_request": BOUND, "request_id": "job-9"}
     first = await call("allocate", request)
-    # The worker died after committing but before it could record its answer for the retry.
-    idem_keys = [k async for k in redis.scan_iter(match=f"{prefix}:idem:*")]
-    await redis.delete(*idem_keys)
+    # The worker died after committing but before it could keep its answer: its claim is left
+    # without an answer, and its lease runs out.
+    [claim] = [k async for k in redis.scan_iter(match=f"{prefix}:idem:*")]
+    await redis.hdel(claim, "r")
+    await redis.hset(claim, mapping={"t": "a-dead-worker", "u": 0})
     again = await call("allocate", request)
-    assert [a["workload_id"] for a in again["allocations"]] == [a["workload_id"] for a in first["allocations"]]
+    # The retry took the claim over: it gave back what the unanswered run placed and placed anew.
+    first_ids = {a["workload_id"] for a in first["allocations"]}
+    again_ids = {a["workload_id"] for a in again["allocations"]}
+    assert len(again_ids) == 2 and not first_ids & again_ids
+    held = await call("get-allocations", {"nodename": "u1"})
+    assert {a["workload_id"] for a in held["allocations"]} == again_ids
     assert await used_cpus(call, "u1") == 2
     info = await call("get-node-resource-info", {"nodename": "u1"})
     assert info["diffs"] == []
+    # And that answer is kept: a further retry replays it.
+    assert await call("allocate", request) == again
