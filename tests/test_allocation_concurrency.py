@@ -49,10 +49,10 @@ async def allocate_many(client, count: int, in_flight: int, on_reply=None) -> tu
     return placed, failures
 
 
-async def check_invariants(client) -> int:
+async def check_invariants(client, nodes: list[str] = NODES) -> int:
     """No core or memory over-committed, usage equal to the ledger; returns the ledger's size."""
     held = 0
-    for node in NODES:
+    for node in nodes:
         info = await client.request("resource.get-node-resource-info", {"nodename": node}, dict)
         assert info["diffs"] == [], (node, info["diffs"])  # usage is exactly what the ledger explains
         capacity, usage = info["capacity"]["cpumem"], info["usage"]["cpumem"]

@@ -12,6 +12,8 @@ import functools
 import inspect
 from typing import Any
 
+import msgspec
+
 from bus.errors import BerthError, InvalidArgument
 from bus.service import Command
 from services.allocation.manager import ResourceManager
@@ -62,7 +64,7 @@ from services.allocation.messages import (
 )
 from services.allocation.placement import total_capacity
 from services.allocation.plugin import EngineInfo, keyed_field
-from services.allocation.view import NodeSet
+from services.allocation.view import NodeSet, Selection
 from schemas.common import Empty
 
 Raw = dict[str, Any]
@@ -91,7 +93,8 @@ PLUGIN_COMMANDS = [
 WIRE_TYPES = {GetNodesDeployCapacity: GetNodesDeployCapacityWire}
 
 MANAGER_ONLY_COMMANDS = [
-    Command("resource.allocate", Allocate, AllocateReply, "allocate", idempotent=True, wire=AllocateWire),
+    Command("resource.allocate", Allocate, AllocateReply, "allocate", idempotent=True, wire=AllocateWire,
+            undo="undo_allocate"),
     Command("resource.release", Release, ReleaseReply, "release", idempotent=True),
     Command("resource.realloc", Realloc, ReallocReply, "realloc", idempotent=True),
     Command("resource.list-nodes", ListNodes, ListNodesReply, "list_nodes"),
@@ -116,15 +119,23 @@ COMMANDS = plugin_commands(None) + MANAGER_ONLY_COMMANDS + [
 EVENTS = {"resource.<node>.<added|removed|capacity|usage|allocated|released|labels>": ResourceEvent}
 
 
+def selection(nodenames: msgspec.Raw, labels: dict[str, str] | None) -> Selection:
+    """The nodes a request selects: a list kept raw (absent or null: none), labels, or every node."""
+    listed = NodeSet(nodenames) if bytes(nodenames) != bytes(NULL) else None
+    if listed is not None and len(listed) == 0:
+        raise InvalidArgument("nodenames", "must name at least one node")
+    return Selection(listed, labels)
+
+
 def naming_keyed_fields(cls: type) -> type:
     """Every handler of a manager-level instance names a plugin's field by its whole path (the
     plugin's key included), as the keyed request spells it."""
 
     def wrap(handler):
         @functools.wraps(handler)
-        async def handle(self, req):
+        async def handle(self, *args):
             try:
-                return await handler(self, req)
+                return await handler(self, *args)
             except BerthError as error:
                 if self.plugin is None and "plugin" in error.details and error.field:
                     rename_field(error, keyed_field(error.field, error.details["plugin"]))
@@ -149,10 +160,11 @@ def rename_field(error: BerthError, field: str) -> None:
 class Endpoints:
     """Handlers for one plugin (`plugin` set) or for the manager (all plugins, keyed maps)."""
 
-    def __init__(self, manager: ResourceManager, plugin: str | None = None) -> None:
+    def __init__(self, manager: ResourceManager, plugin: str | None = None, *, max_payload: int = 1 << 20) -> None:
         self.m = manager
         self.plugin = plugin
         self.names = [plugin] if plugin else list(manager.plugins)
+        self.reply_bytes = max_payload - 4096  # what a listing's entries may take (headers, envelope)
 
     def _in(self, value: Raw | None, field: str) -> dict[str, Raw | None]:
         """Per-plugin values from the wire: the plugin's own map, or a map keyed by plugin."""
@@ -194,7 +206,7 @@ class Endpoints:
 
     async def get_nodes_deploy_capacity(self, req: GetNodesDeployCapacityWire) -> GetNodesDeployCapacityReply:
         requests = self._in(req.workload_resource_request, "workload_resource_request")
-        capacities = await self.m.deploy_capacity(self.names, NodeSet(req.nodenames), requests)
+        capacities = await self.m.deploy_capacity(self.names, selection(req.nodenames, req.labels), requests)
         return GetNodesDeployCapacityReply(
             {node: NodeDeployCapacityMsg(c.capacity, c.usage, c.rate, c.weight) for node, c in capacities.items()},
             total_capacity(capacities),
@@ -235,7 +247,8 @@ class Endpoints:
         return BeforeAfter(self._out(before), self._out(after))
 
     async def get_most_idle_node(self, req: GetMostIdleNode) -> MostIdleNode:
-        node, priority = await self.m.most_idle(self.names, req.nodenames)
+        listed = NodeSet.of(req.nodenames) if req.nodenames is not None else None
+        node, priority = await self.m.most_idle(self.names, Selection(listed, req.labels))
         return MostIdleNode(node, priority)
 
     async def get_metrics_description(self, req: Empty) -> MetricsDescriptionReply:
@@ -247,17 +260,22 @@ class Endpoints:
     # -- manager-only commands ----------------------------------------------------------------
 
     async def allocate(self, req: AllocateWire) -> AllocateReply:
-        listed = bytes(req.nodenames) != bytes(NULL)  # absent or null
-        if (req.nodename is None) == (not listed):
-            raise InvalidArgument("nodename", "give either nodename or nodenames (with a strategy), not both")
-        nodes = NodeSet.of([req.nodename]) if req.nodename is not None else NodeSet(req.nodenames)
-        if len(nodes) == 0:
-            raise InvalidArgument("nodenames", "must name at least one node")
+        if req.nodename is not None:
+            if bytes(req.nodenames) != bytes(NULL) or req.labels is not None:
+                raise InvalidArgument("nodename", "give one nodename, or nodenames and/or labels, not both")
+            nodes = Selection(NodeSet.of([req.nodename]))
+        else:
+            nodes = selection(req.nodenames, req.labels)
         placed = await self.m.allocate(
             nodes, req.strategy, req.deploy_count, self._in(req.workload_resource_request, "workload_resource_request"),
             req.workload_ids, req.request_id,
         )
         return AllocateReply([Allocation(**a) for a in placed])
+
+    async def undo_allocate(self, req: AllocateWire, answer: bytes) -> None:
+        """Give back what an allocate placed when its answer could not be kept (see Command.undo)."""
+        placed = msgspec.msgpack.decode(answer, type=AllocateReply).allocations
+        await self.m.release([a.workload_id for a in placed])
 
     async def release(self, req: Release) -> ReleaseReply:
         return ReleaseReply(await self.m.release(req.workload_ids))
@@ -268,17 +286,20 @@ class Endpoints:
 
     async def list_nodes(self, req: ListNodes) -> ListNodesReply:
         records, total = await self.m.list_nodes(req.nodenames, req.labels, req.offset, req.limit)
-        return ListNodesReply(
-            [
-                NodeSummary(
-                    r.name, r.labels,
-                    {name: s.capacity for name, s in sorted(r.plugins.items())},
-                    {name: s.usage for name, s in sorted(r.plugins.items())},
-                )
-                for r in records
-            ],
-            total,
-        )
+        nodes = []
+        room = self.reply_bytes
+        for r in records:
+            node = NodeSummary(
+                r.name, r.labels,
+                {name: s.capacity for name, s in sorted(r.plugins.items())},
+                {name: s.usage for name, s in sorted(r.plugins.items())},
+            )
+            room -= len(msgspec.msgpack.encode(node))
+            if room < 0 and nodes:  # no reply may exceed the server's max payload: the page ends here
+                break
+            nodes.append(node)
+        end = req.offset + len(nodes)
+        return ListNodesReply(nodes, total, end if end < total else None)
 
     async def get_allocations(self, req: GetAllocations) -> AllocationsReply:
         ledger = await self.m.allocations(req.nodename)

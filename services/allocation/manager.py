@@ -14,15 +14,19 @@ import logging
 import random
 import time
 import uuid
+from functools import partial
 from typing import Any, Awaitable, Callable, TypeVar
 
 from bus.codec import encode
 from bus.errors import BerthError
 from bus.events import EventBus
+from bus.idempotency import current_claim
 from services.allocation import placement
 from services.allocation.messages import ResourceEvent
 from services.allocation.plugin import DeployCapacity, EngineInfo, NamingPlugin, ResourcePlugin
-from services.allocation.view import CapacityView, NodeSet, Views
+from services.allocation.commits import DeployBatches, node_not_found
+from services.allocation.directory import NodeDirectory, matches
+from services.allocation.view import CapacityView, Reservation, Selection, Views
 from services.allocation.store import (
     Change,
     LedgerConflict,
@@ -42,14 +46,6 @@ T = TypeVar("T")
 _WORKLOAD_NAMESPACE = uuid.UUID("6f1d3c2e-8a4b-4e55-9a37-3b0f1c7d2e91")
 
 
-def node_not_found(node: str, plugin: str | None = None) -> BerthError:
-    where = f" in plugin {plugin}" if plugin else ""
-    return BerthError(
-        f"node {node} not found{where}", code="node_not_found", field="nodename",
-        details={"nodename": node, **({"plugin": plugin} if plugin else {})},
-    )
-
-
 class ResourceManager:
     def __init__(
         self,
@@ -66,9 +62,13 @@ class ResourceManager:
         self.attempts = attempts
         self.intent_timeout = intent_timeout
         self.views = Views()
+        self.directory = NodeDirectory(store)
         self.watching = False
         self._capacity_memo: dict[tuple[str, bytes, bytes], DeployCapacity] = {}
-        self._deploy_memo: dict[tuple[str, bytes, bytes, int], tuple[list[Raw], list[Raw], bytes]] = {}
+        self.deploys = DeployBatches(
+            store, self.plugins, latest=self.views.take_record, committed=self._committed, publish=self._publish,
+            release=self.release, contend=self.views.contend, attempts=attempts,
+        )
 
     # -- selecting plugins and requests --------------------------------------------------------
 
@@ -132,16 +132,21 @@ class ResourceManager:
         raise BerthError(f"node {node} is changing too fast; retry", code="busy", details={"nodename": node})
 
     def _committed(self, node: str, record: NodeRecord | None, change: Change, version: int) -> None:
-        """Show our own commit to the views at once, instead of waiting for its event and a reload."""
+        """Show our own commit to the views and the directory at once, instead of waiting for its
+        event and a reload."""
         if not self.watching:
             return
-        if change.delete or record is None:
+        if change.delete:
+            after = None
             self.views.invalidate(node)
-            return
-        raw = {name: value for name, value in record.raw.items() if name not in change.remove_plugins}
-        raw.update(change.plugins)
-        labels = record.labels if change.labels is None else change.labels
-        self.views.committed(NodeRecord(node, version, labels, raw))
+        else:
+            raw = {} if record is None else {n: v for n, v in record.raw.items() if n not in change.remove_plugins}
+            raw.update(change.plugins)
+            labels = change.labels if change.labels is not None else record.labels if record else {}
+            after = NodeRecord(node, version, labels, raw)
+            self.views.committed(after)
+        if self.directory.note(after, node):
+            self.views.relabelled(node, None if after is None else after.labels)
 
     async def _existing(self, node: str) -> NodeRecord:
         record = await self.store.load(node)
@@ -197,39 +202,76 @@ class ResourceManager:
         return dict(sorted(remapped.items()))
 
     async def deploy_capacity(
-        self, names: list[str], nodes: NodeSet, requests: dict[str, Raw | None]
+        self, names: list[str], nodes: Selection, requests: dict[str, Raw | None]
     ) -> dict[str, DeployCapacity]:
         view = await self._view(names, nodes, requests)
         return dict(sorted(view.capacities().items()))
 
-    async def _view(self, names: list[str], nodes: NodeSet, requests: dict[str, Raw | None]) -> CapacityView:
+    async def _view(self, names: list[str], nodes: Selection, requests: dict[str, Raw | None]) -> CapacityView:
         """The standing capacity view for this request over these nodes, refreshed where it is stale."""
         request_keys = tuple(encode(requests[name]) for name in names)
         key = (tuple(names), request_keys, nodes.key)
         view = self.views.get(key) if self.watching else None
         if view is None:
-            view = CapacityView(nodes.names, self._capacity_function(names, dict(zip(names, request_keys)), requests))
+            compute = self._capacity_function(names, dict(zip(names, request_keys)), requests, strict=not nodes.dynamic)
+            view = CapacityView(await self._members(nodes), compute, selection=nodes if nodes.dynamic else None)
             if self.watching:
                 self.views.put(key, view)
-        async with view.lock:
-            if view.stale:
-                todo = list(view.stale)
-                view.stale.clear()
-                records = await self.store.load_many(todo)
-                missing = [node for node, record in records.items() if record is None]
-                if missing:
-                    view.stale.update(missing)  # look again next time; it may have been added by then
-                    raise node_not_found(missing[0])
-                view.update(records.values())
-                if self.watching:
-                    self.views.remember(records.values())
+        elif nodes.dynamic:
+            await self._follow_directory()
+        if not view.members:
+            raise no_node_matches(nodes)
+        if not view.ready:  # its first computation: every request needs it
+            async with view.lock:
+                await self._refresh(view, nodes)
+        elif view.stale and not view.lock.locked():
+            # Nodes other workers changed: read them again, but let no request wait for it (the
+            # view is a hint; every commit re-checks the node), or each would queue on the lock.
+            async with view.lock:
+                await self._refresh(view, nodes)
         return view
 
+    async def _refresh(self, view: CapacityView, nodes: Selection) -> None:
+        """Read the view's stale nodes again and recompute them."""
+        if not view.stale:
+            return
+        todo = list(view.stale)
+        view.stale.clear()
+        records = await self.store.load_many(todo)
+        missing = [node for node, record in records.items() if record is None]
+        if missing and not nodes.dynamic:
+            view.stale.update(missing)  # look again next time; it may have been added by then
+            raise node_not_found(missing[0])
+        for node in missing:
+            view.leave(node)
+        found = [record for record in records.values() if record is not None]
+        view.update(found)
+        view.ready = True
+        if self.watching:
+            self.views.remember(found)
+
+    async def _members(self, nodes: Selection) -> list[str]:
+        """The nodes of a selection as this worker knows them (a list is taken as given)."""
+        if not nodes.dynamic:
+            return nodes.names.names
+        await self._follow_directory()
+        return [n for n in self.directory.select(nodes.labels or {}) if nodes.admits(n, self.directory.labels[n])]
+
+    async def _follow_directory(self) -> None:
+        """Read the nodes that events said were added, removed or relabelled, and move them in or
+        out of the label selections; without events to follow, read the whole directory now."""
+        if not self.watching:
+            await self.directory.load()
+            return
+        for node in await self.directory.refresh():
+            self.views.relabelled(node, self.directory.labels.get(node))
+
     def _capacity_function(
-        self, names: list[str], request_keys: dict[str, bytes], requests: dict[str, Raw | None]
+        self, names: list[str], request_keys: dict[str, bytes], requests: dict[str, Raw | None], *, strict: bool
     ) -> Callable[[NodeRecord], DeployCapacity | None]:
         """A record's merged capacity for the request, memoised on each plugin's stored bytes:
-        nodes in the same state (a fleet of identical machines) are planned once."""
+        nodes in the same state (a fleet of identical machines) are planned once. A node without a
+        record for one of the plugins is an error for a listed node (`strict`), else it has no room."""
         memo = self._capacity_memo
         if len(memo) > 200_000:
             memo.clear()
@@ -239,7 +281,9 @@ class ResourceManager:
             for name in names:
                 raw = record.raw.get(name)
                 if raw is None:
-                    raise node_not_found(record.name, name)
+                    if strict:
+                        raise node_not_found(record.name, name)
+                    return None
                 key = (name, raw, request_keys[name])
                 cap = memo.get(key)
                 if cap is None:
@@ -258,12 +302,14 @@ class ResourceManager:
         """Follow the change events of every worker so views recompute only the nodes that changed."""
         if self.events is None or self.watching:
             return
+        await self.directory.load()
 
         async def changed(subject: str, event: dict) -> None:
-            node = subject.rsplit(".", 2)[-2]
+            _, node, kind = subject.rsplit(".", 2)
             version = event.get("version") or 0
             if not version or version > self.views.known_version(node):  # not our own, already shown
                 self.views.invalidate(node)
+            self.directory.changed(node, kind, version)
 
         self._subscription = await self.events.subscribe("resource.*.*", cb=changed)
         self._sweeper = asyncio.create_task(self._sweep(sweep_interval))
@@ -285,28 +331,27 @@ class ResourceManager:
             except Exception:
                 log.exception("reaping unfinished allocations failed; trying again later")
             try:
-                seen = list(self.views.versions().items())
-                for start in range(0, len(seen), 500):  # in slices, so requests are served meanwhile
-                    part = seen[start:start + 500]
-                    current = await self.store.versions([node for node, _ in part])
-                    for (node, version), now in zip(part, current):
-                        if version != now and version < now:
-                            self.views.invalidate(node)
+                for node in await self.directory.sweep():
+                    self.views.invalidate(node)
             except Exception:
                 log.exception("view sweep failed; making every view recompute")
                 self.views.invalidate_all()
 
-    async def most_idle(self, names: list[str], nodes: list[str]) -> tuple[str, int]:
-        records = await self.store.load_many(sorted(set(nodes)))
-        best: tuple[str, int] | None = None
-        for name in names:
-            plugin = self.plugins[name]
-            loads = {}
+    async def most_idle(self, names: list[str], nodes: Selection) -> tuple[str, int]:
+        """The most idle node by the highest-priority plugin; ties go to the smallest name."""
+        records = await self.store.load_many(sorted(set(await self._members(nodes))))
+        if not nodes.dynamic:
             for node, record in records.items():
                 if record is None:
                     raise node_not_found(node)
-                state = self._states(record, [name])[name]
-                loads[node] = plugin.load(state.capacity, state.usage)
+                self._states(record, names)
+        usable = {n: r for n, r in records.items() if r is not None and all(name in r.plugins for name in names)}
+        if not usable:
+            raise no_node_matches(nodes)
+        best: tuple[str, int] | None = None
+        for name in names:
+            plugin = self.plugins[name]
+            loads = {node: plugin.load(r.plugins[name].capacity, r.plugins[name].usage) for node, r in usable.items()}
             if best is None or plugin.priority > best[1]:
                 best = (placement.most_idle(loads), plugin.priority)
         assert best is not None
@@ -503,7 +548,7 @@ class ResourceManager:
 
     async def allocate(
         self,
-        nodes: NodeSet,
+        nodes: Selection,
         strategy: str,
         count: int,
         requests: dict[str, Raw | None],
@@ -517,56 +562,63 @@ class ResourceManager:
         The plan is made from a snapshot of the nodes; if a node filled up before its commit, the
         instances already placed are returned and we plan again from a fresh snapshot.
         """
-        if request_id and given_ids is None:
-            await self._forget_unanswered(request_id, count * (len(nodes) if strategy == "each" else 1))
-        for attempt in range(replans):
-            plan = await self._plan(nodes, strategy, count, requests)
-            ids = workload_ids(sum(plan.values()), given_ids, request_id)
+        run = current_claim.get()
+        attempt = run.attempt if run is not None and run.request_id == request_id else 0
+        if attempt and given_ids is None:
+            each = len(await self._members(nodes)) if strategy == "each" else 1
+            await self._forget_runs(request_id, attempt, count * each)
+        for replan in range(replans):
+            plan, reservation = await self._plan(nodes, strategy, count, requests)
+            ids = workload_ids(sum(plan.values()), given_ids, request_id, attempt)
             try:
-                return await self._place(plan, ids, requests)
-            except BaseException as error:
-                # The plan reserved room in the view that was not used: read those nodes afresh.
-                for node in plan:
-                    self.views.invalidate(node)
-                if not isinstance(error, NodeFilledUp):
-                    raise
-                if len(nodes) == 1 or attempt == replans - 1:
-                    raise error.error from None
-                log.debug("node %s filled up during allocate; planning again", error.node)
+                return await self._place(plan, ids, requests, reservation)
+            except NodeFilledUp as filled:
+                self.views.invalidate(filled.node)  # its record changed under the view: read it afresh
+                self.views.contend(filled.node)
+                if nodes.single or replan == replans - 1:
+                    raise filled.error from None
+                log.debug("node %s filled up during allocate; planning again", filled.node)
+            finally:
+                reservation.settle_all()
         raise AssertionError("unreachable")
 
     async def _plan(
-        self, nodes: NodeSet, strategy: str, count: int, requests: dict[str, Raw | None]
-    ) -> dict[str, int]:
-        if len(nodes) == 1:
-            return {nodes.names[0]: count}
+        self, nodes: Selection, strategy: str, count: int, requests: dict[str, Raw | None]
+    ) -> tuple[dict[str, int], Reservation]:
+        """Where the instances go, reserved in the view until each node's deploy is settled."""
+        if nodes.single:
+            return {nodes.single: count}, Reservation.none()
         view = await self._view(list(self.plugins), nodes, requests)
         if strategy == "each":
-            return placement.each(view.capacities(), nodes.names, count)
-        return view.plan(strategy, count)
+            return view.plan_each(count)
+        return view.plan(strategy, count, self.views.contended)
 
-    async def _forget_unanswered(self, request_id: str, count: int) -> None:
-        """Release what an earlier run of this very request placed without answering (its worker died).
+    async def _forget_runs(self, request_id: str, attempt: int, count: int) -> None:
+        """Release what earlier runs of this very request placed without answering (their worker
+        died, and this run took their claim over). Their ids derive from the request id and the
+        run, so they are ours; no caller ever saw them."""
+        earlier = [wid for run in range(attempt) for wid in workload_ids(count, None, request_id, run)]
+        released = await self.release(earlier)
+        if released:
+            log.info("request %s: released %d instances an unanswered run had placed", request_id, len(released))
 
-        Its ids are derived from the request id, so they are ours; the caller never saw them."""
-        derived = workload_ids(count, None, request_id)
-        if await self.store.locate(derived):
-            log.info("request %s was placed by a run that never answered: releasing and placing again", request_id)
-            await self.release(derived)
-
-    async def _place(self, plan: dict[str, int], ids: list[str], requests: dict[str, Raw | None]) -> list[Raw]:
+    async def _place(
+        self, plan: dict[str, int], ids: list[str], requests: dict[str, Raw | None], reservation: Reservation
+    ) -> list[Raw]:
         """Commit a plan node by node. Over several nodes an intent records the ids first: if this
         worker dies half way, a reaper on any worker releases them (see `_reap_intents`)."""
         intent = uuid.uuid4().hex if len(plan) > 1 else None
         if intent:
             await self.store.begin_intent(intent, ids, time.time() + self.intent_timeout)
-        names = list(self.plugins)
         placed: list[Raw] = []
         start = 0
         try:
             for node in sorted(plan):
                 try:
-                    placed += await self._commit_deploy(node, names, ids[start:start + plan[node]], requests)
+                    deployed = await self.deploys.deploy(
+                        node, ids[start:start + plan[node]], requests, settled=partial(reservation.settle, node)
+                    )
+                    placed += deployed.allocations
                 except BerthError as error:
                     if error.code in ("insufficient_capacity", "insufficient_resource"):
                         raise NodeFilledUp(node, error) from None
@@ -575,15 +627,18 @@ class ResourceManager:
             if intent and not await self.store.take_intent(intent):
                 # A reaper judged us dead and is releasing these ids: report failure, not a placement.
                 raise BerthError("allocate took too long and was rolled back; retry", code="busy")
-        except BaseException:
-            await asyncio.shield(self._roll_back(placed, ids, intent))
+        except BaseException as error:
+            # Release every id of the plan, not only those known placed: a commit interrupted by a
+            # cancellation may have landed. An id that turned out to be someone else's stays.
+            taken = error.details.get("workload_id") if isinstance(error, BerthError) and error.code == "workload_exists" else None
+            await asyncio.shield(self._roll_back([i for i in ids if i != taken], intent))
             raise
         return placed
 
-    async def _roll_back(self, placed: list[Raw], ids: list[str], intent: str | None) -> None:
-        if placed:
-            log.info("allocate failed after placing %d instances: rolling them back", len(placed))
-            await self.release(ids)
+    async def _roll_back(self, ids: list[str], intent: str | None) -> None:
+        released = await self.release(ids)
+        if released:
+            log.info("allocate failed after placing %d instances: rolled them back", len(released))
         if intent:
             await self.store.take_intent(intent)
 
@@ -593,66 +648,6 @@ class ResourceManager:
             if await self.store.take_intent(intent):
                 log.warning("allocate %s never finished: releasing its %d instances", intent, len(ids))
                 await self.release(ids)
-
-    async def _commit_deploy(
-        self, node: str, names: list[str], ids: list[str], requests: dict[str, Raw | None]
-    ) -> list[Raw]:
-        request_keys = {name: encode(requests[name]) for name in names}
-
-        async def compute():
-            record = self.views.take_record(node) or await self._existing(node)
-            engines: list[Raw] = [{} for _ in ids]
-            workloads: list[Raw] = [{} for _ in ids]
-            after: dict[str, bytes] = {}
-            for name in names:
-                params, resources, after[name] = self._deploy_on(record, name, len(ids), requests[name], request_keys[name])
-                for i in range(len(ids)):
-                    engines[i][name] = params[i]
-                    workloads[i][name] = resources[i]
-            allocations = [
-                {"workload_id": wid, "nodename": node, "workload_resource": w, "engine_params": e}
-                for wid, w, e in zip(ids, workloads, engines)
-            ]
-            # The index entries go first (same round trip): a crash after them leaves index entries
-            # without ledger entries, which release skips.
-            change = Change(plugins=after, ledger_add=dict(zip(ids, workloads)), index=dict.fromkeys(ids, node))
-            return record, change, allocations
-
-        try:
-            allocations, version = await self._mutate(node, compute)
-        except LedgerConflict as conflict:
-            await self.store.unindex_workloads([i for i in ids if i != conflict.subject])
-            raise BerthError(
-                f"workload {conflict.subject} is already allocated", code="workload_exists",
-                field="workload_ids", details={"workload_id": conflict.subject},
-            ) from None
-        except BaseException:
-            await self.store.unindex_workloads(ids)
-            raise
-        await self._publish(node, "allocated", version, workload_ids=ids)
-        return allocations
-
-    def _deploy_on(
-        self, record: NodeRecord, name: str, count: int, request: Raw | None, request_key: bytes
-    ) -> tuple[list[Raw], list[Raw], bytes]:
-        """One plugin's deploy on a record: (engine params, workload resources, the state after).
-
-        Memoised on the stored bytes, like capacities: a fleet of identical nodes filling up in
-        step asks the same question over and over. The results are never mutated.
-        """
-        raw = record.raw.get(name)
-        if raw is None:
-            raise node_not_found(record.name, name)
-        key = (name, raw, request_key, count)
-        done = self._deploy_memo.get(key)
-        if done is None:
-            if len(self._deploy_memo) > 50_000:
-                self._deploy_memo.clear()
-            state = record.plugins[name]
-            params, resources = self.plugins[name].calculate_deploy(state.capacity, state.usage, count, request)
-            usage = self.plugins[name].apply_workloads(state.usage, resources, True)
-            done = self._deploy_memo[key] = (params, resources, encode_state(PluginState(state.capacity, usage)))
-        return done
 
     async def release(self, ids: list[str]) -> list[str]:
         """Return the workloads' resources to their nodes; ids nobody holds are skipped."""
@@ -719,10 +714,19 @@ class ResourceManager:
     async def list_nodes(
         self, nodenames: list[str] | None, labels: dict[str, str], offset: int, limit: int
     ) -> tuple[list[NodeRecord], int]:
-        names = sorted(set(nodenames)) if nodenames is not None else await self.store.node_names()
-        records = [r for r in (await self.store.load_many(names)).values() if r is not None]
-        matching = [r for r in records if all(r.labels.get(k) == v for k, v in labels.items())]
-        return matching[offset:offset + limit], len(matching)
+        """One page of the selected nodes in name order, and how many there are. Only the page's
+        records are read: the names come from the list, the directory (labels) or the index."""
+        if nodenames is not None:
+            listed = await self.store.load_many(sorted(set(nodenames)))
+            found = [r for r in listed.values() if r is not None and matches(r.labels, labels)]
+            return found[offset:offset + limit], len(found)
+        if labels:
+            await self._follow_directory()
+            names = self.directory.select(labels)
+        else:
+            names = await self.store.node_names()
+        page = await self.store.load_many(names[offset:offset + limit])
+        return [r for r in page.values() if r is not None and matches(r.labels, labels)], len(names)
 
 
 class NodeFilledUp(Exception):
@@ -747,6 +751,12 @@ def as_map(state: PluginState) -> Raw:
     return {"capacity": state.capacity, "usage": state.usage}
 
 
+def no_node_matches(nodes: Selection) -> BerthError:
+    return BerthError(
+        "no node matches the selection", code="node_not_found", field="labels", details={"labels": nodes.labels or {}}
+    )
+
+
 def workload_not_found(workload_id: str) -> BerthError:
     return BerthError(
         f"workload {workload_id} not found", code="workload_not_found", field="workload_id",
@@ -754,8 +764,9 @@ def workload_not_found(workload_id: str) -> BerthError:
     )
 
 
-def workload_ids(count: int, given: list[str] | None, request_id: str) -> list[str]:
-    """The caller's ids, else ids derived from the request id (stable across retries), else fresh ones."""
+def workload_ids(count: int, given: list[str] | None, request_id: str, attempt: int = 0) -> list[str]:
+    """The caller's ids, else ids derived from the request id and its run (so a later run can find
+    what an unanswered one placed), else fresh ones."""
     if given is not None:
         if len(given) != count or len(set(given)) != count:
             raise BerthError(
@@ -764,5 +775,6 @@ def workload_ids(count: int, given: list[str] | None, request_id: str) -> list[s
             )
         return list(given)
     if request_id:
-        return [str(uuid.uuid5(_WORKLOAD_NAMESPACE, f"{request_id}/{i}")) for i in range(count)]
+        run = f"{request_id}/{attempt}/" if attempt else f"{request_id}/"
+        return [str(uuid.uuid5(_WORKLOAD_NAMESPACE, f"{run}{i}")) for i in range(count)]
     return [str(uuid.uuid4()) for _ in range(count)]

@@ -90,12 +90,15 @@ class Done(Struct):
 
 
 class GetNodesDeployCapacity(Struct):
-    nodenames: list[NodeName]
+    """`nodenames` lists the nodes, `labels` selects those whose labels match; neither: every node."""
+
+    nodenames: list[NodeName] | None = None
+    labels: Labels | None = None
     workload_resource_request: Raw | None = None
 
 
 class GetNodesDeployCapacityWire(GetNodesDeployCapacity):
-    nodenames: msgspec.Raw
+    nodenames: msgspec.Raw = NULL
 
 
 class NodeDeployCapacityMsg(Struct):
@@ -154,7 +157,10 @@ class SetNodeResourceUsage(Struct):
 
 
 class GetMostIdleNode(Struct):
-    nodenames: Annotated[list[NodeName], Meta(min_length=1, max_length=100_000)]
+    """`nodenames` lists the nodes, `labels` selects those whose labels match; neither: every node."""
+
+    nodenames: Annotated[list[NodeName], Meta(min_length=1, max_length=100_000)] | None = None
+    labels: Labels | None = None
 
 
 class MostIdleNode(Struct):
@@ -193,9 +199,13 @@ class MetricsReply(Struct):
 
 
 class Allocate(Struct, omit_defaults=True):
+    """One `nodename`; or `nodenames` and/or `labels` (the listed nodes, those whose labels match, or
+    the listed ones that match); or neither: every node."""
+
     deploy_count: DeployCount
     nodename: NodeName | None = None
     nodenames: list[NodeName] | None = None
+    labels: Labels | None = None
     strategy: Annotated[str, Meta(pattern="^(spread|pack|each)$")] = "spread"
     workload_resource_request: Raw | None = None
     workload_ids: list[WorkloadId] | None = None
@@ -268,8 +278,12 @@ class NodeSummary(Struct):
 
 
 class ListNodesReply(Struct):
+    """One page. It holds fewer than `limit` nodes when more would not fit in one NATS message:
+    `next_offset` says where the next page starts (None after the last)."""
+
     nodes: list[NodeSummary]
     total: int
+    next_offset: int | None = None
 
 
 class SetNodeLabels(Struct):

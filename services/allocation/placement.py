@@ -38,17 +38,15 @@ def insufficient(wanted: int, available: int) -> BerthError:
     )
 
 
-def each(capacities: dict[str, DeployCapacity], nodes: list[str], count: int) -> dict[str, int]:
-    """`count` instances on every listed node, or none at all."""
-    for node in nodes:
-        have = capacities[node].capacity if node in capacities else 0
+def each(room: dict[str, int], count: int) -> None:
+    """Refuse unless every node has room for `count` instances (each places on all, or none)."""
+    for node, have in room.items():
         if have < count:
             raise BerthError(
                 f"node {node} has room for {have} instances, {count} wanted",
                 code="insufficient_capacity",
                 details={"nodename": node, "wanted": count, "available": have},
             )
-    return {node: count for node in nodes}
 
 
 def most_idle(loads: dict[str, float]) -> str:

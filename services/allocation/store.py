@@ -6,6 +6,10 @@ safe):
   plugin's `{capacity, usage}`;
 - `<prefix>:{node:<name>}:ledger`, a hash: workload id -> `{plugin: workload resource}`.
 
+A removed node leaves a tombstone for a week (`v` and `gone`), so that a node removed and added
+again keeps counting versions up: an event consumer that skips versions it has seen never skips
+the new node's changes.
+
 Every change goes through one Lua script, `commit`: it re-checks the version the caller computed
 from and the ledger entries the change depends on, and only then writes everything at once (no
 WATCH loops). A caller whose version is stale reloads and computes again. Usage and ledger change
@@ -18,6 +22,7 @@ only leave an index entry without a record, which readers skip.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -25,14 +30,18 @@ from typing import Any
 
 import msgspec
 from redis.asyncio import Redis
-from redis.exceptions import NoScriptError
+
+from bus.redis import Pipelined
 
 Raw = dict[str, Any]
 
 PLUGIN_FIELD = "p:"
+TOMBSTONE_SECONDS = 7 * 24 * 3600
 
 _COMMIT = """
-local version = redis.call('HGET', KEYS[1], 'v') or '0'
+local stored = redis.call('HMGET', KEYS[1], 'v', 'gone')
+local version = stored[1] or '0'
+if stored[2] then version = '0' end  -- a removed node's tombstone: the node does not exist
 if version ~= ARGV[1] then return {'version', version} end
 local i = 2
 local function take()
@@ -57,8 +66,15 @@ end
 if mode == 'delete_if_empty' or mode == 'delete' then
   local held = redis.call('HLEN', KEYS[2])
   if mode == 'delete_if_empty' and held > 0 then return {'not_empty', tostring(held)} end
+  local after = tonumber(stored[1] or '0') + 1
   redis.call('DEL', KEYS[1], KEYS[2])
-  return {'ok', '0'}
+  redis.call('HSET', KEYS[1], 'v', after, 'gone', 1)
+  redis.call('EXPIRE', KEYS[1], ARGV[i + 1])
+  return {'ok', tostring(after)}
+end
+if stored[2] then  -- the node comes back: its versions go on from where its tombstone left them
+  redis.call('HDEL', KEYS[1], 'gone')
+  redis.call('PERSIST', KEYS[1])
 end
 for j = set_first, set_last, 2 do redis.call('HSET', KEYS[1], ARGV[j], ARGV[j + 1]) end
 for j = del_first, del_last do redis.call('HDEL', KEYS[1], ARGV[j]) end
@@ -66,6 +82,14 @@ for j = add_first, add_last, 2 do redis.call('HSET', KEYS[2], ARGV[j], ARGV[j + 
 for j = put_first, put_last, 2 do redis.call('HSET', KEYS[2], ARGV[j], ARGV[j + 1]) end
 for j = rm_first, rm_last do redis.call('HDEL', KEYS[2], ARGV[j]) end
 return {'ok', tostring(redis.call('HINCRBY', KEYS[1], 'v', 1))}
+"""
+
+
+# The record and its ledger in one step (all of the ledger, or the ids given in ARGV).
+_READ_WITH_LEDGER = """
+local ledger
+if #ARGV == 0 then ledger = redis.call('HGETALL', KEYS[2]) else ledger = redis.call('HMGET', KEYS[2], unpack(ARGV)) end
+return {redis.call('HGETALL', KEYS[1]), ledger}
 """
 
 
@@ -86,7 +110,7 @@ class NodeRecord:
 
     @cached_property
     def plugins(self) -> dict[str, PluginState]:
-        return {name: _decode_state(value) for name, value in self.raw.items()}
+        return {name: decode_state(value) for name, value in self.raw.items()}
 
 
 @dataclass
@@ -123,7 +147,11 @@ class LedgerConflict(Exception):
 
 
 _encode = msgspec.msgpack.Encoder().encode
-_decode_state = msgspec.msgpack.Decoder(PluginState).decode
+decode_state = msgspec.msgpack.Decoder(PluginState).decode
+
+
+def _pairs(mapping: dict[str, str]) -> list[str]:
+    return [item for pair in mapping.items() for item in pair]
 
 
 def encode_state(state: PluginState) -> bytes:
@@ -138,7 +166,9 @@ class NodeStore:
         self.nodes_key = f"{prefix}:nodes"
         self.workloads_key = f"{prefix}:workloads"
         self.intents_key = f"{prefix}:intents"
+        self.batch = Pipelined.of(redis)
         self._commit = redis.register_script(_COMMIT)
+        self._read_with_ledger = redis.register_script(_READ_WITH_LEDGER)
 
     def record_key(self, node: str) -> str:
         return f"{self.prefix}:{{node:{node}}}:node"
@@ -150,20 +180,21 @@ class NodeStore:
 
     @staticmethod
     def _parse(name: str, fields: dict[bytes, bytes]) -> NodeRecord | None:
-        if not fields:
+        """The record, or None for a node that does not exist (no hash, or a tombstone)."""
+        if not fields or b"gone" in fields:
             return None
         raw = {key[len(PLUGIN_FIELD):].decode(): value for key, value in fields.items() if key.startswith(b"p:")}
         labels = _decode_map(fields[b"labels"]) if b"labels" in fields else {}
         return NodeRecord(name, int(fields.get(b"v", b"0")), labels, raw)
 
     async def load(self, node: str) -> NodeRecord | None:
-        return self._parse(node, await self.redis.hgetall(self.record_key(node)))
+        return self._parse(node, await self.batch.execute_command("HGETALL", self.record_key(node)))
 
     async def load_many(self, nodes: list[str]) -> dict[str, NodeRecord | None]:
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for node in nodes:
-                pipe.hgetall(self.record_key(node))
-            results = await pipe.execute()
+        """Many records at once (in the shared batch: a few stale nodes read beside other requests'
+        commands cost no round trip of their own)."""
+        loads = [self.batch.execute_command("HGETALL", self.record_key(node)) for node in nodes]
+        results = await asyncio.gather(*loads)
         return {node: self._parse(node, fields) for node, fields in zip(nodes, results)}
 
     async def versions(self, nodes: list[str]) -> list[int]:
@@ -174,29 +205,37 @@ class NodeStore:
             results = await pipe.execute()
         return [int(v) if v else 0 for v in results]
 
+    async def versions_and_labels(self, nodes: list[str]) -> list[tuple[int, dict[str, str]] | None]:
+        """Each node's (version, labels), None for a node without a record."""
+        found: list[tuple[int, dict[str, str]] | None] = []
+        for start in range(0, len(nodes), 1000):
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for node in nodes[start:start + 1000]:
+                    pipe.hmget(self.record_key(node), ["v", "labels", "gone"])
+                for version, labels, gone in await pipe.execute():
+                    present = version is not None and gone is None
+                    found.append((int(version), _decode_map(labels) if labels else {}) if present else None)
+        return found
+
     async def load_with_ledger(
         self, node: str, workload_ids: list[str] | None = None
     ) -> tuple[NodeRecord | None, dict[str, Raw]]:
-        """The record and its ledger (all of it, or the given ids) read in one MULTI, so they agree."""
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hgetall(self.record_key(node))
-            if workload_ids is None:
-                pipe.hgetall(self.ledger_key(node))
-            else:
-                pipe.hmget(self.ledger_key(node), workload_ids)
-            fields, held = await pipe.execute()
+        """The record and its ledger (all of it, or the given ids) read in one script, so they agree."""
+        keys = [self.record_key(node), self.ledger_key(node)]
+        fields, held = await self.batch.script(self._read_with_ledger, keys, workload_ids or [])
+        record = self._parse(node, dict(zip(fields[::2], fields[1::2])))
         if workload_ids is None:
-            ledger = {k.decode(): _decode_map(v) for k, v in sorted(held.items())}
-        else:
-            ledger = {wid: _decode_map(v) for wid, v in zip(workload_ids, held) if v is not None}
-        return self._parse(node, fields), ledger
+            return record, {k.decode(): _decode_map(v) for k, v in sorted(zip(held[::2], held[1::2]))}
+        return record, {wid: _decode_map(v) for wid, v in zip(workload_ids, held) if v}
 
     async def node_names(self) -> list[str]:
         return sorted(name.decode() for name in await self.redis.zrange(self.nodes_key, 0, -1))
 
     async def locate(self, workload_ids: list[str]) -> dict[str, str]:
         """workload id -> node, for the ids the index knows."""
-        nodes = await self.redis.hmget(self.workloads_key, workload_ids)
+        if not workload_ids:
+            return {}
+        nodes = await self.batch.execute_command("HMGET", self.workloads_key, *workload_ids)
         return {wid: node.decode() for wid, node in zip(workload_ids, nodes) if node is not None}
 
     # -- writing ---------------------------------------------------------------------------
@@ -215,36 +254,21 @@ class NodeStore:
         section([x for wid, res in change.ledger_add.items() for x in (wid, _encode(res))])
         section(list(change.ledger_remove))
         section([x for wid, res in change.ledger_replace.items() for x in (wid, _encode(res))])
-        args.append(change.delete or "write")
+        args += [change.delete or "write", TOMBSTONE_SECONDS]
         keys = [self.record_key(node), self.ledger_key(node)]
         if change.index:
-            status, detail = await self._commit_after_index(change.index, keys, args)
+            # The index entries go first, in the same batch: a crash between the two leaves index
+            # entries without ledger entries, which readers skip.
+            indexed = self.batch.execute_command("HSET", self.workloads_key, *_pairs(change.index))
+            _, (status, detail) = await asyncio.gather(indexed, self.batch.script(self._commit, keys, args))
         else:
-            status, detail = await self._commit(keys=keys, args=args)
+            status, detail = await self.batch.script(self._commit, keys, args)
         status, detail = status.decode(), detail.decode()
         if status == "ok":
             return int(detail)
         if status == "version":
             raise StaleVersion(node)
         raise LedgerConflict(status, detail)
-
-    async def _commit_after_index(self, index: dict[str, str], keys: list[str], args: list[Any]) -> list[bytes]:
-        """HSET the workload index, then the commit script, in one round trip.
-
-        (redis-py's pipelined scripts ask SCRIPT EXISTS on every execute; EVALSHA alone is one
-        command, and a Redis that lost its scripts answers NOSCRIPT, on which we load it again.)
-        """
-        for _ in range(2):
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.hset(self.workloads_key, mapping=index)
-                pipe.evalsha(self._commit.sha, len(keys), *keys, *args)
-                _, result = await pipe.execute(raise_on_error=False)
-            if not isinstance(result, NoScriptError):
-                if isinstance(result, Exception):
-                    raise result
-                return result
-            self._commit.sha = await self.redis.script_load(_COMMIT)
-        raise result
 
     # -- intents: multi-node allocations a crashed worker may have left half done ------------------
 
@@ -270,10 +294,6 @@ class NodeStore:
     async def remove_from_index(self, node: str) -> None:
         await self.redis.zrem(self.nodes_key, node)
 
-    async def index_workloads(self, node: str, workload_ids: list[str]) -> None:
-        if workload_ids:
-            await self.redis.hset(self.workloads_key, mapping={wid: node for wid in workload_ids})
-
     async def unindex_workloads(self, workload_ids: list[str]) -> None:
         if workload_ids:
-            await self.redis.hdel(self.workloads_key, *workload_ids)
+            await self.batch.execute_command("HDEL", self.workloads_key, *workload_ids)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import os
+import time
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ import msgspec
 
 from bus.codec import decode_as, encode
 from services.allocation.messages import NodeName
-from services.allocation.placement import insufficient
+from services.allocation.placement import each, insufficient
 from services.allocation.plugin import DeployCapacity
 from services.allocation.store import NodeRecord
 
@@ -41,6 +42,7 @@ class NodeSet:
     def __init__(self, raw: bytes | msgspec.Raw, field: str = "nodenames") -> None:
         self.key = bytes(raw)
         self.field = field
+        self.identity = SampledBytes(self.key)
 
     @classmethod
     def of(cls, names: list[str]) -> "NodeSet":
@@ -62,10 +64,86 @@ class NodeSet:
         return len(self.names)  # not an array: decoding says what is wrong with it
 
 
+class Selection:
+    """The nodes a request considers: listed by name (kept as their wire bytes), those whose labels
+    match a selector (every key present with that value), both (the listed nodes that match), or,
+    with neither, every node. A listed node that does not exist is an error; a node that merely
+    stops matching, or goes away, simply leaves a label selection."""
+
+    def __init__(self, names: NodeSet | None = None, labels: dict[str, str] | None = None) -> None:
+        self.names = names
+        self.labels = labels
+        self.key = (names.identity if names is not None else None, tuple(sorted(labels.items())) if labels is not None else None)
+
+    @property
+    def dynamic(self) -> bool:
+        """Membership follows the directory (labels or every node), rather than a fixed list."""
+        return self.labels is not None or self.names is None
+
+    def admits(self, node: str, labels: dict[str, str] | None) -> bool:
+        """Whether a node with these labels (None: it does not exist) belongs to the selection."""
+        if labels is None or (self.names is not None and node not in self._listed):
+            return False
+        return all(labels.get(key) == value for key, value in (self.labels or {}).items())
+
+    @cached_property
+    def _listed(self) -> set[str]:
+        return set(self.names.names) if self.names is not None else set()
+
+    @property
+    def single(self) -> str | None:
+        """The one node of a list of one (no view needed), else None."""
+        if self.dynamic or len(self.names) != 1:
+            return None
+        return self.names.names[0]
+
+
+class SampledBytes:
+    """Bytes hashed from a sample and compared in full: a view keyed by a 93 KiB node list is found
+    without hashing all of it on every request (equal lists still compare equal byte for byte)."""
+
+    __slots__ = ("data", "_hash")
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        middle = len(data) // 2
+        self._hash = hash((len(data), data[:256], data[middle:middle + 256], data[-256:]))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SampledBytes) and self._hash == other._hash and self.data == other.data
+
+
 @dataclass
 class Entry:
-    capacity: DeployCapacity
+    base: DeployCapacity  # as computed from the node's record
+    capacity: DeployCapacity  # the base, less what this worker's plans are placing there right now
     stamp: int  # bumped on every change, so heap items pushed before it are recognised as outdated
+
+
+class Reservation:
+    """The instances a plan counts on each node, from the plan until their deploy is committed
+    (then the node's record holds them) or refused. Settling twice is harmless."""
+
+    def __init__(self, view: "CapacityView | None", plan: dict[str, int]) -> None:
+        self.view = view
+        self.left = dict(plan)
+
+    @classmethod
+    def none(cls) -> "Reservation":
+        """For a plan made without a view (one node named): nothing to settle."""
+        return cls(None, {})
+
+    def settle(self, node: str) -> None:
+        taken = self.left.pop(node, 0)
+        if taken:
+            self.view._reserve(node, -taken)
+
+    def settle_all(self) -> None:
+        for node in list(self.left):
+            self.settle(node)
 
 
 @dataclass
@@ -78,49 +156,76 @@ class CapacityView:
     seen: dict[str, int] = field(default_factory=dict)  # every member's version when last computed
     stale: set[str] = field(default_factory=set)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one refresh at a time
+    pending: dict[str, int] = field(default_factory=dict)  # instances reserved by plans, per node
+    ready: bool = False  # computed once: from then on requests need not wait for a refresh
     _heaps: dict[str, list[tuple[float, int, str, int]]] = field(default_factory=dict)
     _stamps: int = 0
+
+    selection: Selection | None = None  # set for a membership that follows the directory
 
     def __post_init__(self) -> None:
         self.members = set(self.nodes)
         self.stale = set(self.nodes)  # nothing is computed yet
 
+    def join(self, node: str) -> None:
+        self.members.add(node)
+        self.stale.add(node)
+
+    def leave(self, node: str) -> None:
+        self.members.discard(node)
+        self.stale.discard(node)
+        self.entries.pop(node, None)  # heap items for it are skipped when popped
+        self.seen.pop(node, None)
+        self.pending.pop(node, None)
+
     def update(self, records: Iterable[NodeRecord]) -> None:
-        """Recompute the given (freshly loaded) nodes."""
+        """Recompute the given (freshly loaded) nodes; reservations still in flight stay counted."""
         for record in records:
-            self._stamps += 1
             self.seen[record.name] = record.version
-            capacity = self.compute(record)
-            if capacity is None or capacity.capacity <= 0:
+            base = self.compute(record)
+            if base is None or base.capacity <= 0:
                 self.entries.pop(record.name, None)
                 continue
-            entry = self.entries[record.name] = Entry(capacity, self._stamps)
-            for strategy, heap in self._heaps.items():
-                heapq.heappush(heap, self._item(strategy, record.name, entry))
+            self.entries[record.name] = Entry(base, base, 0)
+            self._refresh(record.name)
 
     def capacities(self) -> dict[str, DeployCapacity]:
-        return {node: entry.capacity for node, entry in self.entries.items()}
+        """Each node's capacity as its record says (the instances being placed now not deducted)."""
+        return {node: entry.base for node, entry in self.entries.items()}
 
-    def plan(self, strategy: str, count: int) -> dict[str, int]:
-        """Choose nodes for `count` instances and reserve them in the view until their events arrive.
+    def plan_each(self, count: int) -> tuple[dict[str, int], Reservation]:
+        """`count` instances on every member, reserved, or `insufficient_capacity` naming a node without room."""
+        plan = {node: count for node in sorted(self.members)}
+        room = {node: self.entries[node].capacity.capacity if node in self.entries else 0 for node in plan}
+        each(room, count)
+        for node, taken in plan.items():
+            self._reserve(node, taken)
+        return plan, Reservation(self, plan)
+
+    def plan(
+        self, strategy: str, count: int, contended: Callable[[str], bool] = lambda node: False
+    ) -> tuple[dict[str, int], Reservation]:
+        """Choose nodes for `count` instances and reserve them in the view until they are settled.
 
         spread: each instance to the node with the lowest usage after taking it (eru's GLOBAL);
-        pack: the most-used node that still fits first, filled before the next.
+        pack: the most-used node that still fits first, filled before the next. A node another
+        worker is committing to right now (`contended`) comes after the others that fit: with
+        several workers, each fills its own node instead of all racing for the same one.
         """
         heap = self._heap(strategy)
         plan: dict[str, int] = {}
         left = count
         while left:
-            node = self._pop_valid(heap)
+            node = self._pop_preferred(heap, contended)
             if node is None:
-                self._restore(plan)
+                Reservation(self, plan).settle_all()
                 raise insufficient(count, count - left)
             cap = self.entries[node].capacity
             take = 1 if strategy == "spread" else min(left, cap.capacity)
             plan[node] = plan.get(node, 0) + take
             left -= take
             self._reserve(node, take)
-        return plan
+        return plan, Reservation(self, plan)
 
     def _heap(self, strategy: str) -> list[tuple[float, int, str, int]]:
         heap = self._heaps.get(strategy)
@@ -135,29 +240,46 @@ class CapacityView:
         # replicas planning at the same moment pick different nodes instead of colliding on one.
         return _score(strategy, entry.capacity), zlib.crc32(node.encode(), _SALT), node, entry.stamp
 
-    def _pop_valid(self, heap: list[tuple[float, int, str, int]]) -> str | None:
+    def _pop_preferred(self, heap: list[tuple[float, int, str, int]], contended: Callable[[str], bool]) -> str | None:
+        """The best node with room that is not contended, else the best node with room."""
+        aside = []
         while heap:
-            _, _, node, stamp = heapq.heappop(heap)
+            item = heapq.heappop(heap)
+            _, _, node, stamp = item
             entry = self.entries.get(node)
-            if entry is not None and entry.stamp == stamp and entry.capacity.capacity > 0:
-                return node
-        return None
+            if entry is None or entry.stamp != stamp or entry.capacity.capacity <= 0:
+                continue  # outdated
+            if not contended(node):
+                break
+            aside.append(item)
+        else:
+            if not aside:
+                return None
+            item = aside.pop(0)
+        for other in aside:
+            heapq.heappush(heap, other)
+        return item[2]
 
     def _reserve(self, node: str, taken: int) -> None:
-        """Count `taken` instances as placed on `node` in this view (its event will recompute it)."""
-        entry = self.entries[node]
-        cap = entry.capacity
-        self._stamps += 1
-        entry.capacity = DeployCapacity(cap.capacity - taken, cap.usage + cap.rate * taken, cap.rate, cap.weight)
-        entry.stamp = self._stamps
-        for strategy, heap in self._heaps.items():
-            if entry.capacity.capacity > 0:
-                heapq.heappush(heap, self._item(strategy, node, entry))
+        """Count `taken` more instances (fewer, if negative) as being placed on `node`."""
+        pending = self.pending.get(node, 0) + taken
+        if pending:
+            self.pending[node] = pending
+        else:
+            self.pending.pop(node, None)
+        if node in self.entries:
+            self._refresh(node)
 
-    def _restore(self, plan: dict[str, int]) -> None:
-        """Undo the reservations of a plan that could not be completed."""
-        for node, taken in plan.items():
-            self._reserve(node, -taken)
+    def _refresh(self, node: str) -> None:
+        """The node's capacity net of its reservations, and its new place in every strategy's heap."""
+        entry = self.entries[node]
+        base, taken = entry.base, self.pending.get(node, 0)
+        entry.capacity = DeployCapacity(base.capacity - taken, base.usage + base.rate * taken, base.rate, base.weight)
+        self._stamps += 1
+        entry.stamp = self._stamps
+        if entry.capacity.capacity > 0:
+            for strategy, heap in self._heaps.items():
+                heapq.heappush(heap, self._item(strategy, node, entry))
 
 
 _SALT = int.from_bytes(os.urandom(4), "big")
@@ -171,8 +293,10 @@ def _score(strategy: str, cap: DeployCapacity) -> float:
 class Views:
     """The views a worker holds, least recently used dropped first."""
 
-    def __init__(self, limit: int = 16) -> None:
+    def __init__(self, limit: int = 16, contention_seconds: float = 0.05) -> None:
         self.limit = limit
+        self.contention_seconds = contention_seconds
+        self._contended: dict[str, float] = {}  # node -> until when another worker races us for it
         self._views: OrderedDict[tuple, CapacityView] = OrderedDict()
         # The records views were last computed from; a commit may start from one (its version
         # check catches a stale one) instead of reading the node again.
@@ -190,6 +314,19 @@ class Views:
         for view in self._views.values():
             if record.name in view.members:
                 view.update([record])
+
+    def contend(self, node: str) -> None:
+        """Another worker committed to `node` while we meant to: prefer other nodes for a moment."""
+        self._contended[node] = time.monotonic() + self.contention_seconds
+
+    def contended(self, node: str) -> bool:
+        until = self._contended.get(node)
+        if until is None:
+            return False
+        if until < time.monotonic():
+            del self._contended[node]
+            return False
+        return True
 
     def known_version(self, node: str) -> int:
         return self._known.get(node, 0)
@@ -216,15 +353,19 @@ class Views:
             if node in view.members:
                 view.stale.add(node)
 
+    def relabelled(self, node: str, labels: dict[str, str] | None) -> None:
+        """A node appeared, went away or changed labels: it joins or leaves the label selections."""
+        for view in self._views.values():
+            if view.selection is None:
+                continue
+            belongs = view.selection.admits(node, labels)
+            if belongs and node not in view.members:
+                view.join(node)
+            elif not belongs and node in view.members:
+                view.leave(node)
+
     def invalidate_all(self) -> None:
         self._records.clear()
         self._known.clear()
         for view in self._views.values():
             view.stale.update(view.members)
-
-    def versions(self) -> dict[str, int]:
-        """node -> the version each view last computed it at (for the sweep that catches lost events)."""
-        seen: dict[str, int] = {}
-        for view in self._views.values():
-            seen.update(view.seen)
-        return seen

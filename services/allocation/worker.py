@@ -39,12 +39,15 @@ def make_plugins(share_base: int = 100, max_share: int = -1, max_deploy_count: i
     return {p.name: p for p in plugins}
 
 
-def make_service(manager: ResourceManager, prefix: str, idempotency: IdempotencyStore, concurrency: int = 64) -> Service:
+def make_service(
+    manager: ResourceManager, prefix: str, idempotency: IdempotencyStore, concurrency: int = 64,
+    max_payload: int = 1 << 20,
+) -> Service:
     service = Service(
         f"{prefix}-allocation", prefix=prefix, concurrency=concurrency, idempotency=idempotency,
         description="node capacity, CPU/NUMA, memory, volume and GPU allocation (eru resource plugins)",
     )
-    service.bind(plugin_commands(None) + MANAGER_ONLY_COMMANDS, Endpoints(manager))
+    service.bind(plugin_commands(None) + MANAGER_ONLY_COMMANDS, Endpoints(manager, max_payload=max_payload))
     for plugin in manager.plugins:
         service.bind(plugin_commands(plugin), Endpoints(manager, plugin))
     return service
@@ -56,4 +59,5 @@ async def build(ctx) -> Service:
     manager = ResourceManager(NodeStore(ctx.redis, ctx.prefix), plugins, ctx.events)
     await manager.watch()
     ctx.cleanups.append(manager.unwatch)
-    return make_service(manager, ctx.prefix, IdempotencyStore(ctx.redis, prefix=ctx.prefix), args.concurrency)
+    idempotency = IdempotencyStore(ctx.redis, prefix=ctx.prefix)
+    return make_service(manager, ctx.prefix, idempotency, args.concurrency, ctx.nc.max_payload)

@@ -1,0 +1,185 @@
+"""Selecting nodes by label (or every node) instead of listing them: allocate,
+get-nodes-deploy-capacity, get-most-idle-node and list-nodes, kept exact as nodes come, go and are
+relabelled, also across worker processes."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from bus.errors import BusError
+from bus.idempotency import IdempotencyStore
+from services.allocation.manager import ResourceManager
+from services.allocation.store import NodeStore
+from services.allocation.worker import make_plugins, make_service
+
+GiB = 1 << 30
+ONE_CORE = {"cpumem": {"cpu-bind": True, "cpu-request": 1, "memory-request": GiB}}
+
+
+@pytest.fixture
+async def call(serve, prefix, redis, events, client):
+    manager = ResourceManager(NodeStore(redis, prefix), make_plugins(), events)
+    await manager.watch()
+    await serve(make_service(manager, prefix, IdempotencyStore(redis, prefix=prefix)))
+
+    async def call(command: str, payload: dict) -> dict:
+        return await client.request(f"resource.{command}", payload, dict)
+
+    yield call
+    await manager.unwatch()
+
+
+async def add(call, node: str, labels: dict, cpu: int = 2) -> None:
+    await call("add-node", {"nodename": node, "labels": labels, "resource": {"cpumem": {"cpu": cpu, "memory": "8G"}}})
+
+
+def nodes_of(reply: dict) -> list[str]:
+    return sorted(a["nodename"] for a in reply["allocations"])
+
+
+async def allocate(call, count: int, **selection) -> dict:
+    return await call("allocate", {"deploy_count": count, "workload_resource_request": ONE_CORE, **selection})
+
+
+async def test_allocate_by_labels_places_only_on_matching_nodes(call):
+    await add(call, "a1", {"pool": "a", "zone": "x"})
+    await add(call, "a2", {"pool": "a", "zone": "y"})
+    await add(call, "b1", {"pool": "b", "zone": "x"})
+    placed = await allocate(call, 4, labels={"pool": "a"}, strategy="spread")
+    assert nodes_of(placed) == ["a1", "a1", "a2", "a2"]
+    # Every key must match.
+    err = await call_error(call, "allocate", {"deploy_count": 1, "labels": {"pool": "a", "zone": "x"},
+                                              "workload_resource_request": ONE_CORE})
+    assert (err.code, err.status) == ("insufficient_capacity", 409)
+    assert nodes_of(await allocate(call, 2, labels={"zone": "x"})) == ["b1", "b1"]
+
+
+async def test_neither_nodenames_nor_labels_means_every_node(call):
+    for node in ("e1", "e2", "e3"):
+        await add(call, node, {"n": node})
+    assert nodes_of(await allocate(call, 6, strategy="spread")) == ["e1", "e1", "e2", "e2", "e3", "e3"]
+    capacity = await call("get-nodes-deploy-capacity", {"workload_resource_request": ONE_CORE})
+    assert capacity["total"] == 0 and sorted(capacity["nodes_deploy_capacity_map"]) == []
+    free = await call("get-nodes-deploy-capacity", {"workload_resource_request": {"cpumem": {"cpu-request": 0.1}}})
+    assert sorted(free["nodes_deploy_capacity_map"]) == ["e1", "e2", "e3"]
+
+
+async def test_each_places_on_every_matching_node(call):
+    await add(call, "c1", {"rack": "r1"})
+    await add(call, "c2", {"rack": "r1"})
+    await add(call, "c3", {"rack": "r2"})
+    placed = await allocate(call, 1, labels={"rack": "r1"}, strategy="each")
+    assert nodes_of(placed) == ["c1", "c2"]
+
+
+async def test_nodenames_and_labels_together_select_the_listed_nodes_that_match(call):
+    await add(call, "d1", {"pool": "a"})
+    await add(call, "d2", {"pool": "a"})
+    await add(call, "d3", {"pool": "b"})
+    capacity = await call("get-nodes-deploy-capacity", {
+        "nodenames": ["d2", "d3"], "labels": {"pool": "a"}, "workload_resource_request": ONE_CORE})
+    assert capacity["nodes_deploy_capacity_map"].keys() == {"d2"} and capacity["total"] == 2
+
+
+async def test_views_follow_nodes_added_removed_and_relabelled(call):
+    await add(call, "f1", {"pool": "a"})
+    assert nodes_of(await allocate(call, 2, labels={"pool": "a"})) == ["f1", "f1"]  # f1 is full now
+    await add(call, "f2", {"pool": "a"})  # joins the selection the worker already holds
+    assert nodes_of(await allocate(call, 1, labels={"pool": "a"})) == ["f2"]
+    await call("set-node-labels", {"nodename": "f2", "labels": {"pool": "b"}})  # leaves it
+    err = await call_error(call, "allocate", {"deploy_count": 1, "labels": {"pool": "a"}, "workload_resource_request": ONE_CORE})
+    assert err.code == "insufficient_capacity"
+    assert nodes_of(await allocate(call, 1, labels={"pool": "b"})) == ["f2"]
+    await call("set-node-labels", {"nodename": "f1", "labels": {}})
+    err = await call_error(call, "allocate", {"deploy_count": 1, "labels": {"pool": "a"}, "workload_resource_request": ONE_CORE})
+    assert (err.code, err.status, err.details["field"]) == ("node_not_found", 404, "labels")
+
+
+async def test_most_idle_by_labels(call):
+    await add(call, "g1", {"pool": "a"}, cpu=4)
+    await add(call, "g2", {"pool": "a"}, cpu=4)
+    await add(call, "g3", {"pool": "b"}, cpu=4)
+    await allocate(call, 1, nodename="g1")
+    assert (await call("get-most-idle-node", {"labels": {"pool": "a"}}))["nodename"] == "g2"
+    assert (await call("get-most-idle-node", {}))["nodename"] == "g2"  # g2 and g3 tie: the smaller name
+    err = await call_error(call, "get-most-idle-node", {"labels": {"pool": "zzz"}})
+    assert (err.code, err.details["field"]) == ("node_not_found", "labels")
+
+
+async def test_a_node_missing_a_plugin_is_left_out_of_a_label_selection(call, client):
+    await add(call, "h1", {"pool": "a"})
+    await add(call, "h2", {"pool": "a"})
+    await client.request("resource.gpu.remove-node", {"nodename": "h2"}, dict)
+    capacity = await call("get-nodes-deploy-capacity", {"labels": {"pool": "a"}, "workload_resource_request": ONE_CORE})
+    assert capacity["nodes_deploy_capacity_map"].keys() == {"h1"}
+    # Listed by name, the same node is an error that names the missing plugin.
+    err = await call_error(call, "get-nodes-deploy-capacity", {"nodenames": ["h2"], "workload_resource_request": ONE_CORE})
+    assert (err.code, err.details["plugin"]) == ("node_not_found", "gpu")
+
+
+async def test_list_nodes_pages_by_labels_and_in_full(call):
+    for i in range(7):
+        await add(call, f"l{i}", {"odd": str(i % 2)})
+    page = await call("list-nodes", {"labels": {"odd": "1"}, "limit": 2})
+    assert [n["nodename"] for n in page["nodes"]] == ["l1", "l3"] and page["total"] == 3
+    page = await call("list-nodes", {"labels": {"odd": "1"}, "offset": 2, "limit": 2})
+    assert [n["nodename"] for n in page["nodes"]] == ["l5"] and page["total"] == 3
+    everything = await call("list-nodes", {"offset": 5, "limit": 10})
+    assert [n["nodename"] for n in everything["nodes"]] == ["l5", "l6"] and everything["total"] == 7
+    assert (await call("list-nodes", {"labels": {"odd": "2"}})) == {"nodes": [], "total": 0, "next_offset": None}
+
+
+async def test_nodename_with_labels_or_nodenames_is_invalid(call):
+    await add(call, "i1", {"pool": "a"})
+    for extra in ({"labels": {"pool": "a"}}, {"nodenames": ["i1"]}):
+        err = await call_error(call, "allocate", {"nodename": "i1", "deploy_count": 1, **extra})
+        assert (err.code, err.status, err.details["field"]) == ("invalid_argument", 400, "nodename")
+
+
+async def test_label_changes_made_through_one_worker_reach_the_others(spawn_worker, client):
+    spawn_worker("services.allocation.worker")
+    spawn_worker("services.allocation.worker")
+
+    async def call(command: str, payload: dict) -> dict:
+        return await client.request(f"resource.{command}", payload, dict)
+
+    await add(call, "w1", {"pool": "a"}, cpu=64)
+    await add(call, "w2", {"pool": "b"}, cpu=64)
+    for _ in range(8):  # both workers hold a view of pool a (a queue group spreads the requests)
+        assert nodes_of(await allocate(call, 1, labels={"pool": "a"})) == ["w1"]
+    await call("set-node-labels", {"nodename": "w1", "labels": {"pool": "b"}})
+    await call("set-node-labels", {"nodename": "w2", "labels": {"pool": "a"}})
+
+    async def only_w2() -> bool:
+        placed = [nodes_of(await allocate(call, 1, labels={"pool": "a"})) for _ in range(8)]
+        return all(p == ["w2"] for p in placed)
+
+    # The other worker learns of the change from its event; poll until both place on w2 only.
+    deadline = asyncio.get_running_loop().time() + 10
+    while not await only_w2():
+        assert asyncio.get_running_loop().time() < deadline, "a worker kept placing on a node that left the pool"
+
+
+async def call_error(call, command: str, payload: dict) -> BusError:
+    with pytest.raises(BusError) as caught:
+        await call(command, payload)
+    return caught.value
+
+
+async def test_list_nodes_pages_never_exceed_the_max_payload(serve, prefix, redis, events, client):
+    """No reply may exceed the server's max payload: a page of big nodes holds fewer than `limit`,
+    and `next_offset` leads through every node exactly once."""
+    manager = ResourceManager(NodeStore(redis, prefix), make_plugins(), events)
+    await serve(make_service(manager, prefix, IdempotencyStore(redis, prefix=prefix), max_payload=16 * 1024))
+    names = [f"big{i:02d}" for i in range(30)]
+    for name in names:
+        await client.request("resource.add-node", {"nodename": name, "resource": {"cpumem": {"cpu": 128, "memory": "8G"}}}, dict)
+    seen, offset, pages = [], 0, 0
+    while offset is not None:
+        page = await client.request("resource.list-nodes", {"offset": offset, "limit": 1000}, dict)
+        assert page["total"] == 30 and page["nodes"]
+        seen += [n["nodename"] for n in page["nodes"]]
+        offset, pages = page["next_offset"], pages + 1
+    assert seen == names and pages > 1

@@ -1,0 +1,76 @@
+"""The capacity view alone (no server): strategies, reservations of plans in flight, `each`, and
+the preference for nodes no other worker is racing for."""
+
+from __future__ import annotations
+
+import pytest
+
+from bus.errors import BerthError
+from services.allocation.plugin import DeployCapacity
+from services.allocation.store import NodeRecord
+from services.allocation.view import CapacityView
+
+# A node "n<free>-<used>": room for `free` more instances, `used` already there (usage = used / 10).
+
+
+def record(name: str, version: int = 1) -> NodeRecord:
+    return NodeRecord(name, version, {}, {})
+
+
+def capacity_of(record: NodeRecord) -> DeployCapacity:
+    free, used = (int(part) for part in record.name[1:].split("-"))
+    return DeployCapacity(free, used / 10, 0.1, 1.0)
+
+
+def view_of(*names: str) -> CapacityView:
+    view = CapacityView(list(names), capacity_of)
+    view.update(record(name) for name in names)
+    return view
+
+
+def test_pack_fills_the_most_used_node_first_and_spread_the_least_used_after_each():
+    view = view_of("n4-3", "n4-0", "n5-0")
+    assert view.plan("pack", 2)[0] == {"n4-3": 2}
+    assert view.plan("spread", 2)[0] == {"n4-0": 1, "n5-0": 1}  # the second goes where usage is now lowest
+
+
+def test_a_plan_reserves_its_instances_until_they_are_settled():
+    view = view_of("n2-0", "n2-5")
+    first, reservation = view.plan("pack", 2)
+    assert first == {"n2-5": 2}
+    second, _ = view.plan("pack", 1)  # the room the first plan took is not offered again
+    assert second == {"n2-0": 1}
+    # A refresh from the record (the commit has not landed yet) keeps the reservation.
+    view.update([record("n2-5", version=2)])
+    assert view.entries["n2-5"].capacity.capacity == 0
+    reservation.settle("n2-5")  # refused: the room comes back
+    assert view.entries["n2-5"].capacity.capacity == 2
+    reservation.settle("n2-5")  # settling twice changes nothing
+    assert view.entries["n2-5"].capacity.capacity == 2
+
+
+def test_a_plan_that_cannot_be_completed_reserves_nothing():
+    view = view_of("n1-0", "n1-1")
+    with pytest.raises(BerthError) as caught:
+        view.plan("spread", 3)
+    assert (caught.value.code, caught.value.details) == ("insufficient_capacity", {"wanted": 3, "available": 2})
+    assert view.pending == {}
+    assert view.plan("spread", 2)[0] == {"n1-0": 1, "n1-1": 1}
+
+
+def test_each_places_on_every_member_or_names_the_one_without_room():
+    view = view_of("n2-0", "n3-0")
+    plan, reservation = view.plan_each(2)
+    assert plan == {"n2-0": 2, "n3-0": 2}
+    with pytest.raises(BerthError) as caught:
+        view.plan_each(1)
+    assert caught.value.details["nodename"] == "n2-0"
+    reservation.settle_all()
+    assert view.plan_each(1)[0] == {"n2-0": 1, "n3-0": 1}
+
+
+def test_pack_prefers_a_node_no_other_worker_is_racing_for_while_one_has_room():
+    view = view_of("n4-3", "n4-1")
+    contended = {"n4-3"}.__contains__
+    assert view.plan("pack", 1, contended)[0] == {"n4-1": 1}
+    assert view.plan("pack", 4, contended)[0] == {"n4-1": 3, "n4-3": 1}  # n4-1 is full: back to n4-3
