@@ -2,7 +2,8 @@
 
 Workers reconnect forever with a short ping interval, so a restarted nats-server costs seconds,
 not a crash; disconnects, reconnects and asynchronous errors (slow consumers above all) are logged,
-never silent.
+never silent. A NATS cluster is given as a comma-separated list of URLs; the client also learns
+the other servers from the one it reaches, and moves to another when its server goes away.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ async def connect(url: str | None = None, *, name: str = "berth", worker: bool =
         log.warning("nats reconnected to %s", nc.connected_url.netloc if nc.connected_url else "?")
 
     settings = dict(
-        servers=[nats_url(url)],
+        servers=[server.strip() for server in nats_url(url).split(",")],  # a cluster: several URLs
         name=name,
         error_cb=on_error,
         disconnected_cb=on_disconnect,

@@ -1,19 +1,23 @@
 """Events: publish a Struct on `<prefix>.events.<...>`, subscribe with a callback or an iterator.
 
-A JetStream stream over `<prefix>.events.>` keeps every event for replay; `ensure_stream` creates
-it (or leaves it alone when it exists), so every worker can call it on start.
+JetStream streams keep events for replay. Each service says which stream keeps its events and for
+how long (a `StreamSpec`): change events that clients replay after a restart are kept a day, one
+metric sample a second only a short while, so they live in different streams. `ensure_stream`
+creates a stream or adds the service's subjects to it, so every worker can call it on start.
+On a NATS cluster of three or more servers, streams are replicated three times.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, Generic, TypeVar
 
 import msgspec
 from nats.aio.client import Client
 from nats.aio.subscription import Subscription
 from nats.js.api import RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import BadRequestError
+from nats.js.errors import BadRequestError, NotFoundError
 
 from bus.codec import encode
 from schemas.common import Event
@@ -21,6 +25,18 @@ from schemas.common import Event
 log = logging.getLogger("berth.events")
 
 E = TypeVar("E")
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """A stream that keeps events: `<prefix>-<name>` over `<prefix>.events.<subject>` for each
+    subject given, within the limits given (the oldest events go first)."""
+
+    name: str
+    subjects: tuple[str, ...]
+    max_age: float  # seconds
+    max_bytes: int
+    max_msgs_per_subject: int = -1  # -1: no limit
 
 
 class EventSubscription(Generic[E]):
@@ -56,28 +72,48 @@ class EventBus:
         self.nc = nc
         self.prefix = prefix
 
-    @property
-    def stream_name(self) -> str:
-        return f"{self.prefix}-events"
+    def stream_name(self, spec: StreamSpec) -> str:
+        return f"{self.prefix}-{spec.name}"
 
     def subject(self, suffix: str) -> str:
         return f"{self.prefix}.events.{suffix}"
 
-    async def ensure_stream(self, *, max_age: float = 24 * 3600, memory: bool = False) -> None:
-        """Create the replay stream if it does not exist yet (idempotent, safe from many workers)."""
+    async def ensure_stream(self, spec: StreamSpec, *, memory: bool = False, attempts: int = 5) -> None:
+        """Create the stream, or add this service's subjects to it (other services share it).
+
+        Idempotent and safe from many workers at once: a worker that lost a race reads the stream
+        again and adds what is still missing."""
         js = self.nc.jetstream()
+        wanted = [self.subject(subject) for subject in spec.subjects]
         config = StreamConfig(
-            name=self.stream_name,
-            subjects=[self.subject(">")],
+            name=self.stream_name(spec),
+            subjects=wanted,
             retention=RetentionPolicy.LIMITS,
             storage=StorageType.MEMORY if memory else StorageType.FILE,
-            max_age=max_age,
+            max_age=spec.max_age,
+            max_bytes=spec.max_bytes,
+            max_msgs_per_subject=spec.max_msgs_per_subject,
+            num_replicas=3 if len(self.nc.servers) >= 3 else 1,
         )
-        try:
-            await js.add_stream(config)
-        except BadRequestError as error:
-            # Another worker created it first with a different config (e.g. storage): keep theirs.
-            log.info("events stream %s exists: %s", self.stream_name, error.description)
+        for _ in range(attempts):
+            try:
+                current = (await js.stream_info(config.name)).config
+            except NotFoundError:
+                try:
+                    await js.add_stream(config)
+                    return
+                except BadRequestError as error:  # another worker created it meanwhile
+                    log.info("events stream %s: %s", config.name, error.description)
+                    continue
+            missing = [subject for subject in wanted if subject not in (current.subjects or [])]
+            if not missing:
+                return
+            current.subjects = [*current.subjects, *missing]
+            try:
+                await js.update_stream(current)
+            except BadRequestError as error:
+                log.info("events stream %s: %s", config.name, error.description)
+        raise RuntimeError(f"could not add {wanted} to the events stream {config.name}")
 
     async def publish(self, suffix: str, event: Event) -> None:
         """Publish `event` on `<prefix>.events.<suffix>`; its `type` is the subject's last token."""

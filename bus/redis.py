@@ -2,7 +2,9 @@
 and automatic pipelining of the commands concurrent requests send.
 
 A `BlockingConnectionPool` makes a burst of requests wait for a connection instead of opening an
-unbounded number of them (DESIGN.md §1).
+unbounded number of them (DESIGN.md §1). A Redis Cluster is named by listing some of its nodes:
+`redis+cluster://[user:password@]host:port,host:port,...`; the client is redis-py's `RedisCluster`,
+which finds the rest and follows slots as they move (a failover included).
 
 A command sent on its own costs redis-py about 70 µs of CPU (pool checkout, health check, its own
 write and read, a timeout context); in a pipeline about 15 µs. `Pipelined` gathers the commands
@@ -20,9 +22,14 @@ import os
 import weakref
 from typing import Any
 
-from redis.asyncio import BlockingConnectionPool, Redis
+from urllib.parse import unquote, urlsplit
+
+from redis.asyncio import BlockingConnectionPool, Redis, RedisCluster
+from redis.asyncio.cluster import ClusterNode
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
+
+CLUSTER_SCHEME = "redis+cluster://"
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -31,11 +38,30 @@ def redis_url(explicit: str | None = None) -> str:
     return explicit or os.environ.get("REDIS_URL") or DEFAULT_REDIS_URL
 
 
-def connect_redis(url: str | None = None, *, max_connections: int = 64, timeout: float = 10.0) -> Redis:
-    pool = BlockingConnectionPool.from_url(
-        redis_url(url), max_connections=max_connections, timeout=timeout, health_check_interval=30
-    )
+def connect_redis(url: str | None = None, *, max_connections: int = 64, timeout: float = 10.0) -> Redis | RedisCluster:
+    url = redis_url(url)
+    if url.startswith(CLUSTER_SCHEME):
+        return connect_cluster(url, max_connections=max_connections)
+    pool = BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=timeout, health_check_interval=30)
     return Redis(connection_pool=pool)
+
+
+def connect_cluster(url: str, *, max_connections: int = 64) -> RedisCluster:
+    """`redis+cluster://[user:password@]host:port,host:port,...`: any of the nodes is enough to start."""
+    parts = urlsplit("redis://" + url.removeprefix(CLUSTER_SCHEME).split(",", 1)[0])
+    hosts = url.removeprefix(CLUSTER_SCHEME).rsplit("@", 1)[-1].split("/", 1)[0].split(",")
+    nodes = [ClusterNode(host.rsplit(":", 1)[0], int(host.rsplit(":", 1)[1])) for host in hosts]
+    return RedisCluster(
+        startup_nodes=nodes,
+        username=unquote(parts.username) if parts.username else None,
+        password=unquote(parts.password) if parts.password else None,
+        max_connections=max_connections,
+        health_check_interval=30,
+    )
+
+
+def is_cluster(redis: Redis | RedisCluster) -> bool:
+    return isinstance(redis, RedisCluster)
 
 
 class Pipelined:
@@ -98,6 +124,18 @@ class Pipelined:
         self._tasks.add(task)
         task.add_done_callback(self._sent)
 
+    async def _load(self, pipe: Any, scripts: set[AsyncScript]) -> None:
+        """Make sure the server holds the scripts a batch runs. A plain Redis pipeline checks them
+        itself before it sends (SCRIPT EXISTS, SCRIPT LOAD); a cluster pipeline does not, so the
+        scripts are loaded on every primary first (redis-py sends SCRIPT LOAD to all of them)."""
+        if not scripts:
+            return
+        if is_cluster(self.redis):
+            for script in scripts:
+                await self.redis.script_load(script.script)
+        else:
+            pipe.scripts.update(scripts)
+
     def _sent(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
         self._in_flight -= 1
@@ -105,6 +143,7 @@ class Pipelined:
             self._send()
 
     async def _run(self, batch: list) -> None:
+        loading: set[AsyncScript] = set()
         try:
             async with self.redis.pipeline(transaction=False) as pipe:
                 for args, options, script, _ in batch:
@@ -112,11 +151,11 @@ class Pipelined:
                         pipe.execute_command(*args, **options)
                     else:
                         if script.sha not in self._confirmed:
-                            pipe.scripts.add(script)
+                            loading.add(script)
                         pipe.execute_command("EVALSHA", script.sha, *args)
-                loading = {script.sha for script in pipe.scripts}  # execute() forgets them
+                await self._load(pipe, loading)
                 results = await pipe.execute(raise_on_error=False)
-                self._confirmed |= loading
+                self._confirmed |= {script.sha for script in loading}
         except BaseException as error:  # the connection failed: every command of the batch failed
             for *_, future in batch:
                 if not future.done():

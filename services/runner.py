@@ -1,8 +1,9 @@
 """Running one worker process of a service: `python -m services.runner <module> [options]`.
 
-A service module defines `NAME`, `add_arguments(parser)` and `async build(ctx) -> bus.Service`.
-The runner connects to NATS and Redis, makes sure the events stream exists, builds and starts the
-service, serves until SIGTERM/SIGINT, drains, runs the service's clean-ups and closes.
+A service module defines `NAME`, `STREAM` (the `bus.events.StreamSpec` keeping its events),
+`add_arguments(parser)` and `async build(ctx) -> bus.Service`. The runner connects to NATS and
+Redis, makes sure the events stream exists, builds and starts the service, serves until
+SIGTERM/SIGINT, drains, runs the service's clean-ups and closes.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def common_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load(module_name: str):
     module = importlib.import_module(module_name)
-    for attribute in ("NAME", "add_arguments", "build"):
+    for attribute in ("NAME", "STREAM", "add_arguments", "build"):
         if not hasattr(module, attribute):
             raise SystemExit(f"{module_name} is not a berth service module: it has no {attribute}")
     return module
@@ -76,7 +77,7 @@ async def run(module, args: argparse.Namespace) -> None:
     nc = await connect(args.nats, name=f"{args.prefix}-{module.NAME}")
     redis = connect_redis(args.redis, max_connections=args.concurrency + 8)
     events = EventBus(nc, prefix=args.prefix)
-    await events.ensure_stream(memory=args.memory_stream)
+    await events.ensure_stream(module.STREAM, memory=args.memory_stream)
     ctx = WorkerContext(args=args, nc=nc, redis=redis, events=events, prefix=args.prefix)
     try:
         service = await module.build(ctx)

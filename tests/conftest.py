@@ -22,7 +22,7 @@ from bus.client import BusClient
 from bus.connection import connect
 from bus.events import EventBus
 from bus.redis import connect_redis
-from services.servers import start_nats, start_redis
+from services.servers import start_nats, start_nats_cluster, start_redis, start_redis_cluster
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -41,6 +41,22 @@ def server_urls():
     finally:
         nats.stop()
         redis.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory):
+    """A Redis Cluster (3 primaries, 3 replicas) on loopback for the session's cluster tests."""
+    cluster = start_redis_cluster(tmp_path_factory.mktemp("redis-cluster"))
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def nats_cluster(tmp_path_factory):
+    """Three routed nats-servers with clustered JetStream, for the session's cluster tests."""
+    cluster = start_nats_cluster(tmp_path_factory.mktemp("nats-cluster"))
+    yield cluster
+    cluster.stop()
 
 
 @pytest.fixture(scope="session")
@@ -84,10 +100,11 @@ async def clean_namespace(nc, redis, name: str) -> None:
     keys = [k async for k in redis.scan_iter(match=f"{name}:*", count=1000)]
     if keys:
         await redis.delete(*keys)
-    try:
-        await nc.jetstream().delete_stream(f"{name}-events")
-    except Exception:
-        pass  # the namespace made no stream
+    for stream in ("events", "metrics"):
+        try:
+            await nc.jetstream().delete_stream(f"{name}-{stream}")
+        except Exception:
+            pass  # the namespace made no such stream
 
 
 @pytest.fixture

@@ -18,10 +18,12 @@ from typing import Annotated
 import msgspec
 
 from bus.errors import BerthError
+from bus.events import StreamSpec
 from bus.idempotency import IdempotencyStore
 from bus.service import Command, Service
 
 NAME = "echo"
+STREAM = StreamSpec("events", ("echo.>",), max_age=3600, max_bytes=1 << 20)
 
 
 class Sleep(msgspec.Struct):

@@ -12,6 +12,7 @@ from nats.micro.service import ServiceStats
 
 from bus import discovery
 from bus.errors import BusError
+from bus.events import StreamSpec
 from schemas.common import Event
 from tests import echo_service
 from tests.bus_helpers import until
@@ -79,9 +80,12 @@ class Thing(Event):
     amount: int
 
 
+CHANGES = StreamSpec("events", ("resource.>",), max_age=3600, max_bytes=1 << 20)
+
+
 async def test_events_reach_callback_and_iterator_subscribers_and_are_replayable(events, nc):
-    await events.ensure_stream(memory=True)
-    await events.ensure_stream(memory=True)  # idempotent
+    await events.ensure_stream(CHANGES, memory=True)
+    await events.ensure_stream(CHANGES, memory=True)  # idempotent
 
     got_by_callback: asyncio.Queue = asyncio.Queue()
 
@@ -102,7 +106,27 @@ async def test_events_reach_callback_and_iterator_subscribers_and_are_replayable
 
     # The stream kept it: a late subscriber can replay from the start.
     js = nc.jetstream()
-    replay = await js.subscribe(events.subject(">"), ordered_consumer=True)
+    replay = await js.subscribe(events.subject("resource.>"), ordered_consumer=True)
     msg = await replay.next_msg(timeout=2)
     assert msgspec.msgpack.decode(msg.data, type=Thing).nodename == "n1"
     await replay.unsubscribe()
+
+
+async def test_services_add_their_subjects_to_a_shared_stream_and_limits_hold(events, nc):
+    """Two services sharing the change-events stream each add their subjects; a sample stream
+    keeps at most its per-subject limit."""
+    other = StreamSpec("events", ("broker.>",), max_age=3600, max_bytes=1 << 20)
+    samples = StreamSpec("metrics", ("metrics.>",), max_age=3600, max_bytes=1 << 20, max_msgs_per_subject=3)
+    await asyncio.gather(events.ensure_stream(CHANGES, memory=True), events.ensure_stream(other, memory=True))
+    await events.ensure_stream(samples, memory=True)
+    js = nc.jetstream()
+    shared = (await js.stream_info(events.stream_name(CHANGES))).config
+    assert sorted(shared.subjects) == [events.subject("broker.>"), events.subject("resource.>")]
+    for amount in range(5):
+        await events.publish("metrics.n1.node.cpu", Thing(type="", nodename="n1", amount=amount))
+    await nc.flush()
+
+    async def three_kept() -> bool:
+        return (await js.stream_info(events.stream_name(samples))).state.messages == 3
+
+    await until(three_kept)

@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 
 from bus.errors import BerthError, InvalidArgument
+from bus.events import StreamSpec
 from bus.service import Command
 from services.allocation.manager import ResourceManager
 from services.allocation.messages import (
@@ -117,6 +118,8 @@ COMMANDS = plugin_commands(None) + MANAGER_ONLY_COMMANDS + [
     command for plugin in PLUGIN_NAMES for command in plugin_commands(plugin)
 ]
 EVENTS = {"resource.<node>.<added|removed|capacity|usage|allocated|released|labels>": ResourceEvent}
+# Change events are kept a day for replay, in the stream all services' change events share.
+STREAM = StreamSpec("events", ("resource.>",), max_age=24 * 3600, max_bytes=1 << 30)
 
 
 def selection(nodenames: msgspec.Raw, labels: dict[str, str] | None) -> Selection:

@@ -8,7 +8,9 @@ import os
 from bus.idempotency import IdempotencyStore
 from bus.service import Service
 from services.allocation.cpumem import CpuMemPlugin
-from services.allocation.endpoints import COMMANDS, EVENTS, MANAGER_ONLY_COMMANDS, PLUGIN_NAMES, Endpoints, plugin_commands
+from services.allocation.endpoints import (
+    COMMANDS, EVENTS, MANAGER_ONLY_COMMANDS, PLUGIN_NAMES, STREAM, Endpoints, plugin_commands,
+)
 from services.allocation.gpu import GpuPlugin
 from services.allocation.manager import ResourceManager
 from services.allocation.plugin import ResourcePlugin
@@ -16,7 +18,7 @@ from services.allocation.storage import StoragePlugin
 from services.allocation.store import NodeStore
 
 NAME = "allocation"
-__all__ = ["NAME", "COMMANDS", "EVENTS", "add_arguments", "build", "make_service"]
+__all__ = ["NAME", "COMMANDS", "EVENTS", "STREAM", "add_arguments", "build", "make_service"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -5,6 +5,7 @@ Each handler only translates between the wire Structs and the manager or the poo
 
 from __future__ import annotations
 
+from bus.events import StreamSpec
 from bus.service import Command
 from services.broker.config import InstanceTypes
 from services.broker.manager import ResourceManager
@@ -62,6 +63,8 @@ EVENTS = {
     "broker.<user>.<broker>.<launched|ready|sold|released|cooling|hit|miss>": BrokerEvent,
     "broker.resource.<user>.<resource_id>.<init|deploying|running|deleting|released>": ResourceEvent,
 }
+# Change events are kept a day for replay, in the stream all services' change events share.
+STREAM = StreamSpec("events", ("broker.>",), max_age=24 * 3600, max_bytes=1 << 30)
 
 
 class Endpoints:

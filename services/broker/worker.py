@@ -16,7 +16,7 @@ from bus.service import Service
 from services.allocation.quantity import parse_size
 from services.broker.brokers import BrokerRegistry
 from services.broker.config import InstanceTypes, Timing
-from services.broker.endpoints import COMMANDS, EVENTS, Endpoints
+from services.broker.endpoints import COMMANDS, EVENTS, STREAM, Endpoints
 from services.broker.manager import ResourceManager
 from services.broker.operators.allocation import AllocationOperator
 from services.broker.operators.base import Operator
@@ -27,7 +27,7 @@ from services.broker.replica import Replica
 from services.broker.store import BrokerStore
 
 NAME = "broker"
-__all__ = ["COMMANDS", "EVENTS", "NAME", "Settings", "add_arguments", "build", "make_broker"]
+__all__ = ["COMMANDS", "EVENTS", "NAME", "STREAM", "Settings", "add_arguments", "build", "make_broker"]
 
 
 @dataclass(frozen=True)

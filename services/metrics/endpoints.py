@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from msgspec import UNSET
 
+from bus.events import StreamSpec
 from bus.service import Command
 from schemas.common import Empty
 from services.metrics.agent import Agent
@@ -53,6 +54,9 @@ def commands(node: str) -> list[Command]:
 
 COMMANDS = commands("<node>")
 EVENTS = {EVENT_PATTERN: MetricEvent}
+# A watched metric publishes a sample a second: samples get a stream of their own, kept an hour and
+# at most 600 per metric (ten minutes at 1 s), so they never crowd out the day of change events.
+STREAM = StreamSpec("metrics", ("metrics.>",), max_age=3600, max_bytes=256 << 20, max_msgs_per_subject=600)
 
 
 def _value(data: MetricData) -> MetricValue:

@@ -26,13 +26,13 @@ from bus.service import Service
 from bus.subjects import NAME_PATTERN
 from bus.tasks import cancel_and_wait
 from services.metrics.agent import Agent
-from services.metrics.endpoints import COMMANDS, EVENTS, Endpoints, commands
+from services.metrics.endpoints import COMMANDS, EVENTS, STREAM, Endpoints, commands
 from services.metrics.notifier import Notifier, Publishing, Registrations
 from services.metrics.provisioners import PROVISIONERS, CgroupProvisioner, Provisioner
 from services.metrics.store import Store
 
 NAME = "metrics"
-__all__ = ["NAME", "COMMANDS", "EVENTS", "add_arguments", "build", "MetricsWorker", "Options"]
+__all__ = ["NAME", "COMMANDS", "EVENTS", "STREAM", "add_arguments", "build", "MetricsWorker", "Options"]
 
 log = logging.getLogger("berth.metrics")
 

@@ -235,7 +235,7 @@ async def test_payload_map_keys_must_be_strings(wire):
 
 
 async def test_events_stream_keeps_the_events_for_replay(wire, nc, namespace):
-    """§2: "A JetStream stream over `berth.events.>` keeps them for replay" (stream `<prefix>-events`)."""
+    """§2: "A JetStream stream ... keeps them for replay": change events in `<prefix>-events`, 24 h."""
     node = unique("replay")
     capture = await wire.capture(f"resource.{node}.*")
     try:
@@ -252,7 +252,7 @@ async def test_events_stream_keeps_the_events_for_replay(wire, nc, namespace):
 
     js = nc.jetstream()
     info = await js.stream_info(f"{namespace}-events")
-    assert info.config.subjects == [f"{namespace}.events.>"]
+    assert info.config.subjects == [f"{namespace}.events.resource.>"]  # the change events of this service
     subject = wire.subject(f"events.resource.{node}.>")
     sub = await js.subscribe(subject, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
     try:

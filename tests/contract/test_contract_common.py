@@ -141,7 +141,7 @@ async def test_default_prefix_names_the_services_berth(services, nats_url, redis
     # `berth.metrics.<host>.*`.
     js = nc.jetstream()
     try:
-        await js.stream_info("berth-events")
+        await js.stream_info("berth-metrics")
         stream_was_there = True
     except Exception:
         stream_was_there = False
@@ -171,7 +171,7 @@ async def test_default_prefix_names_the_services_berth(services, nats_url, redis
         if keys:
             await redis.delete(*keys)
         if not stream_was_there:
-            await js.delete_stream("berth-events")
+            await js.delete_stream("berth-metrics")
 
 
 # -- names used as subject tokens ---------------------------------------------------------------------

@@ -493,13 +493,16 @@ async def test_registrations_are_leases(ctx):
 
 
 async def test_events_are_replayed_from_the_stream(ctx, nc, namespace):
-    # §2: "A JetStream stream over `berth.events.>` keeps them for replay" (stream `<prefix>-events`).
+    # §2: "A JetStream stream ... keeps them for replay": metric samples in `<prefix>-metrics` (an
+    # hour, at most 600 per metric: a sample a second must not crowd out the day of change events).
     metric = metric_name()
     await ctx.register("cpu", metric, core_id=400_000)
     await ctx.put("cpu", metric, 9.0, core_id=400_000)
     subject = ctx.subject("cpu", metric, "400000")
     _, body = await ctx.event(subject)
-    replay = await nc.jetstream().subscribe(subject, stream=f"{namespace}-events", ordered_consumer=True)
+    info = await nc.jetstream().stream_info(f"{namespace}-metrics")
+    assert (info.config.subjects, info.config.max_msgs_per_subject) == ([f"{namespace}.events.metrics.>"], 600)
+    replay = await nc.jetstream().subscribe(subject, stream=f"{namespace}-metrics", ordered_consumer=True)
     try:
         stored = await replay.next_msg(timeout=5)
     finally:
