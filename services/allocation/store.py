@@ -1,10 +1,10 @@
 """Node records and ledgers in Redis.
 
-Per node, two keys share the hash tag `{node:<name>}` (so each per-node script is Redis-Cluster
-safe):
-- `<prefix>:{node:<name>}:node`, a hash: `v` (version), `labels`, and `p:<plugin>` with that
-  plugin's `{capacity, usage}`;
-- `<prefix>:{node:<name>}:ledger`, a hash: workload id -> `{plugin: workload resource}`.
+Every key starts with `<prefix>:allocation:` (one ACL pattern covers the service). Per node, two
+keys share the hash tag `{node:<name>}` (so each per-node script is Redis-Cluster safe):
+- `<prefix>:allocation:{node:<name>}:node`, a hash: `v` (version), `labels`, and `p:<plugin>` with
+  that plugin's `{capacity, usage}`;
+- `<prefix>:allocation:{node:<name>}:ledger`, a hash: workload id -> `{plugin: workload resource}`.
 
 A removed node leaves a tombstone for a week (`v` and `gone`), so that a node removed and added
 again keeps counting versions up: an event consumer that skips versions it has seen never skips
@@ -15,9 +15,10 @@ from and the ledger entries the change depends on, and only then writes everythi
 WATCH loops). A caller whose version is stale reloads and computes again. Usage and ledger change
 in the same step, so usage is always what the ledger explains.
 
-Two global indexes live outside the node slot: `<prefix>:nodes` (name -> time added) and
-`<prefix>:workloads` (workload id -> node). They are written so that a crash between steps can
-only leave an index entry without a record, which readers skip.
+Three global keys live outside the node slots, each written by single-key commands:
+`<prefix>:allocation:nodes` (name -> time added), `<prefix>:allocation:workloads` (workload id ->
+node) and `<prefix>:allocation:intents` (multi-node allocations in progress). They are written so
+that a crash between steps can only leave an index entry without a record, which readers skip.
 """
 
 from __future__ import annotations
@@ -163,18 +164,19 @@ class NodeStore:
     def __init__(self, redis: Redis, prefix: str = "berth") -> None:
         self.redis = redis
         self.prefix = prefix
-        self.nodes_key = f"{prefix}:nodes"
-        self.workloads_key = f"{prefix}:workloads"
-        self.intents_key = f"{prefix}:intents"
+        self.base = f"{prefix}:allocation"  # every key of the service starts so (one ACL pattern)
+        self.nodes_key = f"{self.base}:nodes"
+        self.workloads_key = f"{self.base}:workloads"
+        self.intents_key = f"{self.base}:intents"
         self.batch = Pipelined.of(redis)
         self._commit = redis.register_script(_COMMIT)
         self._read_with_ledger = redis.register_script(_READ_WITH_LEDGER)
 
     def record_key(self, node: str) -> str:
-        return f"{self.prefix}:{{node:{node}}}:node"
+        return f"{self.base}:{{node:{node}}}:node"
 
     def ledger_key(self, node: str) -> str:
-        return f"{self.prefix}:{{node:{node}}}:ledger"
+        return f"{self.base}:{{node:{node}}}:ledger"
 
     # -- reading ---------------------------------------------------------------------------
 

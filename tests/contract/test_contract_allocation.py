@@ -210,7 +210,7 @@ def check_event(wire: Wire, subject: str, body: dict, node: str, kind: str, t0: 
 
 
 def record_key(prefix: str, node: str) -> str:
-    return f"{prefix}:{{node:{node}}}:node"
+    return f"{prefix}:allocation:{{node:{node}}}:node"
 
 
 # -- §2 wire conventions ---------------------------------------------------------------------------
@@ -1429,7 +1429,7 @@ async def test_ledger_beside_the_node_record_explains_usage_and_repairs_drift(wi
     """§3: "The ledger ... lives in Redis beside the node record, so usage always equals the sum of the
     ledger and `fix-node-resource` can repair drift from it"; "keys carry a hash tag per node"."""
     held = await held_node(wire)
-    ledger_key = f"{namespace}:{{node:{held.node}}}:ledger"
+    ledger_key = f"{namespace}:allocation:{{node:{held.node}}}:ledger"
     assert await redis.exists(record_key(namespace, held.node), ledger_key) == 2
     good = await wire.ok("resource.get-node-resource-info", {"nodename": held.node})
     assert good["diffs"] == []
