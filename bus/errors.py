@@ -30,6 +30,7 @@ _STATUS: dict[str, int] = {
     "metric_expired": 412,
     "busy": 429,
     "manager_not_running": 503,
+    "unavailable": 503,
     "broker_cooling": 503,
     "not_leader": 503,
     "timeout": 504,

@@ -9,6 +9,7 @@ On a NATS cluster of three or more servers, streams are replicated three times.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, Generic, TypeVar
@@ -17,7 +18,8 @@ import msgspec
 from nats.aio.client import Client
 from nats.aio.subscription import Subscription
 from nats.js.api import RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js.errors import BadRequestError, NotFoundError, ServiceUnavailableError
 
 from bus.codec import encode
 from schemas.common import Event
@@ -97,7 +99,7 @@ class EventBus:
         )
         for _ in range(attempts):
             try:
-                current = (await js.stream_info(config.name)).config
+                current = (await self._stream_info(js, config.name)).config
             except NotFoundError:
                 try:
                     await js.add_stream(config)
@@ -114,6 +116,20 @@ class EventBus:
             except BadRequestError as error:
                 log.info("events stream %s: %s", config.name, error.description)
         raise RuntimeError(f"could not add {wanted} to the events stream {config.name}")
+
+    @staticmethod
+    async def _stream_info(js, name: str, wait: float = 60.0):
+        """The stream's info, waiting while a NATS cluster has no JetStream leader yet (it elects
+        one in seconds after it starts, or after the leader's server went away)."""
+        deadline = asyncio.get_running_loop().time() + wait
+        while True:
+            try:
+                return await js.stream_info(name)
+            except (NatsTimeout, ServiceUnavailableError):
+                if asyncio.get_running_loop().time() > deadline:
+                    raise
+                log.info("JetStream is not ready yet; asking again")
+                await asyncio.sleep(0.5)
 
     async def publish(self, suffix: str, event: Event) -> None:
         """Publish `event` on `<prefix>.events.<suffix>`; its `type` is the subject's last token."""

@@ -8,10 +8,10 @@ worker died is free again within about `lease` seconds: the next retry takes it 
 again. The claim remembers how many runs it had (`Claim.attempt`, 0 for the first), so that a
 handler can tell a takeover from a first run and give back what a dead run left behind.
 
-Internal errors and refusals of malformed input (400) are not kept, so a retry can succeed. A
-request id reused with a different payload is refused rather than answered with someone else's
-reply. Every Redis step is one script on one key (Redis Cluster safe), sent in the worker's shared
-pipeline (`bus.redis.Pipelined`).
+Internal errors, an unreachable store (`unavailable`) and refusals of malformed input (400) are
+not kept, so a retry can succeed. A request id reused with a different payload is refused rather
+than answered with someone else's reply. Every Redis step is one script on one key (Redis Cluster
+safe), sent in the worker's shared pipeline (`bus.redis.Pipelined`).
 """
 
 from __future__ import annotations
@@ -33,8 +33,14 @@ from bus.redis import Pipelined
 log = logging.getLogger("berth.idempotency")
 
 # Answers that are not kept for a retry: a request refused as malformed (400) did nothing, so its
-# id stays free for the corrected request; an internal error (500) may succeed when tried again.
+# id stays free for the corrected request; an internal error (500) or an unreachable store may
+# succeed when tried again.
 _NOT_KEPT = frozenset({"400", "500"})
+_UNAVAILABLE = msgspec.msgpack.encode("unavailable")
+
+
+def _kept(status: str | None, body: bytes) -> bool:
+    return status not in _NOT_KEPT and not (status == "503" and _UNAVAILABLE in body)
 
 
 class Reply(msgspec.Struct):
@@ -162,7 +168,7 @@ class IdempotencyStore:
             current_claim.reset(claim)
             self._held.pop(key, None)
         status = (reply.headers or {}).get("Nats-Service-Error-Code")
-        if status in _NOT_KEPT:
+        if not _kept(status, reply.body):
             await self.batch.script(self._release, [key], [token, "forget" if status == "400" else "expire"])
         elif not await self.batch.script(self._keep, [key], [token, msgspec.msgpack.encode(reply), self.ttl]):
             log.warning("request %s: the claim was taken over while it ran; its answer is not the one kept", request_id)

@@ -64,6 +64,15 @@ def is_cluster(redis: Redis | RedisCluster) -> bool:
     return isinstance(redis, RedisCluster)
 
 
+async def ready(redis: Redis | RedisCluster) -> Redis | RedisCluster:
+    """The client, ready for concurrent use: a cluster client learns the cluster's nodes and slots
+    now. (redis-py does it lazily on the first command, and many first commands at once race:
+    measured, 64 concurrent INCRs on a fresh RedisCluster failed with a half-made connection.)"""
+    if is_cluster(redis):
+        await redis.initialize()
+    return redis
+
+
 class Pipelined:
     """Send the commands issued in one turn of the event loop together, in one pipeline.
 

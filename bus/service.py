@@ -13,8 +13,9 @@ What the runtime adds to `nats.micro`:
   otherwise handles one message at a time, so one slow request would block the rest);
 - typed decode: a payload that does not decode or validate becomes an `invalid_argument` reply
   naming the field; the endpoint keeps serving;
-- domain errors (`BerthError`) become the error headers and body of DESIGN.md §2; anything else
-  becomes `internal` with the traceback logged;
+- domain errors (`BerthError`) become the error headers and body of DESIGN.md §2; a store that
+  cannot be reached becomes `unavailable` (503, retry); anything else becomes `internal` with the
+  traceback logged;
 - optional idempotency by `request_id` (see `bus.idempotency`);
 - drain: queued requests finish and their replies flush before the connection closes;
 - optional broadcast: every instance receives the request (its own queue group) and the first
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 from nats.aio.client import Client
+from redis import exceptions as redis_errors
 from nats.micro import ServiceConfig
 from nats.micro.request import ERROR_CODE_HEADER, ERROR_HEADER, Request
 from nats.micro.service import Endpoint as MicroEndpoint
@@ -47,6 +49,13 @@ from schemas.common import ErrorBody, ErrorInfo
 log = logging.getLogger("berth.service")
 
 Handler = Callable[[Any], Awaitable[Any]]
+
+# Redis answers that mean "not now" rather than "wrong": a server restarting, a primary failing
+# over to its replica, a cluster that lost a slot for a moment. They answer `unavailable` (503).
+STORE_UNREACHABLE = (
+    redis_errors.ConnectionError, redis_errors.TimeoutError, redis_errors.ClusterError,
+    redis_errors.ReadOnlyError, redis_errors.TryAgainError, redis_errors.SlotNotCoveredError,
+)
 
 
 @dataclass(frozen=True)
@@ -262,6 +271,9 @@ class Service:
             return await self._call(spec, req)
         except BerthError as error:
             return error_reply(error)
+        except STORE_UNREACHABLE as error:  # a Redis restart or failover: nothing to debug, retry
+            log.warning("%s: the store is unreachable: %r", spec.subject, error)
+            return error_reply(BerthError(f"the store is unreachable ({type(error).__name__}); retry", code="unavailable"))
         except Exception as error:
             log.error("%s: unexpected error\n%s", spec.subject, traceback.format_exc())
             return error_reply(BerthError(f"internal error: {type(error).__name__}: {error}", code="internal"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from bus.redis import Pipelined, connect_redis, is_cluster
+from bus.redis import Pipelined, connect_redis, is_cluster, ready
 
 
 async def test_a_cluster_url_gives_a_cluster_client_that_spans_every_slot(redis_cluster):
@@ -31,5 +31,18 @@ async def test_scripts_run_on_every_primary_even_after_they_were_flushed(redis_c
         assert await asyncio.gather(*(batch.script(script, [key], []) for key in keys)) == [1] * 12
         await client.script_flush()  # on every primary: as after a failover to a replica without it
         assert await asyncio.gather(*(batch.script(script, [key], []) for key in keys)) == [2] * 12
+    finally:
+        await client.aclose()
+
+
+async def test_a_ready_cluster_client_takes_many_first_commands_at_once(redis_cluster):
+    client = await ready(connect_redis(redis_cluster.url))
+    try:
+        async def increments() -> None:
+            for _ in range(20):
+                await client.incr("first-commands")
+
+        await asyncio.gather(*(increments() for _ in range(64)))
+        assert await client.get("first-commands") == b"1280"
     finally:
         await client.aclose()

@@ -10,6 +10,7 @@ Calculation and commit are therefore one atomic step per node, with any number o
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import random
 import time
@@ -321,13 +322,16 @@ class ResourceManager:
             self._sweeper.cancel()
             await self._subscription.unsubscribe()
 
-    async def _sweep(self, interval: float) -> None:
+    async def _sweep(self, interval: float, index_every: int = 12) -> None:
         """Catch changes whose event was lost (a reconnect, a slow consumer) by comparing versions,
-        and reap the allocations a dead worker left half done."""
-        while True:
+        reap the allocations a dead worker left half done, and now and then index what the ledgers
+        hold that the workload index lost."""
+        for rounds in itertools.count(1):
             await asyncio.sleep(interval)
             try:
                 await self._reap_intents()
+                if rounds % index_every == 0 and (repaired := await self.store.repair_index(await self._all_nodes())):
+                    log.warning("indexed %d workloads the ledgers hold and the index had lost", repaired)
             except Exception:
                 log.exception("reaping unfinished allocations failed; trying again later")
             try:
@@ -336,6 +340,9 @@ class ResourceManager:
             except Exception:
                 log.exception("view sweep failed; making every view recompute")
                 self.views.invalidate_all()
+
+    async def _all_nodes(self) -> list[str]:
+        return sorted(self.directory.labels) if self.watching else await self.store.node_names()
 
     async def most_idle(self, names: list[str], nodes: Selection) -> tuple[str, int]:
         """The most idle node by the highest-priority plugin; ties go to the smallest name."""
@@ -567,11 +574,21 @@ class ResourceManager:
         if attempt and given_ids is None:
             each = len(await self._members(nodes)) if strategy == "each" else 1
             await self._forget_runs(request_id, attempt, count * each)
+        cleared = False
         for replan in range(replans):
             plan, reservation = await self._plan(nodes, strategy, count, requests)
             ids = workload_ids(sum(plan.values()), given_ids, request_id, attempt)
             try:
                 return await self._place(plan, ids, requests, reservation)
+            except BerthError as error:
+                if error.code != "workload_exists" or given_ids is not None or not request_id or cleared:
+                    raise
+                # An id derived from this very request is held already: an earlier run of it placed
+                # it and its claim was lost (a Redis failover lost the claim's last writes). Give
+                # back what every run of it placed, once, and place again.
+                log.warning("request %s: an earlier run's placement had lost its claim; releasing it", request_id)
+                await self._forget_runs(request_id, attempt + 1, len(ids))
+                cleared = True
             except NodeFilledUp as filled:
                 self.views.invalidate(filled.node)  # its record changed under the view: read it afresh
                 self.views.contend(filled.node)
@@ -598,6 +615,10 @@ class ResourceManager:
         died, and this run took their claim over). Their ids derive from the request id and the
         run, so they are ours; no caller ever saw them."""
         earlier = [wid for run in range(attempt) for wid in workload_ids(count, None, request_id, run)]
+        if len(await self.store.locate(earlier)) < len(earlier):
+            # Not all were placed, or some lost their index entry with a Redis failover: look in the
+            # ledgers (a takeover is rare; this reads every node's ledger for these ids once).
+            await self.store.repair_index(await self._all_nodes(), earlier)
         released = await self.release(earlier)
         if released:
             log.info("request %s: released %d instances an unanswered run had placed", request_id, len(released))

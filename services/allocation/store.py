@@ -296,6 +296,28 @@ class NodeStore:
     async def remove_from_index(self, node: str) -> None:
         await self.redis.zrem(self.nodes_key, node)
 
+    async def repair_index(self, nodes: list[str], workload_ids: list[str] | None = None) -> int:
+        """Index the workloads the ledgers of `nodes` hold (all, or those of `workload_ids`) that the
+        workload index lacks. The index lives in another slot than the ledgers: a Redis failover can
+        lose its last write while a ledger's stays. Returns how many entries were missing."""
+        missing: dict[str, str] = {}
+        for start in range(0, len(nodes), 500):
+            part = nodes[start:start + 500]
+            if workload_ids is None:
+                held = await asyncio.gather(*(self.batch.execute_command("HKEYS", self.ledger_key(n)) for n in part))
+            else:
+                found = await asyncio.gather(
+                    *(self.batch.execute_command("HMGET", self.ledger_key(n), *workload_ids) for n in part)
+                )
+                held = [[wid.encode() for wid, value in zip(workload_ids, values) if value] for values in found]
+            ids = [(wid.decode(), node) for node, wids in zip(part, held) for wid in wids]
+            if ids:
+                indexed = await self.batch.execute_command("HMGET", self.workloads_key, *(wid for wid, _ in ids))
+                missing.update((wid, node) for (wid, node), at in zip(ids, indexed) if at is None)
+        if missing:
+            await self.batch.execute_command("HSET", self.workloads_key, *_pairs(missing))
+        return len(missing)
+
     async def unindex_workloads(self, workload_ids: list[str]) -> None:
         if workload_ids:
             await self.batch.execute_command("HDEL", self.workloads_key, *workload_ids)
