@@ -86,8 +86,9 @@ async def tracked_pids(redis, prefix: str) -> list[tuple[str, int]]:
     """Every process the broker has recorded, as (marker, pid)."""
     table = ProcessTable(redis, prefix)
     found = []
-    async for key in redis.scan_iter(match=f"{prefix}:broker:proc:*"):
-        user, resource_id = key.decode().split(":", 3)[3].split(":", 1)
+    start = f"{table.base}:proc:"
+    async for key in redis.scan_iter(match=f"{start}*"):
+        user, resource_id = key.decode().removeprefix(start).split(":", 1)
         for index, slot in (await table.load(user, resource_id)).items():
             found.append((f"{prefix}/{user}/{resource_id}/{index}", slot.pid))
     return sorted(found)

@@ -29,7 +29,7 @@ def apply(resource_id: str) -> dict:
 
 
 async def lease_holder_pid(redis, prefix: str, name: str) -> int | None:
-    holder = await redis.get(f"{prefix}:broker:lease:{U}:{name}")
+    holder = await redis.get(f"{prefix}:broker:{{{prefix}}}:lease:{U}:{name}")
     return int(holder.decode().split(":")[1]) if holder else None
 
 

@@ -335,7 +335,7 @@ async def test_bad_input_is_invalid_argument_naming_the_field(
     assert (await metrics.has_synced()).synced  # the agent keeps serving
     # Nothing changed: nothing stored, no registration, no answer kept for the request id.
     assert (await metrics.list()).total == 0
-    assert [k async for k in redis.scan_iter(match=f"{prefix}:{{metrics:{NODE}}}:notifier*")] == []
+    assert [k async for k in redis.scan_iter(match=f"{prefix}:metrics:{{{NODE}}}:notifier*")] == []
     assert await idempotency_keys(redis, prefix) == []
 
 

@@ -205,7 +205,7 @@ async def test_no_event_after_the_lease_expires(agent, metrics, event_log, redis
     log = await event_log("node.>")
     await publishing(agent)
     lease = await metrics.register("node", "cpu.load.1min.system", lease_seconds=1.5)
-    registration = f"{prefix}:{{metrics:{NODE}}}:notifier:{lease.key}"
+    registration = f"{prefix}:metrics:{{{NODE}}}:notifier:{lease.key}"
     # When the lease ends, at Redis's resolution (ms): an upper bound, read right after registering.
     pttl = await redis.pttl(registration)
     lease_end_ms = time.time() * 1000 + pttl
@@ -238,7 +238,7 @@ async def test_a_watch_renews_its_lease(agent, metrics, redis, prefix):
         for _ in range(4):
             await events.next(timeout=3 * INTERVAL)
         assert events.lease.key == key  # renewed all along, never lost and registered again
-        assert await redis.exists(f"{prefix}:{{metrics:{NODE}}}:notifier:{key}")
+        assert await redis.exists(f"{prefix}:metrics:{{{NODE}}}:notifier:{key}")
 
 
 # -- sampling never waits for a subscriber ---------------------------------------------------------

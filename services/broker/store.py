@@ -5,12 +5,15 @@ index changes that belong to it (pool membership, reservations, timers), so a re
 record and its pools disagree, and a replica that acts on an old copy of a record changes nothing.
 The `apply` claim has a script of its own because it must pick the resource inside Redis.
 
-Keys (prefix `<p>:broker`):
+Keys: every key starts with `<p>:broker:` (one ACL pattern, `~<p>:broker:*`, covers the service)
+and carries the deployment's hash tag `{<p>}`, so every key of one deployment's broker lives in one
+Redis Cluster hash slot. Base `<p>:broker:{<p>}`:
   res:<user>:<id>              hash   a resource record (released ones expire after 24 h)
   index                        zset   "<user>/<id>" -> created_at, for list-resources
   blocks                       hash   capacity block -> instances reserved but not ready yet
   timers                       zset   "<kind>|<user>|<id>" -> due time (durable timers)
   brokers                      zset   "<user>/<name>" -> order of creation
+  broker-seq                   string the last order number given to a broker
   brokers-version              string bumped after every broker change (readers cache by it)
   broker:<user>:<name>         hash   config, cooling_until, next_recycle
   pool:<user>:<name>:warming   set    launched, not accepted yet
@@ -19,7 +22,19 @@ Keys (prefix `<p>:broker`):
   pool:<user>:<name>:deleting  set    being released, or its release failed and waits for a retry
   pool:<user>:<name>:demand    zset   applies seen (hits and misses) -> time
   lease:<user>:<name>          string the replica that runs this broker's pool loop
-The operators keep their own keys beside these (`proc:`, `proc-slots`, `ports`, `alloc:`).
+The operators keep their own keys beside these, under the same base and tag (`proc:<user>:<id>`,
+`proc-slots`, `ports`, `alloc:<user>:<id>`).
+
+Why one tag for the whole deployment: the scripts and transactions need it. `commit` writes a
+record together with the deployment-wide index, reservations (`blocks`, whose `fits` guard is a
+global capacity check) and timers, and with a pool of any broker; the `apply` claim reads the
+brokers' version, pops from several brokers' pools and rewrites the records it finds there (keys
+it cannot name in advance: it builds them from the popped ids, which works on a Redis Cluster only
+because they share the declared keys' slot); the process table changes a resource's processes and
+the deployment's port and instance sets in one transaction. No finer tag keeps all of that in one
+slot, and the broker's load is modest (launches, releases, applies, and a pool loop per broker).
+Different deployments (prefixes) land in different slots. Idempotency keys (`bus.idempotency`,
+`<p>:idem:<p>-broker:...`) are apart: one key per script, in any slot.
 """
 
 from __future__ import annotations
@@ -218,9 +233,15 @@ def decode_record(raw: dict[bytes, bytes]) -> Resource | None:
     return msgspec.convert({**text, "param": param}, Resource, strict=False)
 
 
+def key_base(prefix: str) -> str:
+    """The start of every broker key of a deployment: the service's name, then the hash tag that
+    puts all of them in one Redis Cluster slot (see the module docstring)."""
+    return f"{prefix}:broker:{{{prefix}}}"
+
+
 class Keys:
     def __init__(self, prefix: str) -> None:
-        self.base = f"{prefix}:broker"
+        self.base = key_base(prefix)
         self.index = f"{self.base}:index"
         self.blocks = f"{self.base}:blocks"
         self.timers = f"{self.base}:timers"

@@ -6,7 +6,10 @@ the publisher publishes on core NATS, which never waits for subscribers (the ser
 off). What a subscriber misses, it reads with `get`: the store always has the latest value.
 
 - Registrations live in Redis under the node's hash tag: a hash per registration (the watched
-  metric and its lease) that expires unless renewed, plus a set indexing them. Every agent of the
+  metric and its lease) that expires unless renewed, plus a set indexing them. Every key of the
+  node starts with `<prefix>:metrics:{<node>}:` (see `node_base`): one ACL pattern
+  (`~<prefix>:metrics:*`) covers the service, and every script and transaction touches one node's
+  keys only, so one Redis Cluster slot. Every agent of the
   node sees the same registrations, so any of them can register, renew or deregister.
 - One agent per node publishes: the one holding the node's publisher lease. Once a second it
   renews that lease, re-reads the registrations with their remaining lease (to learn what other
@@ -83,6 +86,14 @@ return 0
 """
 
 
+def node_base(prefix: str, node: str) -> str:
+    """The start of every Redis key of one node's agents; the hash tag `{<node>}` puts them in one
+    Redis Cluster slot. Keys: `notifiers` (set of registration keys), `notifier:<key>` (hash:
+    ref, lease_ms; expires with its lease), `publisher` (string: the publishing agent, a lease),
+    `sent` (hash: subject -> sample time last published)."""
+    return f"{prefix}:metrics:{{{node}}}"
+
+
 class NotifierNotFound(BerthError):
     """The registration is unknown: deregistered, or its lease ended. Register again."""
 
@@ -94,7 +105,7 @@ class Registrations:
 
     def __init__(self, redis: Redis, prefix: str, node: str) -> None:
         self.redis = redis
-        self.base = f"{prefix}:{{metrics:{node}}}"  # one hash tag: Redis-Cluster-safe scripts
+        self.base = node_base(prefix, node)  # one hash tag: Redis-Cluster-safe scripts
         self.index = f"{self.base}:notifiers"
         self._live = redis.register_script(_LIVE)
         self._renew = redis.register_script(_RENEW)
@@ -146,8 +157,8 @@ class Publishing:
         self, redis: Redis, prefix: str, node: str, seconds: float = PUBLISHER_LEASE_SECONDS
     ) -> None:
         self.redis = redis
-        self.lease_key = f"{prefix}:{{metrics:{node}}}:publisher"
-        self.sent_key = f"{prefix}:{{metrics:{node}}}:sent"
+        self.lease_key = f"{node_base(prefix, node)}:publisher"
+        self.sent_key = f"{node_base(prefix, node)}:sent"
         self.holder = uuid.uuid4().hex
         self.seconds = seconds
         self._hold = redis.register_script(_HOLD)

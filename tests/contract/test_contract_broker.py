@@ -90,13 +90,13 @@ class Ctx:
 
     # Redis keys of the broker's records (services/broker/store.py), for the corruption tests.
     def record_key(self, resource_id: str) -> str:
-        return f"{self.ns}:broker:res:{self.user}:{resource_id}"
+        return f"{self.ns}:broker:{{{self.ns}}}:res:{self.user}:{resource_id}"
 
     def broker_key(self, name: str) -> str:
-        return f"{self.ns}:broker:broker:{self.user}:{name}"
+        return f"{self.ns}:broker:{{{self.ns}}}:broker:{self.user}:{name}"
 
     def pool_key(self, name: str, part: str) -> str:
-        return f"{self.ns}:broker:pool:{self.user}:{name}:{part}"
+        return f"{self.ns}:broker:{{{self.ns}}}:pool:{self.user}:{name}:{part}"
 
     async def call(self, command: str, payload: Any) -> WireReply:
         return await self.b.request(f"broker.{command}", payload, timeout=20)

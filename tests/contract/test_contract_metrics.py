@@ -91,10 +91,10 @@ class Ctx:
     # Redis keys of the agent (services/metrics/notifier.py), for the corruption tests.
     @property
     def index_key(self) -> str:
-        return f"{self.ns}:{{metrics:{self.node}}}:notifiers"
+        return f"{self.ns}:metrics:{{{self.node}}}:notifiers"
 
     def registration_key(self, key: str) -> str:
-        return f"{self.ns}:{{metrics:{self.node}}}:notifier:{key}"
+        return f"{self.ns}:metrics:{{{self.node}}}:notifier:{key}"
 
     async def registrations(self) -> list[bytes]:
         return sorted(await self.redis.smembers(self.index_key))

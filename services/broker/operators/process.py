@@ -31,6 +31,7 @@ from bus.errors import InvalidArgument
 from services.broker.messages import Endpoint, ResourceParam, ServiceInfo
 from services.broker.operators import procfs
 from services.broker.operators.base import BlockCapacity, LaunchSpec, OperatorError
+from services.broker.store import key_base
 from services.servers import free_port
 
 BLOCK = "local"
@@ -97,11 +98,14 @@ def _check_command(encoded: bytes) -> None:
 
 
 class ProcessTable:
-    """The processes each resource runs, in Redis: `proc:<user>:<id>` maps instance index -> Slot."""
+    """The processes each resource runs, in Redis: `proc:<user>:<id>` maps instance index -> Slot.
+
+    The keys share the broker's base and hash tag (`services.broker.store`): `put` and `delete`
+    change a resource's key and the deployment-wide sets in one transaction, so one slot."""
 
     def __init__(self, redis: Redis, prefix: str) -> None:
         self.redis = redis
-        self.base = f"{prefix}:broker"
+        self.base = key_base(prefix)
         self.slots_key = f"{self.base}:proc-slots"  # "<user>/<id>/<index>" of every instance
         self.ports_key = f"{self.base}:ports"  # ports handed out and not yet freed
 
