@@ -4,12 +4,14 @@ Workers reconnect forever with a short ping interval, so a restarted nats-server
 not a crash; disconnects, reconnects and asynchronous errors (slow consumers above all) are logged,
 never silent. A NATS cluster is given as a comma-separated list of URLs; the client also learns
 the other servers from the one it reaches, and moves to another when its server goes away.
+Credentials come as `user`/`password` options or in the URLs (`nats://user:password@host:port`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from urllib.parse import unquote, urlsplit
 
 import nats
 from nats.aio.client import Client
@@ -52,9 +54,22 @@ async def connect(url: str | None = None, *, name: str = "berth", worker: bool =
         allow_reconnect=True,
         connect_timeout=5,
     )
+    settings.update(_url_credentials(settings["servers"]))
     settings.update(options)
     nc = await nats.connect(**settings)
     return nc
+
+
+def _url_credentials(servers: list[str]) -> dict[str, str]:
+    """`user`/`password` options from the first URL that carries `user:password@`.
+
+    nats-py sends a URL's credentials to that server only; a cluster's other servers, learned from
+    the one it reaches, would get none. As options, they go to whichever server it connects to."""
+    for server in servers:
+        parts = urlsplit(server if "://" in server else f"nats://{server}")
+        if parts.username is not None and parts.password is not None:
+            return {"user": unquote(parts.username), "password": unquote(parts.password)}
+    return {}
 
 
 async def subscriptions_in_place(nc: Client, timeout: float = 10.0) -> None:

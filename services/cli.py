@@ -16,26 +16,50 @@ from services.supervisor import Supervisor, worker_argv
 log = logging.getLogger("berth")
 
 
-def _url_args(args: argparse.Namespace) -> list[str]:
-    return ["--nats", args.nats, "--redis", args.redis, "--prefix", args.prefix]
+def _url_args(args: argparse.Namespace) -> tuple[list[str], dict[str, str] | None]:
+    """Worker arguments and environment for the URLs: on the command line, unless a URL carries a
+    password; that one goes in the environment (a command line is visible to every local user)."""
+    argv, env = ["--prefix", args.prefix], {}
+    for option, variable, url in (("--nats", "NATS_URL", args.nats), ("--redis", "REDIS_URL", args.redis)):
+        if "@" in url:
+            env[variable] = url
+        else:
+            argv += [option, url]
+    return argv, ({**os.environ, **env} if env else None)
 
 
 def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
-    from services.servers import start_nats, start_redis
+    from services.credentials import prepare
+    from services.servers import start_nats, start_nats_cluster, start_redis, start_redis_cluster
 
     state = Path(args.state).resolve()
+    # Credentials (unless --no-auth): users and permissions for the servers we start, a user per
+    # worker, see services/credentials.py. A server given by URL is used as it is.
+    own_nats, own_redis = not args.nats, not args.redis
+    creds = prepare(state / "credentials", args.prefix) if not args.no_auth and (own_nats or own_redis) else None
+    nats_config = creds.nats_config if creds else None
+    redis_config, redis_admin = (creds.redis_config, creds.redis_admin) if creds else (None, None)
     servers = []
     try:
         if not args.nats:
-            servers.append(start_nats(state / "nats", args.nats_port))
+            servers.append(start_nats_cluster(state / "nats-cluster", config=nats_config) if args.cluster else start_nats(state / "nats", args.nats_port, config=nats_config))
             args.nats = servers[-1].url
         if not args.redis:
-            servers.append(start_redis(state / "redis", args.redis_port))
+            servers.append(start_redis_cluster(state / "redis-cluster", config=redis_config, auth=redis_admin) if args.cluster else start_redis(state / "redis", args.redis_port, config=redis_config))
             args.redis = servers[-1].url
-        print(f"NATS_URL={args.nats}\nREDIS_URL={args.redis}\nstate: {state}", flush=True)
+        client_url = creds.nats_url("client", args.nats) if creds and own_nats else args.nats
+        print(f"NATS_URL={client_url}\nREDIS_URL={args.redis}\nstate: {state}", flush=True)
+        if creds:
+            print(f"credentials: {creds.directory} (NATS_URL is the client user's; every service's users, and "
+                  "Redis's administrator 'default', are in credentials.json)", flush=True)
         supervisor = Supervisor()
         for name, module in available().items():
-            supervisor.add(name, worker_argv(module, _url_args(args)))
+            if creds is None:
+                argv, env = _url_args(args)
+            else:  # its own NATS user (a creds file) and Redis user (REDIS_URL in its environment)
+                argv, env = creds.worker_launch(name, args.nats, args.redis, nats_auth=own_nats, redis_auth=own_redis)
+                env = {**os.environ, **env}
+            supervisor.add(name, worker_argv(module, argv), env)
         if not supervisor.children:
             print("no service is installed yet; serving NATS and Redis only", flush=True)
         print("berth is up; Ctrl-C stops everything", flush=True)
@@ -53,8 +77,9 @@ def cmd_worker(args: argparse.Namespace, extra: list[str]) -> int:
     if not args.nats or not args.redis:
         raise SystemExit("give --nats and --redis (or set NATS_URL and REDIS_URL)")
     supervisor = Supervisor()
+    argv, env = _url_args(args)
     for i in range(args.workers):
-        supervisor.add(f"{args.service}[{i}]", worker_argv(modules[args.service], _url_args(args) + extra))
+        supervisor.add(f"{args.service}[{i}]", worker_argv(modules[args.service], argv + extra), env)
     return supervisor.run()
 
 
@@ -111,6 +136,10 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--state", default=os.environ.get("BERTH_STATE", ".berth"), help="state folder")
     up.add_argument("--nats-port", type=int, help="port for the embedded nats-server (default: a free one)")
     up.add_argument("--redis-port", type=int, help="port for the embedded redis-server (default: a free one)")
+    up.add_argument("--no-auth", action="store_true",
+                    help="start the servers without users and permissions (default: a user per service, see README)")
+    up.add_argument("--cluster", action="store_true",
+                    help="a 3-server NATS cluster and a 3-primary, 3-replica Redis Cluster instead of one of each")
     up.set_defaults(run=cmd_up)
 
     worker = sub.add_parser("worker", help="run N processes of one service")

@@ -24,7 +24,7 @@ from redis.asyncio import Redis
 
 from bus.connection import connect
 from bus.events import EventBus
-from bus.redis import connect_redis
+from bus.redis import connect_redis, ready
 
 log = logging.getLogger("berth.runner")
 
@@ -51,7 +51,26 @@ def configure_logging(level: str = "INFO") -> None:
 
 def common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nats", default=os.environ.get("NATS_URL"), help="NATS URL (env NATS_URL)")
-    parser.add_argument("--redis", default=os.environ.get("REDIS_URL"), help="Redis URL (env REDIS_URL)")
+    parser.add_argument(
+        "--nats-user", default=os.environ.get("NATS_USER"), help="NATS user (env NATS_USER; or user:password@ in the URL)"
+    )
+    parser.add_argument(
+        "--nats-password", default=os.environ.get("NATS_PASSWORD"),
+        help="NATS password (env NATS_PASSWORD, better than this option: a command line is visible to every local user)",
+    )
+    parser.add_argument(
+        "--nats-creds", default=os.environ.get("BERTH_NATS_CREDS"), metavar="FILE",
+        help="file with user=... and password=... lines, as `berth up` writes (env BERTH_NATS_CREDS)",
+    )
+    parser.add_argument(
+        "--nats-inbox-prefix", default=os.environ.get("BERTH_NATS_INBOX_PREFIX"),
+        help="inbox root of the worker's own requests (default _INBOX_<prefix>-<service>, which the "
+        "permissions `berth up` writes expect; env BERTH_NATS_INBOX_PREFIX)",
+    )
+    parser.add_argument(
+        "--redis", default=os.environ.get("REDIS_URL"),
+        help="Redis URL, redis://[user:password@]host:port/db or redis+cluster://[user:password@]host:port,... (env REDIS_URL)",
+    )
     parser.add_argument(
         "--prefix", default=os.environ.get("BERTH_PREFIX", "berth"), help="subject and key prefix (env BERTH_PREFIX)"
     )
@@ -61,6 +80,26 @@ def common_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--drain-timeout", type=float, default=10.0, help="seconds to finish requests on SIGTERM")
     parser.add_argument("--memory-stream", action="store_true", help="keep the events stream in memory (tests)")
+
+
+def nats_options(args: argparse.Namespace, service: str) -> dict[str, str]:
+    """The worker's NATS credentials (a creds file first, then user and password) and inbox root.
+
+    The inbox root is the service's own (`services.credentials.inbox_prefix`), not `_INBOX`: with
+    the permissions `berth up` writes, only this service may subscribe to it, so the answers to its
+    requests (JetStream API, calls to other services) are not visible to clients."""
+    from services.credentials import inbox_prefix, read_creds_file
+
+    options = {"inbox_prefix": args.nats_inbox_prefix or inbox_prefix(args.prefix, service)}
+    user, password = args.nats_user, args.nats_password
+    if args.nats_creds:
+        try:
+            user, password = read_creds_file(args.nats_creds)
+        except (OSError, ValueError) as error:
+            raise SystemExit(f"--nats-creds: {error}") from None
+    if user is not None or password is not None:
+        options.update(user=user or "", password=password or "")
+    return options
 
 
 def load(module_name: str):
@@ -74,8 +113,8 @@ def load(module_name: str):
 async def run(module, args: argparse.Namespace) -> None:
     if not PREFIX_PATTERN.match(args.prefix):
         raise SystemExit(f"--prefix {args.prefix!r} must match [A-Za-z0-9_-]+")
-    nc = await connect(args.nats, name=f"{args.prefix}-{module.NAME}")
-    redis = connect_redis(args.redis, max_connections=args.concurrency + 8)
+    nc = await connect(args.nats, name=f"{args.prefix}-{module.NAME}", **nats_options(args, module.NAME))
+    redis = await ready(connect_redis(args.redis, max_connections=args.concurrency + 8))
     events = EventBus(nc, prefix=args.prefix)
     await events.ensure_stream(module.STREAM, memory=args.memory_stream)
     ctx = WorkerContext(args=args, nc=nc, redis=redis, events=events, prefix=args.prefix)

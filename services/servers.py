@@ -95,23 +95,37 @@ def _spawn(name: str, args: list[str], port: int, log_path: Path) -> subprocess.
     return proc
 
 
-def start_nats(state_dir: Path, port: int | None = None, *, jetstream: bool = True) -> ServerProcess:
+def start_nats(
+    state_dir: Path, port: int | None = None, *, jetstream: bool = True, config: Path | None = None
+) -> ServerProcess:
+    """`config`: a nats-server configuration file (users and permissions, see services.credentials);
+    the options given here on the command line take precedence over it."""
     port = port or free_port()
     state_dir.mkdir(parents=True, exist_ok=True)
     args = [find_binary("nats-server"), "-a", "127.0.0.1", "-p", str(port)]
     if jetstream:
         args += ["-js", "-sd", str(state_dir / "jetstream")]
+    if config is not None:
+        args += ["-c", str(config)]
     proc = _spawn("nats-server", args, port, state_dir / "nats-server.log")
     return ServerProcess("nats", f"nats://127.0.0.1:{port}", proc)
 
 
 def start_redis(
-    state_dir: Path, port: int | None = None, *, appendonly: bool = True, extra: list[str] | None = None
+    state_dir: Path,
+    port: int | None = None,
+    *,
+    appendonly: bool = True,
+    extra: list[str] | None = None,
+    config: Path | None = None,
 ) -> ServerProcess:
+    """`config`: a redis.conf to start from (ACL users, see services.credentials); the options
+    given here on the command line take precedence over it."""
     port = port or free_port()
     state_dir.mkdir(parents=True, exist_ok=True)
     args = [
         find_binary("redis-server"),
+        *([str(config)] if config is not None else []),  # redis-server takes the file first
         "--bind", "127.0.0.1",
         "--port", str(port),
         "--dir", str(state_dir),
@@ -161,12 +175,21 @@ def start_nats_cluster(state_dir: Path, size: int = 3, *, config: Path | None = 
 
 
 def start_redis_cluster(
-    state_dir: Path, primaries: int = 3, replicas: int = 1, *, extra: list[str] | None = None
+    state_dir: Path,
+    primaries: int = 3,
+    replicas: int = 1,
+    *,
+    extra: list[str] | None = None,
+    config: Path | None = None,
+    auth: tuple[str, str] | None = None,
 ) -> ServerCluster:
     """A Redis Cluster of `primaries` primaries with `replicas` replicas each, slots split evenly.
 
     Built with CLUSTER MEET / ADDSLOTS / REPLICATE (no redis-cli needed); returns once every node
-    says the cluster is ok. The url is `redis+cluster://host:port,...` (see bus.redis)."""
+    says the cluster is ok. A replica (re)joining syncs at once: no diskless-sync delay, which
+    otherwise makes a primary wait 5 s for more replicas. The url is `redis+cluster://host:port,...` (see bus.redis).
+    `config`: a redis.conf every node starts from (ACL users; its `masteruser`/`masterauth` let
+    replicas reach their primary); `auth`: (user, password) of an administrator to build it with."""
     import redis as sync_redis
 
     count = primaries * (1 + replicas)
@@ -174,12 +197,13 @@ def start_redis_cluster(
     for i in range(count):
         directory = state_dir / f"r{i}"
         port = free_cluster_port()
-        server = start_redis(directory, port, appendonly=True, extra=[
+        server = start_redis(directory, port, appendonly=True, config=config, extra=[
             "--cluster-enabled", "yes", "--cluster-config-file", str(directory / "nodes.conf"),
-            "--cluster-node-timeout", "1500", *(extra or []),
+            "--cluster-node-timeout", "1500", "--repl-diskless-sync-delay", "0", *(extra or []),
         ])
         members.append(ServerProcess(f"redis-r{i}", server.url, server.proc))
-    clients = [sync_redis.Redis(port=int(m.url.rsplit(":", 1)[1].split("/")[0])) for m in members]
+    login = {"username": auth[0], "password": auth[1]} if auth else {}
+    clients = [sync_redis.Redis(port=int(m.url.rsplit(":", 1)[1].split("/")[0]), **login) for m in members]
     try:
         ids = [client.execute_command("CLUSTER MYID").decode() for client in clients]
         for client in clients[1:]:

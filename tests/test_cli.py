@@ -21,15 +21,22 @@ BERTH = [sys.executable, "-m", "services.cli"]
 
 def test_every_compose_service_command_exists_in_the_cli():
     compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
-    workers = {name: spec for name, spec in compose["services"].items() if "build" in spec}
-    assert set(workers) == set(SERVICES)
-    for name, spec in workers.items():
-        args, extra = parser().parse_known_args(spec["command"])
-        assert (args.command, args.service, extra) == ("worker", name, [])
-        assert spec["environment"]["NATS_URL"].startswith("nats://")
-        assert spec["environment"]["REDIS_URL"].startswith("redis://")
+    for profile, suffix, redis_scheme in ((None, "", "redis://"), ("cluster", "-cluster", "redis+cluster://")):
+        workers = {
+            name.removesuffix(suffix): spec for name, spec in compose["services"].items()
+            if "build" in spec and spec.get("profiles", [None])[0] == profile
+        }
+        assert set(workers) == set(SERVICES), profile
+        for name, spec in workers.items():
+            args, extra = parser().parse_known_args(spec["command"])
+            assert (args.command, args.service, extra) == ("worker", name, [])
+            assert spec["environment"]["NATS_URL"].startswith("nats://")
+            assert spec["environment"]["REDIS_URL"].startswith(redis_scheme)
     assert "-js" in compose["services"]["nats"]["command"]
     assert "--appendonly" in compose["services"]["redis"]["command"]
+    cluster_nats = [spec for name, spec in compose["services"].items() if name.startswith("nats-")]
+    assert len(cluster_nats) == 3 and all("--routes" in spec["command"] for spec in cluster_nats)
+    assert sum(name.startswith("redis-") and name[-1].isdigit() for name in compose["services"]) == 6
 
 
 def _processes_mentioning(text: str) -> list[int]:
@@ -67,7 +74,9 @@ def test_up_starts_everything_status_lists_it_and_ctrl_c_leaves_nothing(tmp_path
     try:
         lines = _read_until(up, "berth is up")
         urls = dict(line.split("=", 1) for line in lines if "_URL=" in line)
-        assert urls["NATS_URL"].startswith("nats://127.0.0.1:") and urls["REDIS_URL"].startswith("redis://")
+        # credentials by default: the URL printed is the client user's (services/credentials.py)
+        assert urls["NATS_URL"].startswith("nats://client:") and urls["NATS_URL"].rsplit("@", 1)[1].startswith("127.0.0.1:")
+        assert urls["REDIS_URL"].startswith("redis://")
         assert _processes_mentioning(str(state))  # the embedded servers run from the state folder
         expected = {f"berth-{name}" for name in SERVICES if (ROOT / "services" / name / "worker.py").exists()}
         deadline = time.monotonic() + 30
