@@ -6,8 +6,6 @@ Every broker test runs with short intervals, and ends with no process of its nam
 
 from __future__ import annotations
 
-import os
-import signal
 from dataclasses import replace
 from typing import Any
 
@@ -17,7 +15,7 @@ import pytest_asyncio
 from bus.errors import BusError
 from services.broker.config import Timing
 from services.broker.worker import Settings, make_broker
-from tests.broker_helpers import FAST, eventually, marked
+from tests.broker_helpers import FAST, eventually, kill_marked
 
 
 class Broker:
@@ -77,13 +75,8 @@ async def subscribe(events):
 def broker_processes(prefix):
     """Fails a test that leaves a launched process alive (after killing it)."""
     yield
-    left = marked(prefix)
-    for pid in left.values():
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    assert not left, f"processes left behind: {sorted(left)}"
+    left = kill_marked(prefix)
+    assert not left, f"processes left behind: {left}"
 
 
 @pytest_asyncio.fixture

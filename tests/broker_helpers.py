@@ -6,6 +6,8 @@ The fixtures are in tests/broker_fixtures.py.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import sys
 import time
 from dataclasses import fields
@@ -63,6 +65,17 @@ def const_broker(user: str, name: str, num: int, image: str = SERVER, **fields: 
 def marked(prefix: str) -> dict[str, int]:
     """Live processes launched in this test's namespace: marker -> pid."""
     return procfs.marked_processes(f"{prefix}/")
+
+
+def kill_marked(prefix: str) -> list[str]:
+    """SIGKILL every process launched in this namespace that is still alive; their markers."""
+    left = marked(prefix)
+    for pid in left.values():
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return sorted(left)
 
 
 def marked_pids(prefix: str) -> list[tuple[str, int]]:

@@ -14,7 +14,6 @@ so the next test again has a replica to fail over to.
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import subprocess
 import time
@@ -33,7 +32,7 @@ from services.broker.store import key_base
 from services.metrics.notifier import node_base
 from services.servers import ServerCluster, ServerProcess, start_redis_cluster
 from tests.broker_fixtures import Broker
-from tests.broker_helpers import FAST_ARGS, const_broker, eventually, marked, param
+from tests.broker_helpers import FAST_ARGS, const_broker, eventually, kill_marked, marked, param
 from tests.bus_helpers import EventLog
 from tests.conftest import Worker, clean_namespace, new_prefix, start_worker, stop_workers
 
@@ -182,13 +181,10 @@ class OnCluster:
             await clean_namespace(self.nc, self.redis, self.prefix)  # the events streams
         finally:
             await self.redis.aclose()
-        left = marked(self.prefix)  # processes a broker launched and nobody released
-        for pid in left.values():
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        assert not left, f"processes left behind: {sorted(left)}"
+            # Processes a broker launched and nobody released, killed even when the cluster did
+            # not come back: a test must not leave a server running on this machine.
+            left = kill_marked(self.prefix)
+        assert not left, f"processes left behind: {left}"
 
 
 @pytest.fixture(scope="module")
