@@ -15,7 +15,7 @@ from urllib.parse import unquote, urlsplit
 
 import nats
 from nats.aio.client import Client
-from nats.errors import SlowConsumerError
+from nats.errors import NoRespondersError, SlowConsumerError
 
 log = logging.getLogger("berth.bus")
 
@@ -72,7 +72,7 @@ def _url_credentials(servers: list[str]) -> dict[str, str]:
     return {}
 
 
-async def subscriptions_in_place(nc: Client, timeout: float = 10.0) -> None:
+async def subscriptions_in_place(nc: Client, timeout: float = 10.0, *, as_client: bool = False) -> None:
     """Return once the server has registered every subscription this connection asked for so far.
 
     `nc.flush()` is not enough: nats-py writes its PING straight to the socket, while SUB commands
@@ -80,13 +80,16 @@ async def subscriptions_in_place(nc: Client, timeout: float = 10.0) -> None:
     `subscribe` calls (as `Service.start` makes) can thus get its PONG before the server has seen
     the SUBs, and a request sent by another client at that moment gets "no responders".
 
-    A message, though, goes through the same buffer as the SUBs, behind them, and the server handles
-    one connection's commands in order: once a message we publish to a subscription of our own comes
-    back, every endpoint subscribed before it is in place, and answers.
+    A request, though, goes through the same buffer as the SUBs, behind them, and the server handles
+    one connection's commands in order: a request that nobody serves comes back as "no responders"
+    once every subscription before it is in place. It goes to a fresh subject under this
+    connection's own inbox or, `as_client`, to a `$SRV.PING` of a service that does not exist:
+    `berth up`'s client user may publish on `$SRV.>` but not on `_INBOX.>`.
     """
-    probe = await nc.subscribe(nc.new_inbox())
+    unserved = nc.new_inbox()
+    if as_client:
+        unserved = "$SRV.PING." + unserved.rsplit(".", 1)[-1]
     try:
-        await nc.publish(probe.subject, b"")
-        await probe.next_msg(timeout=timeout)
-    finally:
-        await probe.unsubscribe()
+        await nc.request(unserved, b"", timeout=timeout)
+    except NoRespondersError:
+        return
