@@ -27,8 +27,18 @@ sys.path.insert(0, str(ROOT))
 import msgpack  # noqa: E402
 import nats  # noqa: E402
 
-from bench.allocation import LABELS, REQUEST, CpuShare, EchoResponders, Requests, Table, Workers, add_nodes, load  # noqa: E402
-from bench.allocation import raw_lua_rate  # noqa: E402
+from bench.allocation import (  # noqa: E402
+    LABELS,
+    REQUEST,
+    CpuShare,
+    EchoResponders,
+    Requests,
+    Table,
+    Workers,
+    add_nodes,
+    load,
+    raw_lua_rate,
+)
 from bench.stats import percentile  # noqa: E402
 from bus.redis import connect_redis, ready  # noqa: E402
 from services.servers import start_nats, start_nats_cluster, start_redis, start_redis_cluster  # noqa: E402

@@ -17,8 +17,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Generic, TypeVar
 import msgspec
 from nats.aio.client import Client
 from nats.aio.subscription import Subscription
-from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 from nats.errors import TimeoutError as NatsTimeout
+from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError, NotFoundError, ServiceUnavailableError
 
 from bus.codec import encode

@@ -21,7 +21,6 @@ import asyncio
 import os
 import weakref
 from typing import Any
-
 from urllib.parse import unquote, urlsplit
 
 from redis.asyncio import BlockingConnectionPool, Redis, RedisCluster

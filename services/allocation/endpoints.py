@@ -17,10 +17,11 @@ import msgspec
 from bus.errors import BerthError, InvalidArgument
 from bus.events import StreamSpec
 from bus.service import Command
+from schemas.common import Empty
 from services.allocation.manager import ResourceManager
 from services.allocation.messages import (
-    AddNode,
     NULL,
+    AddNode,
     Allocate,
     AllocateReply,
     AllocateWire,
@@ -66,7 +67,6 @@ from services.allocation.messages import (
 from services.allocation.placement import total_capacity
 from services.allocation.plugin import EngineInfo, keyed_field
 from services.allocation.view import NodeSet, Selection
-from schemas.common import Empty
 
 Raw = dict[str, Any]
 

@@ -22,7 +22,15 @@ import msgpack
 import pytest
 from nats.js.api import DeliverPolicy
 
-from tests.contract.conftest import ERROR_CODE_HEADER, ERROR_HEADER, Capture, Wire, WireReply, send_from_processes, unique
+from tests.contract.conftest import (
+    ERROR_CODE_HEADER,
+    ERROR_HEADER,
+    Capture,
+    Wire,
+    WireReply,
+    send_from_processes,
+    unique,
+)
 
 GiB = 1 << 30
 MAX_INT = 2**63 - 1

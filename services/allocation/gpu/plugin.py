@@ -7,7 +7,6 @@ Requests, workload resources, engine params and node capacity and usage all shar
 from __future__ import annotations
 
 import math
-
 from functools import reduce
 
 import msgspec
