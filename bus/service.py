@@ -20,7 +20,8 @@ What the runtime adds to `nats.micro`:
 - drain: queued requests finish and their replies flush before the connection closes;
 - optional broadcast: every instance receives the request (its own queue group) and the first
   reply wins, for commands that must reach every replica (a write into per-process state); a
-  broadcast endpoint may be idempotent too, each instance then keeping its own answers.
+  broadcast endpoint may be idempotent too, each instance then keeping its own answers;
+- Prometheus request metrics per endpoint: count, errors by code, duration (`bus.telemetry`).
 """
 
 from __future__ import annotations
@@ -34,16 +35,17 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 from nats.aio.client import Client
-from redis import exceptions as redis_errors
 from nats.micro import ServiceConfig
 from nats.micro.request import ERROR_CODE_HEADER, ERROR_HEADER, Request
 from nats.micro.service import Endpoint as MicroEndpoint
 from nats.micro.service import Service as MicroService
+from redis import exceptions as redis_errors
 
 from bus.codec import decode, encode
 from bus.connection import subscriptions_in_place
 from bus.errors import BerthError
 from bus.idempotency import IdempotencyStore, Reply
+from bus.telemetry import EndpointMeter, error_code
 from schemas.common import ErrorBody, ErrorInfo
 
 log = logging.getLogger("berth.service")
@@ -125,6 +127,7 @@ class Service:
         self._slots = asyncio.Semaphore(concurrency)
         self._tasks: set[asyncio.Task] = set()
         self._stats: dict[str, MicroEndpoint] = {}
+        self._meters: dict[str, EndpointMeter] = {}  # Prometheus request metrics (bus.telemetry)
 
     # -- declaring endpoints -------------------------------------------------------------
 
@@ -188,6 +191,7 @@ class Service:
             # nats.micro keeps per-endpoint stats on its Endpoint object; since the real work runs in
             # our own task, we complete those stats ourselves when the task ends (see _account).
             self._stats[spec.name] = self._micro._endpoints[-1]
+            self._meters[spec.name] = EndpointMeter(self.name, spec.subject)
         await subscriptions_in_place(nc)  # so that "started" means every endpoint answers
         log.info("%s serving %d endpoints under %s (id %s)", self.name, len(self.specs), self.prefix, self.id)
 
@@ -299,6 +303,10 @@ class Service:
             return error_reply(error)
 
     def _account(self, spec: EndpointSpec, elapsed_ns: int, reply: Reply) -> None:
+        meter = self._meters.get(spec.name)
+        if meter is not None:
+            error = error_code(reply.body, reply.headers.get(ERROR_CODE_HEADER)) if reply.headers else None
+            meter.record(elapsed_ns / 1e9, error)
         stats = self._stats.get(spec.name)
         if stats is None:
             return

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from services.registry import SERVICES, available
-from services.runner import configure_logging
+from services.runner import configure_logging, metrics_port
 from services.supervisor import Supervisor, worker_argv
 
 log = logging.getLogger("berth")
@@ -26,6 +26,14 @@ def _url_args(args: argparse.Namespace) -> tuple[list[str], dict[str, str] | Non
         else:
             argv += [option, url]
     return argv, ({**os.environ, **env} if env else None)
+
+
+def _metrics_args(port: int | None, index: int, addr: str | None = None) -> list[str]:
+    """Worker options for Prometheus metrics: worker `index` serves on `port + index` (0: each on a
+    free port, which its "ready" line names); none when `port` is None (off)."""
+    if port is None:
+        return []
+    return ["--metrics-port", str(port + index if port else 0)] + (["--metrics-addr", addr] if addr else [])
 
 
 def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
@@ -53,16 +61,24 @@ def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
             print(f"credentials: {creds.directory} (NATS_URL is the client user's; every service's users, and "
                   "Redis's administrator 'default', are in credentials.json)", flush=True)
         supervisor = Supervisor()
+        scraped: list[str] = []  # the workers serving Prometheus metrics, in start order
         for name, module in available().items():
             if creds is None:
                 argv, env = _url_args(args)
             else:  # its own NATS user (a creds file) and Redis user (REDIS_URL in its environment)
                 argv, env = creds.worker_launch(name, args.nats, args.redis, nats_auth=own_nats, redis_auth=own_redis)
                 env = {**os.environ, **env}
-            supervisor.add(name, worker_argv(module, argv), env)
+            metrics = [] if args.no_metrics else _metrics_args(args.metrics_base_port or 0, len(scraped), args.metrics_addr)
+            scraped += [name] if metrics else []
+            supervisor.add(name, worker_argv(module, argv + metrics), env)
         if not supervisor.children:
             print("no service is installed yet; serving NATS and Redis only", flush=True)
         print("berth is up; Ctrl-C stops everything", flush=True)
+        if scraped:  # Prometheus metrics of every worker (bus/telemetry.py)
+            host = args.metrics_addr
+            where = (", ".join(f"{name} http://{host}:{args.metrics_base_port + i}/metrics" for i, name in enumerate(scraped))
+                     if args.metrics_base_port else f"each worker on a free port of {host}, named in its ready line")
+            print(f"metrics: {where}", flush=True)
         return supervisor.run()
     finally:
         for server in reversed(servers):
@@ -79,7 +95,8 @@ def cmd_worker(args: argparse.Namespace, extra: list[str]) -> int:
     supervisor = Supervisor()
     argv, env = _url_args(args)
     for i in range(args.workers):
-        supervisor.add(f"{args.service}[{i}]", worker_argv(modules[args.service], argv + extra), env)
+        metrics = _metrics_args(args.metrics_port, i)
+        supervisor.add(f"{args.service}[{i}]", worker_argv(modules[args.service], argv + metrics + extra), env)
     return supervisor.run()
 
 
@@ -140,11 +157,18 @@ def parser() -> argparse.ArgumentParser:
                     help="start the servers without users and permissions (default: a user per service, see README)")
     up.add_argument("--cluster", action="store_true",
                     help="a 3-server NATS cluster and a 3-primary, 3-replica Redis Cluster instead of one of each")
+    up.add_argument("--no-metrics", action="store_true", help="workers serve no Prometheus metrics")
+    up.add_argument("--metrics-base-port", type=int, metavar="PORT",
+                    help="worker k (in start order) serves Prometheus metrics on PORT+k (default: free ports)")
+    up.add_argument("--metrics-addr", default="127.0.0.1", help="address the workers' metrics servers listen on")
     up.set_defaults(run=cmd_up)
 
     worker = sub.add_parser("worker", help="run N processes of one service")
     worker.add_argument("service", choices=sorted(SERVICES))
     worker.add_argument("--workers", type=int, default=1)
+    worker.add_argument("--metrics-port", type=metrics_port, default=os.environ.get("BERTH_METRICS_PORT", ""),
+                        metavar="PORT", help="Prometheus metrics: process k serves on PORT+k (0: free ports; "
+                        "env BERTH_METRICS_PORT; default: off)")
     urls(worker)
     worker.set_defaults(run=cmd_worker)
 

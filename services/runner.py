@@ -4,6 +4,10 @@ A service module defines `NAME`, `STREAM` (the `bus.events.StreamSpec` keeping i
 `add_arguments(parser)` and `async build(ctx) -> bus.Service`. The runner connects to NATS and
 Redis, makes sure the events stream exists, builds and starts the service, serves until
 SIGTERM/SIGINT, drains, runs the service's clean-ups and closes.
+
+With `--metrics-port` the worker also serves Prometheus metrics on `http://<addr>:<port>/metrics`
+(`bus.telemetry`); port 0 takes a free one. The first line on stdout stays `ready <name> <id>`, then
+`metrics=<url>` when metrics are on; the URL is in the log (stderr) too.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from redis.asyncio import Redis
 from bus.connection import connect
 from bus.events import EventBus
 from bus.redis import connect_redis, ready
+from bus.telemetry import MetricsServer
 
 log = logging.getLogger("berth.runner")
 
@@ -80,6 +85,33 @@ def common_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--drain-timeout", type=float, default=10.0, help="seconds to finish requests on SIGTERM")
     parser.add_argument("--memory-stream", action="store_true", help="keep the events stream in memory (tests)")
+    parser.add_argument(
+        "--metrics-port", type=metrics_port, default=os.environ.get("BERTH_METRICS_PORT", ""),
+        metavar="PORT", help="serve Prometheus metrics on this port at /metrics, 0 for a free one "
+        "(env BERTH_METRICS_PORT; default: off)",
+    )
+    parser.add_argument(
+        "--metrics-addr", default=os.environ.get("BERTH_METRICS_ADDR", "0.0.0.0"),
+        help="address the metrics server listens on (env BERTH_METRICS_ADDR)",
+    )
+    parser.add_argument(
+        "--metrics-refresh", type=float, default=float(os.environ.get("BERTH_METRICS_REFRESH", "10")),
+        metavar="SECONDS", help="figures a scrape reads from Redis (node totals, pool sizes) are read at most "
+        "this often (env BERTH_METRICS_REFRESH)",
+    )
+
+
+def metrics_port(text: str) -> int | None:
+    """A port number, or None (off) for an empty value or `off`."""
+    if text.strip().lower() in ("", "off"):
+        return None
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port number (0 to 65535)")
+    return port
 
 
 def nats_options(args: argparse.Namespace, service: str) -> dict[str, str]:
@@ -113,6 +145,22 @@ def load(module_name: str):
 async def run(module, args: argparse.Namespace) -> None:
     if not PREFIX_PATTERN.match(args.prefix):
         raise SystemExit(f"--prefix {args.prefix!r} must match [A-Za-z0-9_-]+")
+    metrics = None
+    if args.metrics_port is not None:
+        metrics = MetricsServer(args.metrics_addr, args.metrics_port)
+        try:
+            await metrics.start()
+        except OSError as error:
+            raise SystemExit(f"--metrics-port {args.metrics_port}: {error}") from None
+        log.info("serving Prometheus metrics on %s", metrics.url)
+    try:
+        await _serve(module, args, metrics)
+    finally:
+        if metrics is not None:
+            await metrics.close()
+
+
+async def _serve(module, args: argparse.Namespace, metrics: MetricsServer | None) -> None:
     nc = await connect(args.nats, name=f"{args.prefix}-{module.NAME}", **nats_options(args, module.NAME))
     redis = await ready(connect_redis(args.redis, max_connections=args.concurrency + 8))
     events = EventBus(nc, prefix=args.prefix)
@@ -121,7 +169,8 @@ async def run(module, args: argparse.Namespace) -> None:
     try:
         service = await module.build(ctx)
         await service.start(nc)
-        print(f"ready {service.name} {service.id}", flush=True)  # the supervisor and tests wait for this line
+        tail = f" metrics={metrics.url}" if metrics is not None else ""
+        print(f"ready {service.name} {service.id}{tail}", flush=True)  # the supervisor and tests wait for this line
         await service.serve_until_signalled(args.drain_timeout)
     finally:
         for cleanup in reversed(ctx.cleanups):

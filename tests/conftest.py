@@ -141,7 +141,7 @@ class Worker:
 
     @property
     def instance_id(self) -> str:
-        return self.ready_line.split()[-1]
+        return self.ready_line.split()[2]  # "ready <name> <id>", then "metrics=<url>" with --metrics-port
 
     def signal(self, sig: int) -> None:
         if self.proc.poll() is None:

@@ -19,6 +19,7 @@ from typing import Any, Awaitable, Callable
 
 from bus.codec import encode
 from bus.errors import BerthError
+from services.allocation import telemetry
 from services.allocation.plugin import ResourcePlugin
 from services.allocation.store import (
     Change,
@@ -154,6 +155,7 @@ class DeployBatches:
             try:
                 version = await self.store.commit(node, record.version, change)
             except StaleVersion:
+                telemetry.RETRY_VERSION.inc()
                 self.contend(node)
                 # Another worker changed the node. Reading it again is pause enough the first
                 # times; after that a short random pause spreads the contenders out.
@@ -171,6 +173,8 @@ class DeployBatches:
                 await self.store.unindex_workloads(ids)
                 raise
             self.committed(node, record, change, version)
+            telemetry.PLACEMENTS.inc(len(ids))
+            telemetry.COMMIT_DEPLOYS.observe(len(placed))
             return placed, refused, version
         raise BerthError(f"node {node} is changing too fast; retry", code="busy", details={"nodename": node})
 

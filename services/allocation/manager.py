@@ -22,12 +22,11 @@ from bus.codec import encode
 from bus.errors import BerthError
 from bus.events import EventBus
 from bus.idempotency import current_claim
-from services.allocation import placement
-from services.allocation.messages import ResourceEvent
-from services.allocation.plugin import DeployCapacity, EngineInfo, NamingPlugin, ResourcePlugin
+from services.allocation import placement, telemetry
 from services.allocation.commits import DeployBatches, node_not_found
 from services.allocation.directory import NodeDirectory, matches
-from services.allocation.view import CapacityView, Reservation, Selection, Views
+from services.allocation.messages import ResourceEvent
+from services.allocation.plugin import DeployCapacity, EngineInfo, NamingPlugin, ResourcePlugin
 from services.allocation.store import (
     Change,
     LedgerConflict,
@@ -37,6 +36,7 @@ from services.allocation.store import (
     StaleVersion,
     encode_state,
 )
+from services.allocation.view import CapacityView, Reservation, Selection, Views
 
 log = logging.getLogger("berth.allocation")
 
@@ -124,7 +124,8 @@ class ResourceManager:
                 return result, version
             try:
                 version = await self.store.commit(node, version, change)
-            except retry_on:
+            except retry_on as error:
+                (telemetry.RETRY_VERSION if isinstance(error, StaleVersion) else telemetry.RETRY_LEDGER).inc()
                 # Someone else changed the node; a short random pause spreads the contenders out.
                 await asyncio.sleep(random.uniform(0, 0.002 * min(attempt + 1, 10)))
                 continue
@@ -695,6 +696,7 @@ class ResourceManager:
 
         released, version = await self._mutate(node, compute, retry_ledger=True)
         if released:
+            telemetry.RELEASED.inc(len(released))
             await self._publish(node, "released", version, workload_ids=released)
         return released
 

@@ -7,15 +7,23 @@ import os
 
 from bus.idempotency import IdempotencyStore
 from bus.service import Service
+from bus.telemetry import on_scrape
 from services.allocation.cpumem import CpuMemPlugin
 from services.allocation.endpoints import (
-    COMMANDS, EVENTS, MANAGER_ONLY_COMMANDS, PLUGIN_NAMES, STREAM, Endpoints, plugin_commands,
+    COMMANDS,
+    EVENTS,
+    MANAGER_ONLY_COMMANDS,
+    PLUGIN_NAMES,
+    STREAM,
+    Endpoints,
+    plugin_commands,
 )
 from services.allocation.gpu import GpuPlugin
 from services.allocation.manager import ResourceManager
 from services.allocation.plugin import ResourcePlugin
 from services.allocation.storage import StoragePlugin
 from services.allocation.store import NodeStore
+from services.allocation.telemetry import NodeTotals
 
 NAME = "allocation"
 __all__ = ["NAME", "COMMANDS", "EVENTS", "STREAM", "add_arguments", "build", "make_service"]
@@ -61,5 +69,6 @@ async def build(ctx) -> Service:
     manager = ResourceManager(NodeStore(ctx.redis, ctx.prefix), plugins, ctx.events)
     await manager.watch()
     ctx.cleanups.append(manager.unwatch)
+    ctx.cleanups.append(on_scrape("allocation totals", NodeTotals(manager).refresh, every=args.metrics_refresh))
     idempotency = IdempotencyStore(ctx.redis, prefix=ctx.prefix)
     return make_service(manager, ctx.prefix, idempotency, args.concurrency, ctx.nc.max_payload)

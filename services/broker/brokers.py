@@ -12,7 +12,7 @@ from __future__ import annotations
 import msgspec
 
 from bus.errors import BerthError
-from services.broker import errors, model
+from services.broker import errors, model, telemetry
 from services.broker.messages import InstanceFilter
 from services.broker.model import RUNNING, BrokerConfig, Resource, now
 from services.broker.publisher import Publisher
@@ -44,6 +44,7 @@ class BrokerRegistry:
         for _ in range(RELOADS):
             sold = await self._claim(caller, f)
             if sold is not None:
+                telemetry.WARM.inc()
                 return sold
             await self._reload()
         raise BerthError("the brokers keep changing; retry", code="busy", field="param")

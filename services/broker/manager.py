@@ -18,13 +18,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 from collections.abc import Awaitable, Callable, Iterable
 
 import msgspec
 from msgspec import UNSET
 
 from bus.errors import BerthError
-from services.broker import errors, model
+from services.broker import errors, model, telemetry
 from services.broker.brokers import BrokerRegistry
 from services.broker.config import Timing
 from services.broker.messages import (
@@ -218,15 +219,26 @@ class ResourceManager:
             refuse=lambda left: errors.no_enough_resources(left, f.least_instance),
             wait=True,
         )
+        telemetry.COLD.inc()
         return written
 
     async def apply(self, user: str, resource_id: str, param: ResourceParam, f: InstanceFilter) -> Resource:
         """A ready resource of the first fitting broker, linked to the caller's resource (init'ed if new;
         nothing is written if no resource is sold)."""
-        model.check_filter(f)
-        self.check(param)
-        # One Redis round trip: the claim script itself refuses a caller that is launched already.
-        return await self.registry.claim(Resource(resource_id=resource_id, user=user, param=param), f)
+        started = time.perf_counter()
+        histogram = telemetry.APPLY_ERROR
+        try:
+            model.check_filter(f)
+            self.check(param)
+            # One Redis round trip: the claim script itself refuses a caller that is launched already.
+            sold = await self.registry.claim(Resource(resource_id=resource_id, user=user, param=param), f)
+            histogram = telemetry.APPLY_SOLD
+            return sold
+        except BerthError:
+            histogram = telemetry.APPLY_REFUSED
+            raise
+        finally:
+            histogram.observe(time.perf_counter() - started)
 
     async def launch_for_broker(self, broker: BrokerConfig) -> Resource:
         """A new resource in `broker`'s pool (crm's Broker.Launch); it warms until its gate accepts it."""

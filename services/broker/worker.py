@@ -13,6 +13,7 @@ from bus.client import BusClient
 from bus.events import EventBus
 from bus.idempotency import IdempotencyStore
 from bus.service import Service
+from bus.telemetry import on_scrape
 from services.allocation.quantity import parse_size
 from services.broker.brokers import BrokerRegistry
 from services.broker.config import InstanceTypes, Timing
@@ -25,6 +26,7 @@ from services.broker.pools import PoolKeeper
 from services.broker.publisher import Publisher
 from services.broker.replica import Replica
 from services.broker.store import BrokerStore
+from services.broker.telemetry import PoolSizes
 
 NAME = "broker"
 __all__ = ["COMMANDS", "EVENTS", "NAME", "STREAM", "Settings", "add_arguments", "build", "make_broker"]
@@ -191,4 +193,6 @@ async def build(ctx) -> Service:
     )
     replica.start()
     ctx.cleanups.append(replica.stop)
+    pools = PoolSizes(BrokerStore(ctx.redis, ctx.prefix))
+    ctx.cleanups.append(on_scrape("broker pools", pools.refresh, every=ctx.args.metrics_refresh))
     return service

@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+from services.metrics import telemetry
 from services.metrics.provisioners import CgroupProvisioner, Provisioner, Sample
 from services.metrics.store import Store
 
@@ -63,12 +64,15 @@ class Agent:
 
     async def _round(self, provisioner: Provisioner, now: tuple[float, float] | None = None) -> bool:
         """One round of one provisioner; False if it raised (logged, and the store is left alone)."""
+        started = time.perf_counter()
         try:
             samples = await asyncio.to_thread(_sample, provisioner, now)
         except Exception:
             log.exception("provisioner %s failed", provisioner.name)
+            telemetry.SAMPLING_FAILURES.labels(provisioner.name).inc()
             return False
         self.store.write(samples)
+        telemetry.SAMPLING_DURATION.labels(provisioner.name).observe(time.perf_counter() - started)
         if isinstance(provisioner, CgroupProvisioner) and provisioner.discovery is not None:
             # The discovery of a round that succeeded: pods and cgroups it did not find are gone.
             self.store.retain_pods(provisioner.discovery.living_pods())

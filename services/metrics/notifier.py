@@ -40,6 +40,7 @@ from redis.asyncio import Redis
 
 from bus.codec import encode
 from bus.errors import BerthError
+from services.metrics import telemetry
 from services.metrics.messages import Lease, MetricEvent, MetricRef, event_subject
 from services.metrics.store import Store
 
@@ -327,6 +328,7 @@ class Notifier:
                     time=now, **watch.ids,
                 )
                 await self.nc.publish(subject, encode(event))
+                telemetry.EVENTS_PUBLISHED.inc()
                 self._sent[subject] = self._unrecorded[subject] = data.time
 
     def _watch(self, ref: MetricRef, lease_ends: float) -> _Watch:

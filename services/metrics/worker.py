@@ -25,11 +25,13 @@ from bus.idempotency import IdempotencyStore
 from bus.service import Service
 from bus.subjects import NAME_PATTERN
 from bus.tasks import cancel_and_wait
+from bus.telemetry import on_scrape
 from services.metrics.agent import Agent
 from services.metrics.endpoints import COMMANDS, EVENTS, STREAM, Endpoints, commands
 from services.metrics.notifier import Notifier, Publishing, Registrations
 from services.metrics.provisioners import PROVISIONERS, CgroupProvisioner, Provisioner
 from services.metrics.store import Store
+from services.metrics.telemetry import RegistrationCount
 
 NAME = "metrics"
 __all__ = ["NAME", "COMMANDS", "EVENTS", "STREAM", "add_arguments", "build", "MetricsWorker", "Options"]
@@ -190,4 +192,6 @@ async def build(ctx) -> Service:
     worker = MetricsWorker(ctx.nc, ctx.redis, ctx.prefix, options, concurrency=ctx.args.concurrency)
     worker.start()
     ctx.cleanups.append(worker.stop)
+    count = RegistrationCount(worker.notifier.registrations, options.node)
+    ctx.cleanups.append(on_scrape("metrics registrations", count.refresh, every=ctx.args.metrics_refresh))
     return worker.service
