@@ -1,5 +1,8 @@
 """JSON Schema for every message, grouped by subject: `berth schema` or `python -m schemas.export`.
 
+With `--asyncapi`, an AsyncAPI 3.0.0 document of every subject instead (`schemas/asyncapi.py`),
+built from the same service modules.
+
 The output is one JSON document: for each service, each command's subject with its request and
 reply schemas, then the common error body and event envelope. A client in another language reads
 it to know what to send where.
@@ -56,8 +59,24 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="berth schema", description=__doc__.splitlines()[0])
     parser.add_argument("--prefix", default="berth")
     parser.add_argument("-o", "--output", help="file to write (default: standard output)")
+    parser.add_argument(
+        "--asyncapi", action="store_true",
+        help="an AsyncAPI 3.0.0 document (JSON) of every subject instead: see schemas/asyncapi.py",
+    )
+    parser.add_argument(
+        "--server", action="append", metavar="URL",
+        help="with --asyncapi: a NATS server to list (host:port or a nats:// URL; repeatable; "
+        "credentials are left out; default 127.0.0.1:4222)",
+    )
     args = parser.parse_args(argv)
-    text = json.dumps(document(args.prefix), indent=2, sort_keys=False)
+    if args.asyncapi:
+        from schemas.asyncapi import DEFAULT_SERVERS
+        from schemas.asyncapi import document as asyncapi_document
+
+        doc = asyncapi_document(args.prefix, servers=args.server or DEFAULT_SERVERS)
+    else:
+        doc = document(args.prefix)
+    text = json.dumps(doc, indent=2, sort_keys=False)
     if args.output:
         with open(args.output, "w") as f:
             f.write(text + "\n")

@@ -1,14 +1,14 @@
-"""The `berth` command: `up`, `worker`, `status`, `schema`."""
+"""The `berth` command: `up`, `worker`, `schema`, and `call`, `events`, `nodes`, `status` (services/commands.py)."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import sys
 from pathlib import Path
 
+from services import commands
 from services.registry import SERVICES, available
 from services.runner import configure_logging, metrics_port
 from services.supervisor import Supervisor, worker_argv
@@ -100,41 +100,11 @@ def cmd_worker(args: argparse.Namespace, extra: list[str]) -> int:
     return supervisor.run()
 
 
-def cmd_status(args: argparse.Namespace, extra: list[str]) -> int:
-    from bus import discovery
-    from bus.connection import connect
-
-    async def show() -> None:
-        nc = await connect(args.nats, worker=False)
-        try:
-            instances = await discovery.stats(nc, timeout=args.timeout)
-        finally:
-            await nc.close()
-        print(format_status(instances))
-
-    asyncio.run(show())
-    return 0
-
-
-def format_status(instances) -> str:
-    if not instances:
-        return "no service instance answered"
-    rows = [("service", "instance", "endpoint", "requests", "errors", "avg ms")]
-    for inst in instances:
-        for ep in sorted(inst.endpoints, key=lambda e: e.subject):
-            avg_ms = (ep.average_processing_time or 0) / 1e6
-            rows.append((inst.name, inst.id, ep.subject, str(ep.num_requests), str(ep.num_errors), f"{avg_ms:.3f}"))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-    total = sum(len(i.endpoints) for i in instances)
-    lines.append(f"{len(instances)} instances, {total} endpoints")
-    return "\n".join(lines)
-
-
 def cmd_schema(args: argparse.Namespace, extra: list[str]) -> int:
     from schemas.export import main as export
 
-    export(["--prefix", args.prefix] + (["-o", args.output] if args.output else []))
+    export(["--prefix", args.prefix] + (["-o", args.output] if args.output else [])
+           + (["--asyncapi"] if args.asyncapi else []) + [f"--server={url}" for url in args.server or []])
     return 0
 
 
@@ -172,14 +142,15 @@ def parser() -> argparse.ArgumentParser:
     urls(worker)
     worker.set_defaults(run=cmd_worker)
 
-    status = sub.add_parser("status", help="table of live service instances")
-    status.add_argument("--nats", default=os.environ.get("NATS_URL"))
-    status.add_argument("--timeout", type=float, default=1.0)
-    status.set_defaults(run=cmd_status)
+    commands.add_parsers(sub)  # call, events, nodes, status: services/commands.py
 
     schema = sub.add_parser("schema", help="JSON Schema of every message, by subject")
     schema.add_argument("--prefix", default="berth")
     schema.add_argument("-o", "--output")
+    schema.add_argument("--asyncapi", action="store_true",
+                        help="an AsyncAPI 3.0.0 document (JSON) of every subject: requests, replies, events")
+    schema.add_argument("--server", action="append", metavar="URL",
+                        help="with --asyncapi: a NATS server to list (repeatable; default 127.0.0.1:4222)")
     schema.set_defaults(run=cmd_schema)
     return p
 
