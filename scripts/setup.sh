@@ -45,4 +45,10 @@ if ! command -v redis-server >/dev/null && [ ! -x "$VENV/bin/redis-server" ]; th
   fi
 fi
 
+# 5. Chromium for the dashboard's browser test: Debian's package, driven by Playwright (which is
+#    told where it is; `playwright install` and its browser downloads are never used).
+if ! command -v chromium >/dev/null; then
+  apt_install chromium || echo "setup: could not install Debian's chromium; tests/test_dashboard.py needs it" >&2
+fi
+
 echo "setup: ok ($("$VENV/bin/nats-server" --version), $( (command -v redis-server || echo "$VENV/bin/redis-server") | head -1))"

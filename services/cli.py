@@ -73,6 +73,14 @@ def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
             supervisor.add(name, worker_argv(module, argv + metrics), env)
         if not supervisor.children:
             print("no service is installed yet; serving NATS and Redis only", flush=True)
+        if not args.no_dashboard:  # the live dashboard (services/dashboard/), a bus client as the client user
+            from services.servers import free_port
+
+            port = args.dashboard_port or free_port()
+            dashboard = [sys.executable, "-m", "services.cli", "dashboard", "--prefix", args.prefix,
+                         "--port", str(port), "--quiet"]
+            supervisor.add("dashboard", dashboard, {**os.environ, "NATS_URL": client_url})  # no password on a command line
+            print(f"dashboard: http://127.0.0.1:{port}/", flush=True)
         print("berth is up; Ctrl-C stops everything", flush=True)
         if scraped:  # Prometheus metrics of every worker (bus/telemetry.py)
             host = args.metrics_addr
@@ -98,6 +106,12 @@ def cmd_worker(args: argparse.Namespace, extra: list[str]) -> int:
         metrics = _metrics_args(args.metrics_port, i)
         supervisor.add(f"{args.service}[{i}]", worker_argv(modules[args.service], argv + metrics + extra), env)
     return supervisor.run()
+
+
+def cmd_dashboard(args: argparse.Namespace, extra: list[str]) -> int:
+    from services.dashboard.app import run
+
+    return run(args.nats, args.prefix, args.host, args.port, quiet=args.quiet)
 
 
 def cmd_schema(args: argparse.Namespace, extra: list[str]) -> int:
@@ -131,6 +145,8 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--metrics-base-port", type=int, metavar="PORT",
                     help="worker k (in start order) serves Prometheus metrics on PORT+k (default: free ports)")
     up.add_argument("--metrics-addr", default="127.0.0.1", help="address the workers' metrics servers listen on")
+    up.add_argument("--dashboard-port", type=int, metavar="PORT", help="port of the live dashboard (default: a free one)")
+    up.add_argument("--no-dashboard", action="store_true", help="do not start the live dashboard")
     up.set_defaults(run=cmd_up)
 
     worker = sub.add_parser("worker", help="run N processes of one service")
@@ -143,6 +159,14 @@ def parser() -> argparse.ArgumentParser:
     worker.set_defaults(run=cmd_worker)
 
     commands.add_parsers(sub)  # call, events, nodes, status: services/commands.py
+
+    dashboard = sub.add_parser("dashboard", help="live web dashboard of a berth deployment (a client of the bus)")
+    dashboard.add_argument("--nats", default=os.environ.get("NATS_URL"), help="NATS URL, a client user's (env NATS_URL)")
+    dashboard.add_argument("--prefix", default=os.environ.get("BERTH_PREFIX", "berth"))
+    dashboard.add_argument("--host", default="127.0.0.1", help="address to serve on")
+    dashboard.add_argument("--port", type=int, default=0, help="port to serve on (default: a free one, printed)")
+    dashboard.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)  # `berth up` prints the URL itself
+    dashboard.set_defaults(run=cmd_dashboard)
 
     schema = sub.add_parser("schema", help="JSON Schema of every message, by subject")
     schema.add_argument("--prefix", default="berth")
