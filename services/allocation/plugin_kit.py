@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from bus.codec import invalid_argument_from
 from bus.errors import BerthError, InvalidArgument
 from services.allocation.plugin import Raw
 
@@ -28,19 +29,10 @@ def decode(raw: object, typ: type[T], field: str) -> T:
     if not isinstance(raw, dict):
         raise InvalidArgument(field, f"must be a map, got {type(raw).__name__}")
     try:
-        return msgspec.convert(_integral_floats_as_ints(raw), typ)
+        value = _integral_floats_as_ints(raw)
+        return msgspec.convert(value, typ)
     except msgspec.ValidationError as exc:
-        raise InvalidArgument(*_located(field, str(exc))) from None
-
-
-def _located(field: str, message: str) -> tuple[str, str]:
-    """(field path, reason) from msgspec's "Expected `int`, got `str` - at `$.disks[0].read_IOPS`"."""
-    reason, _, where = message.partition(" - at ")
-    if "`$" not in where:
-        return field, reason
-    if where.startswith("`key`"):
-        reason += " (in a key)"
-    return field + where[where.index("`$") + 2 : -1], reason
+        raise invalid_argument_from(exc, field, value=value, type_=typ) from None
 
 
 def _integral_floats_as_ints(value: Any) -> Any:
