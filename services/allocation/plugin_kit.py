@@ -1,4 +1,4 @@
-"""Small pieces the storage and gpu plugins share: strict decoding, errors, eru's set-* matrix, metrics.
+"""Small pieces every resource plugin shares: strict decoding, errors, eru's set-* matrix, metrics.
 
 Kept plugin-agnostic: nothing here knows a resource's shape.
 """
@@ -33,6 +33,13 @@ def decode(raw: object, typ: type[T], field: str) -> T:
         return msgspec.convert(value, typ)
     except msgspec.ValidationError as exc:
         raise invalid_argument_from(exc, field, value=value, type_=typ) from None
+
+
+def decode_each(workloads: object, parse: Callable[[object, str], T], field: str = "workloads_resource") -> list[T]:
+    """A list of workload resources, each parsed under its own path (`workloads_resource[2]...`)."""
+    if not isinstance(workloads, list):
+        raise InvalidArgument(field, f"must be a list, got {type(workloads).__name__}")
+    return [parse(raw, f"{field}[{index}]") for index, raw in enumerate(workloads)]
 
 
 def _integral_floats_as_ints(value: Any) -> Any:

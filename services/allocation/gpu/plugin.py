@@ -19,6 +19,7 @@ from services.allocation.plugin_kit import (
     check_flags,
     chosen_source,
     decode,
+    decode_each,
     encode,
     insufficient_resource,
     metric,
@@ -252,9 +253,7 @@ def _usage(usage: Raw) -> Counts:
 
 def _holdings(workloads: list[Raw]) -> list[Counts]:
     """Each workload's cards; a realloc delta (negative counts) is a workload resource too."""
-    if not isinstance(workloads, list):
-        raise InvalidArgument("workloads_resource", f"must be a list, got {type(workloads).__name__}")
-    return [_counts(raw, f"workloads_resource[{i}]", minimum=None) for i, raw in enumerate(workloads)]
+    return decode_each(workloads, lambda raw, field: _counts(raw, field, minimum=None))
 
 
 def _explained(workloads: list[Raw]) -> Counts:

@@ -16,6 +16,7 @@ from services.allocation.plugin_kit import (
     check_flags,
     chosen_source,
     decode,
+    decode_each,
     encode,
     insufficient_resource,
     metric,
@@ -256,11 +257,7 @@ def _usage(usage: Raw) -> StorageNode:
 
 def _holdings(workloads: list[Raw]) -> list[StorageNode]:
     """What each workload holds of the node (its request side)."""
-    if not isinstance(workloads, list):
-        raise InvalidArgument("workloads_resource", f"must be a list, got {type(workloads).__name__}")
-    return [
-        decode(raw, StorageWorkload, f"workloads_resource[{i}]").usage() for i, raw in enumerate(workloads)
-    ]
+    return [held.usage() for held in decode_each(workloads, lambda raw, field: decode(raw, StorageWorkload, field))]
 
 
 def _explained(workloads: list[Raw]) -> StorageNode:
