@@ -14,7 +14,9 @@ from .types import NodeResource, decode_node_resource
 ENGINE_MEMORY_PERCENT = 80
 
 # The node-request key each capacity key comes from (add-node builds the record from the request).
-_REQUEST_KEYS = {"cpu": "cpu", "cpu_map": "cpu", "memory": "memory", "numa": "numa-cpu", "numa_memory": "numa-memory"}
+_REQUEST_KEYS = {
+    "cpu": "cpu", "cpu_map": "cpu", "memory": "memory", "numa": "numa-cpu", "numa_memory": "numa-memory"
+}
 
 
 def new_node(
@@ -72,5 +74,5 @@ def _as_request_error(error: BerthError) -> BerthError:
     key = field.split(".")[1] if field.startswith("capacity.") else None
     if key not in _REQUEST_KEYS:
         return error
-    reason = error.message.split(": ", 1)[-1]
-    return BerthError(f"resource.{_REQUEST_KEYS[key]}: {reason}", code=error.code, field=f"resource.{_REQUEST_KEYS[key]}")
+    field, reason = f"resource.{_REQUEST_KEYS[key]}", error.message.split(": ", 1)[-1]
+    return BerthError(f"{field}: {reason}", code=error.code, field=field)

@@ -11,7 +11,7 @@ from typing import Any
 from bus.errors import InvalidArgument
 from services.allocation.plugin import DeployCapacity, EngineInfo, Raw
 from services.allocation.plugin_kit import (
-    apply_matrix,
+    MatrixUpdates,
     check_flags,
     chosen_source,
     decode_each,
@@ -54,7 +54,7 @@ from .types import (
 BOUND_WEIGHT = 100.0
 UNBOUND_WEIGHT = 1.0
 
-class CpuMemPlugin:
+class CpuMemPlugin(MatrixUpdates[NodeResource]):
     name = "cpumem"
     priority = 100
 
@@ -175,41 +175,33 @@ class CpuMemPlugin:
 
     # -- record updates ----------------------------------------------------------------------
 
-    def set_capacity(
-        self, capacity: Raw, usage: Raw, resource: Raw | None, request: Raw | None, delta: bool, incr: bool
-    ) -> tuple[Raw, Raw]:
-        """New (capacity, usage) after a capacity change (eru §2.12).
+    # set-node-resource-capacity and -usage (eru §2.12) are MatrixUpdates'; these are their cpumem steps.
+    _empty = NodeResource
+    _combine = staticmethod(combine)
 
-        An absolute request keeps the keys it leaves out. New cores get zero usage; cores left with
-        neither capacity nor usage disappear. Passing the old capacity back as an absolute
-        `resource` (or request) restores both maps exactly.
-        """
-        check_flags(delta=delta, incr=incr)
-        node_capacity, node_usage = self._record(capacity, usage)
-        origin = None if delta else node_capacity  # eru's LoadFromOrigin
-        sources = self._sources(resource, request, None, delta, origin)
-        new_capacity = self._apply(node_capacity, sources, delta, incr)
-        new_capacity = remove_empty_cores(new_capacity, node_usage)
-        new_usage = complete_usage(new_capacity, node_usage)
+    def _capacity_sources(
+        self, capacity: NodeResource, resource: Raw | None, request: Raw | None, delta: bool
+    ) -> tuple[NodeResource, list[NodeResource]]:
+        """An absolute request keeps the keys it leaves out (eru's LoadFromOrigin)."""
+        return capacity, self._sources(resource, request, None, delta, None if delta else capacity)
+
+    def _settled_capacity(self, capacity: NodeResource, usage: NodeResource, delta: bool) -> tuple[Raw, Raw]:
+        """New cores get zero usage; cores left with neither capacity nor usage disappear. Passing the old
+        capacity back as an absolute `resource` (or request) restores both maps exactly."""
+        new_capacity = remove_empty_cores(capacity, usage)
+        new_usage = complete_usage(new_capacity, usage)
         validate_record(new_capacity, new_usage)
         return encode(new_capacity), encode(new_usage)
 
-    def set_usage(
-        self,
-        capacity: Raw,
-        usage: Raw,
-        resource: Raw | None,
-        request: Raw | None,
-        workloads: list[Raw],
-        delta: bool,
-        incr: bool,
-    ) -> Raw:
-        """New usage after a usage change (eru §2.12); the result must fit the capacity."""
-        check_flags(delta=delta, incr=incr)
-        node_capacity, node_usage = self._record(capacity, usage)
-        sources = self._sources(resource, request, workloads, delta, None)
-        new_usage = complete_usage(node_capacity, self._apply(node_usage, sources, delta, incr))
-        validate_record(node_capacity, new_usage)
+    def _usage_sources(
+        self, resource: Raw | None, request: Raw | None, workloads: list[Raw], delta: bool
+    ) -> list[NodeResource]:
+        return self._sources(resource, request, workloads, delta, None)
+
+    def _settled_usage(self, capacity: NodeResource, usage: NodeResource) -> Raw:
+        """The new usage lists every capacity core and NUMA node, and must fit the capacity."""
+        new_usage = complete_usage(capacity, usage)
+        validate_record(capacity, new_usage)
         return encode(new_usage)
 
     def apply_workloads(self, usage: Raw, workloads: list[Raw], incr: bool) -> Raw:
@@ -307,10 +299,6 @@ class CpuMemPlugin:
             given = decode_node_resource(resource, "resource")
         held = _workloads(workloads or []) if requested is None and given is None else []
         return chosen_source(requested, given, [workload.as_usage() for workload in held])
-
-    @staticmethod
-    def _apply(origin: NodeResource, sources: list[NodeResource], delta: bool, incr: bool) -> NodeResource:
-        return apply_matrix(origin, sources, empty=NodeResource(), delta=delta, incr=incr, combine=combine)
 
 
 def _workloads(workloads: list[Raw]) -> list[WorkloadResource]:
