@@ -97,6 +97,15 @@ def error_field(message: str, prefix: str = "", *, value: Any = _UNKNOWN, type_:
     return field, reason
 
 
+def split_field(field: str) -> tuple[str, list[str]]:
+    """A field path's first name and its steps, in the grammar `error_field` writes:
+    `workloads_resource[0].cpu_map.3` -> ("workloads_resource", ["[0]", ".cpu_map", ".3"])."""
+    head = field.split(".", 1)[0].split("[", 1)[0]
+    rest = field[len(head) :]
+    steps = [step.group() for step in _STEP.finditer(rest)]
+    return head, steps if "".join(steps) == rest else [rest]
+
+
 def _with_map_keys(path: str, value: Any, type_: Any) -> str:
     """`path` with each `[...]` replaced by `.key`, the first key of that map whose value fails (msgspec
     checks a map in order and stops at the first error); cut before a `[...]` whose key is not found."""

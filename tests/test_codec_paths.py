@@ -9,9 +9,10 @@ import msgpack
 import msgspec
 import pytest
 
-from bus.codec import convert, decode, decode_as, error_field
+from bus.codec import convert, decode, decode_as, error_field, split_field
 from bus.errors import InvalidArgument
 from services.allocation import plugin_kit
+from services.allocation.plugin import keyed_field
 
 
 class Leaf(msgspec.Struct):
@@ -116,3 +117,33 @@ def test_the_plugin_decoder_uses_the_same_parser():
         plugin_kit.decode({"m": {2: 1}}, Tree, "usage")
     assert (caught.value.field, caught.value.details) == ("usage.m", {"field": "usage.m"})
     assert "map key" in caught.value.message
+
+
+@pytest.mark.parametrize(
+    "field,head,steps",
+    [
+        ("nodename", "nodename", []),
+        ("workloads_resource[0].cpu_map.3", "workloads_resource", ["[0]", ".cpu_map", ".3"]),
+        ("usage.volumes./data", "usage", [".volumes", "./data"]),
+        ("[1]", "", ["[1]"]),
+    ],
+)
+def test_split_field_reads_the_paths_error_field_writes(field, head, steps):
+    assert split_field(field) == (head, steps)
+    assert head + "".join(steps) == field
+
+
+@pytest.mark.parametrize(
+    "field,keyed",
+    [
+        ("workload_resource_request.cpu-request", "workload_resource_request.cpumem.cpu-request"),
+        ("workloads_resource[1].cpu_map.0", "workloads_resource[1].cpumem.cpu_map.0"),
+        ("workloads_resource.w-1.cpu_map", "workloads_resource.w-1.cpumem.cpu_map"),
+        ("workloads_resource", "workloads_resource.cpumem"),
+        ("capacity.cpu_map.0", "capacity.cpumem.cpu_map.0"),
+        ("usage", "usage.cpumem"),
+        ("deploy_count", "deploy_count"),
+    ],
+)
+def test_keyed_field_puts_the_plugin_after_the_keyed_key(field, keyed):
+    assert keyed_field(field, "cpumem") == keyed
