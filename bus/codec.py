@@ -7,6 +7,8 @@ service runtime can answer `invalid_argument` instead of losing the endpoint to 
 from __future__ import annotations
 
 import re
+import types
+import typing
 from typing import Any, TypeVar
 
 import msgspec
@@ -18,9 +20,11 @@ T = TypeVar("T")
 _encoder = msgspec.msgpack.Encoder()
 _decoders: dict[Any, msgspec.msgpack.Decoder] = {}
 
-# msgspec reports the failing path as "... - at `$.a.b[0]`", or "... - at `key` in `$.a`" for a
-# map key; we turn that into the field name "a.b[0]" (and "a" with "map key" in the reason).
-_PATH = re.compile(r"^(?P<reason>.*?)(?: - at (?P<key>`key` in )?`\$(?P<path>[^`]*)`)?$", re.DOTALL)
+# msgspec names the failing place "... - at `$.a.b[0]`", or "... - at `key` in `$.a`" for a map key,
+# and writes every map value as `[...]` whatever its key (see `error_field`).
+_AT = re.compile(r"^(?P<reason>.*?)(?: - at (?P<key>`key` in )?`\$(?P<path>[^`]*)`)?$", re.DOTALL)
+_STEP = re.compile(r"\.([^.\[]+)|\[([^\]]*)\]")
+_UNKNOWN: Any = object()  # no value at hand to find a map key in
 
 
 def encode(value: Any) -> bytes:
@@ -39,7 +43,7 @@ def decode(data: bytes, type_: type[T]) -> T:
     try:
         return _decoder(type_).decode(data)
     except msgspec.ValidationError as error:
-        raise invalid_argument_from(error) from None
+        raise invalid_argument_from(error, value=_untyped(data), type_=type_) from None
     except msgspec.DecodeError as error:
         raise InvalidArgument("$", f"not a MessagePack map: {error}") from None
 
@@ -49,7 +53,7 @@ def decode_as(data: bytes, type_: type[T], field: str) -> T:
     try:
         return _decoder(type_).decode(data)
     except msgspec.ValidationError as error:
-        raise invalid_argument_from(error, prefix=field) from None
+        raise invalid_argument_from(error, prefix=field, value=_untyped(data), type_=type_) from None
     except msgspec.DecodeError as error:
         raise InvalidArgument(field, f"malformed: {error}") from None
 
@@ -59,19 +63,119 @@ def convert(value: Any, type_: type[T], *, path: str = "") -> T:
     try:
         return msgspec.convert(value, type_)
     except msgspec.ValidationError as error:
-        raise invalid_argument_from(error, prefix=path) from None
+        raise invalid_argument_from(error, prefix=path, value=value, type_=type_) from None
 
 
-def invalid_argument_from(error: msgspec.ValidationError, prefix: str = "") -> InvalidArgument:
-    match = _PATH.match(str(error))
-    reason = match.group("reason") if match else str(error)
-    path = (match.group("path") or "") if match else ""
-    if match and match.group("key"):
+def invalid_argument_from(
+    error: msgspec.ValidationError, prefix: str = "", *, value: Any = _UNKNOWN, type_: Any = None
+) -> InvalidArgument:
+    return InvalidArgument(*error_field(str(error), prefix, value=value, type_=type_))
+
+
+def error_field(message: str, prefix: str = "", *, value: Any = _UNKNOWN, type_: Any = None) -> tuple[str, str]:
+    """(field, reason) from a msgspec validation message; the one parser of msgspec's paths.
+
+    `prefix` is the field the validated value sits at. The field is the whole path: `prefix.a.b[0]`;
+    for a missing required key the key itself (`prefix.a.x`, "required field is missing"); for a bad
+    map key the map (`prefix.a`, "map key: ..."). msgspec spells any map value `[...]`; given the
+    `value` that failed and its `type_`, the map's real key takes its place (`prefix.cpu_map.3`), else
+    the field ends at the map.
+    """
+    match = _AT.match(message)
+    assert match is not None  # every part of the pattern is optional
+    reason, path = match["reason"], match["path"] or ""
+    if match["key"]:
         reason = f"map key: {reason}"
+    if "[...]" in path:
+        path = _with_map_keys(path, value, type_)
     field = (prefix + path).lstrip(".") or "$"
     if reason.startswith("Object missing required field"):
         # "Object missing required field `x`": the missing key is the field, not its parent.
         missing = reason.split("`")[1]
         field = f"{field}.{missing}" if field != "$" else missing
         reason = "required field is missing"
-    return InvalidArgument(field, reason)
+    return field, reason
+
+
+def split_field(field: str) -> tuple[str, list[str]]:
+    """A field path's first name and its steps, in the grammar `error_field` writes:
+    `workloads_resource[0].cpu_map.3` -> ("workloads_resource", ["[0]", ".cpu_map", ".3"])."""
+    head = field.split(".", 1)[0].split("[", 1)[0]
+    rest = field[len(head) :]
+    steps = [step.group() for step in _STEP.finditer(rest)]
+    return head, steps if "".join(steps) == rest else [rest]
+
+
+def _with_map_keys(path: str, value: Any, type_: Any) -> str:
+    """`path` with each `[...]` replaced by `.key`, the first key of that map whose value fails (msgspec
+    checks a map in order and stops at the first error); cut before a `[...]` whose key is not found."""
+    resolved = ""
+    for name, index in _STEP.findall(path):
+        if index == "...":
+            key = _failing_key(value, type_)
+            if key is _UNKNOWN:
+                break
+            name, value, type_ = str(key), value[key], _item_type(type_, 1)
+            resolved += f".{name}"
+            continue
+        resolved += f".{name}" if name else f"[{index}]"
+        value, type_ = _step(value, type_, name, index)
+    return resolved
+
+
+def _failing_key(value: Any, type_: Any) -> Any:
+    item_type = _item_type(type_, 1)
+    if not isinstance(value, dict) or item_type is None:
+        return _UNKNOWN
+    for key, item in value.items():
+        try:
+            msgspec.convert(item, item_type)
+        except msgspec.ValidationError:
+            return key
+    return _UNKNOWN
+
+
+def _step(value: Any, type_: Any, name: str, index: str) -> tuple[Any, Any]:
+    """The value and type one step (a Struct field `name`, or list item `index`) further down."""
+    type_ = _plain(type_)
+    if name and isinstance(value, dict) and isinstance(type_, type) and issubclass(type_, msgspec.Struct):
+        fields = dict(zip(type_.__struct_encode_fields__, type_.__struct_fields__))
+        try:
+            field_type = typing.get_type_hints(type_, include_extras=True)[fields[name]]
+        except (KeyError, NameError, TypeError):  # not a field, or an annotation that does not resolve
+            return _UNKNOWN, None
+        return value.get(name, _UNKNOWN), field_type
+    if index.isdigit() and isinstance(value, list | tuple) and int(index) < len(value):
+        args = typing.get_args(type_)
+        fixed = typing.get_origin(type_) is tuple and not (len(args) == 2 and args[1] is Ellipsis)
+        return value[int(index)], _item_type(type_, int(index)) if fixed else _item_type(type_, 0)
+    return _UNKNOWN, None
+
+
+def _item_type(type_: Any, position: int) -> Any:
+    """The type argument at `position` (a map's values are at 1, a list's items at 0), if any."""
+    args = typing.get_args(_plain(type_))
+    return args[position] if position < len(args) else None
+
+
+def _plain(type_: Any) -> Any:
+    """`type_` without `Annotated[...]` and without `| None`."""
+    while True:
+        origin = typing.get_origin(type_)
+        if origin is typing.Annotated:
+            type_ = typing.get_args(type_)[0]
+        elif origin in (typing.Union, types.UnionType):
+            options = [arg for arg in typing.get_args(type_) if arg is not type(None)]
+            if len(options) != 1:
+                return type_
+            type_ = options[0]
+        else:
+            return type_
+
+
+def _untyped(data: bytes) -> Any:
+    """The payload as plain builtins, to look map keys up in after a typed decode failed."""
+    try:
+        return msgspec.msgpack.decode(data)
+    except msgspec.DecodeError:
+        return _UNKNOWN

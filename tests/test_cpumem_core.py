@@ -389,8 +389,8 @@ def numa_node(plugin):
         (lambda c, u: u.update(cpu=float("nan")), "invalid_cpu", "usage.cpu"),
         (lambda c, u: c["cpu_map"].update({"01": 1}), "invalid_cpu_map", "capacity.cpu_map"),
         (lambda c, u: c["numa"].update({"0": "x"}), "invalid_numa_cpu", "capacity.numa"),
-        (lambda c, u: c["cpu_map"].update({"0": "100"}), "invalid_argument", "capacity.cpu_map[...]"),
-        (lambda c, u: c["cpu_map"].update({"0": 99.5}), "invalid_argument", "capacity.cpu_map[...]"),
+        (lambda c, u: c["cpu_map"].update({"0": "100"}), "invalid_argument", "capacity.cpu_map.0"),
+        (lambda c, u: c["cpu_map"].update({"0": 99.5}), "invalid_argument", "capacity.cpu_map.0"),
         (lambda c, u: u.update(numa_memory=None), "invalid_argument", "usage.numa_memory"),
     ],
 )
@@ -1128,7 +1128,7 @@ def test_memory_totals_saturate_instead_of_overflowing(plugin):
 def test_apply_workloads_rejects_malformed_workloads(plugin, small_numa_node):
     _, usage = small_numa_node
     error = error_of(plugin.apply_workloads, usage, [WORKLOAD_A, {"cpu_map": {"0": "1"}}], True)
-    assert error.field == "workloads_resource[1].cpu_map[...]"
+    assert error.field == "workloads_resource[1].cpu_map.0"
     assert error_of(plugin.apply_workloads, usage, {"a": WORKLOAD_A}, True).field == "workloads_resource"
 
 

@@ -399,8 +399,8 @@ def test_validate_record_accepts_integral_floats_and_unused_foreign_devices(plug
         ({"storage": 2**63}, {}, "invalid_storage", "capacity.storage"),
         ({"storage": math.nan}, {}, "invalid_argument", "capacity.storage"),
         ({"storage": True}, {}, "invalid_argument", "capacity.storage"),
-        ({"volumes": {"/a": "1G"}}, {}, "invalid_argument", "capacity.volumes[...]"),
-        ({"disks": [{"mounts": []}]}, {}, "invalid_argument", "capacity.disks[0]"),
+        ({"volumes": {"/a": "1G"}}, {}, "invalid_argument", "capacity.volumes./a"),
+        ({"disks": [{"mounts": []}]}, {}, "invalid_argument", "capacity.disks[0].device"),
         ({"disks": [{"device": "d", "read_IOPS": -1}]}, {}, "invalid_argument", "capacity.disks.d"),
         ({"disks": [{"device": "d"}, {"device": "d"}]}, {}, "invalid_argument", "capacity.disks.d"),
         (

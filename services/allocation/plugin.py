@@ -13,11 +13,11 @@ subclasses naming the field at fault.
 from __future__ import annotations
 
 import functools
-import re
 from typing import Any, Protocol
 
 import msgspec
 
+from bus.codec import split_field
 from bus.errors import BerthError
 
 Raw = dict[str, Any]
@@ -131,17 +131,15 @@ KEYED_KEYS = frozenset({
     "workload_resource_request", "workload_resource", "workloads_resource",
     "resource", "resource_request", "capacity", "usage",
 })
-_FIELD = re.compile(r"^(?P<key>[a-z_]+)(?P<item>\[\d+\]|\.[^.\[]+)?(?P<rest>.*)$")
 
 
 def keyed_field(field: str, plugin: str) -> str:
     """A plugin's field path as a manager-level request spells it: the plugin's name follows the
     key (`workload_resource_request.cpu-request` -> `workload_resource_request.cpumem.cpu-request`;
     `workloads_resource[0].cpu_map` -> `workloads_resource[0].cpumem.cpu_map`)."""
-    match = _FIELD.match(field)
-    if not match or match["key"] not in KEYED_KEYS:
+    head, steps = split_field(field)
+    if head not in KEYED_KEYS:
         return field
-    key, item, rest = match["key"], match["item"] or "", match["rest"]
-    if key == "workloads_resource":  # a list (or map) of workload resources: the plugin follows the item
-        return f"{key}{item}.{plugin}{rest}" if item else f"{key}.{plugin}"
-    return f"{key}.{plugin}{item}{rest}"
+    # A list (or map) of workload resources: the plugin follows the item.
+    at = 1 if head == "workloads_resource" and steps else 0
+    return "".join([head, *steps[:at], f".{plugin}", *steps[at:]])

@@ -1,4 +1,4 @@
-"""Small pieces the storage and gpu plugins share: strict decoding, errors, eru's set-* matrix, metrics.
+"""Small pieces every resource plugin shares: strict decoding, errors, eru's set-* matrix, metrics.
 
 Kept plugin-agnostic: nothing here knows a resource's shape.
 """
@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import msgspec
 
+from bus.codec import invalid_argument_from
 from bus.errors import BerthError, InvalidArgument
 from services.allocation.plugin import Raw
 
 T = TypeVar("T")
+N = TypeVar("N")  # a plugin's typed node resource (capacity or usage)
 
 
 def decode(raw: object, typ: type[T], field: str) -> T:
@@ -28,19 +30,19 @@ def decode(raw: object, typ: type[T], field: str) -> T:
     if not isinstance(raw, dict):
         raise InvalidArgument(field, f"must be a map, got {type(raw).__name__}")
     try:
-        return msgspec.convert(_integral_floats_as_ints(raw), typ)
+        value = _integral_floats_as_ints(raw)
+        return msgspec.convert(value, typ)
     except msgspec.ValidationError as exc:
-        raise InvalidArgument(*_located(field, str(exc))) from None
+        raise invalid_argument_from(exc, field, value=value, type_=typ) from None
 
 
-def _located(field: str, message: str) -> tuple[str, str]:
-    """(field path, reason) from msgspec's "Expected `int`, got `str` - at `$.disks[0].read_IOPS`"."""
-    reason, _, where = message.partition(" - at ")
-    if "`$" not in where:
-        return field, reason
-    if where.startswith("`key`"):
-        reason += " (in a key)"
-    return field + where[where.index("`$") + 2 : -1], reason
+def decode_each(
+    workloads: object, parse: Callable[[object, str], T], field: str = "workloads_resource"
+) -> list[T]:
+    """A list of workload resources, each parsed under its own path (`workloads_resource[2]...`)."""
+    if not isinstance(workloads, list):
+        raise InvalidArgument(field, f"must be a list, got {type(workloads).__name__}")
+    return [parse(raw, f"{field}[{index}]") for index, raw in enumerate(workloads)]
 
 
 def _integral_floats_as_ints(value: Any) -> Any:
@@ -117,6 +119,69 @@ def apply_matrix(
     for source in sources:
         result = combine(result, source, sign)
     return result
+
+
+class MatrixUpdates(Generic[N]):
+    """set-node-resource-capacity and -usage, the same steps for every plugin (eru §2.12): the flags
+    are booleans, the record is read, one input is chosen by priority (request > resource > workloads),
+    the delta/incr matrix runs over the capacity or the usage, and the plugin settles the result.
+
+    A plugin supplies the steps that know its shape: `_record` (capacity and usage, decoded and
+    checked), `_capacity_sources` and `_usage_sources` (the chosen input), `_empty` and `_combine` (for
+    `apply_matrix`), and `_settled_capacity` and `_settled_usage` (the new record completed, checked,
+    and encoded).
+    """
+
+    _empty: Callable[[], N]
+    _combine: Callable[[N, N, int], N]
+
+    def set_capacity(
+        self, capacity: Raw, usage: Raw, resource: Raw | None, request: Raw | None, delta: bool, incr: bool
+    ) -> tuple[Raw, Raw]:
+        check_flags(delta=delta, incr=incr)
+        node_capacity, node_usage = self._record(capacity, usage)
+        origin, sources = self._capacity_sources(node_capacity, resource, request, delta)
+        after = self._matrix(origin, sources, delta, incr)
+        return self._settled_capacity(after, node_usage, delta)
+
+    def set_usage(
+        self,
+        capacity: Raw,
+        usage: Raw,
+        resource: Raw | None,
+        request: Raw | None,
+        workloads: list[Raw],
+        delta: bool,
+        incr: bool,
+    ) -> Raw:
+        check_flags(delta=delta, incr=incr)
+        node_capacity, node_usage = self._record(capacity, usage)
+        sources = self._usage_sources(resource, request, workloads, delta)
+        return self._settled_usage(node_capacity, self._matrix(node_usage, sources, delta, incr))
+
+    def _matrix(self, origin: N, sources: list[N], delta: bool, incr: bool) -> N:
+        empty, combine = self._empty(), self._combine
+        return apply_matrix(origin, sources, empty=empty, delta=delta, incr=incr, combine=combine)
+
+    def _record(self, capacity: Raw, usage: Raw) -> tuple[N, N]:
+        raise NotImplementedError
+
+    def _capacity_sources(
+        self, capacity: N, resource: Raw | None, request: Raw | None, delta: bool
+    ) -> tuple[N, list[N]]:
+        """The capacity the matrix starts from (a plugin may drop parts first) and the chosen input."""
+        raise NotImplementedError
+
+    def _settled_capacity(self, capacity: N, usage: N, delta: bool) -> tuple[Raw, Raw]:
+        raise NotImplementedError
+
+    def _usage_sources(
+        self, resource: Raw | None, request: Raw | None, workloads: list[Raw], delta: bool
+    ) -> list[N]:
+        raise NotImplementedError
+
+    def _settled_usage(self, capacity: N, usage: N) -> Raw:
+        raise NotImplementedError
 
 
 def safe_name(name: str) -> str:

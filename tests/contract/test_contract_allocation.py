@@ -455,6 +455,18 @@ REFUSALS = [
     R("list-nodes-limit-1001", M + "list-nodes", lambda h: {"limit": 1001}, INVALID, "limit"),
     R("list-nodes-limit-0", M + "list-nodes", lambda h: {"limit": 0}, INVALID, "limit"),
     R("list-nodes-offset-negative", M + "list-nodes", lambda h: {"offset": -1}, INVALID, "offset"),
+    # §2 the field of a bad map value is named by its key, never msgspec's `[...]` placeholder.
+    R("labels-value-not-a-string", M + "set-node-labels",
+      lambda h: {"nodename": h.node, "labels": {"a": "x", "b": 1}}, INVALID, "labels.b"),
+    R("cpu_map-value-not-a-number-plugin", CPU + "set-node-resource-info",
+      lambda h: {"nodename": h.node, "capacity": {"cpu": 2.0, "cpu_map": {"0": 100, "1": "x"}}, "usage": {}},
+      INVALID, "capacity.cpu_map.1"),
+    R("cpu_map-value-not-a-number-manager", M + "set-node-resource-info",
+      lambda h: {"nodename": h.node, "capacity": {"cpumem": {"cpu": 1.0, "cpu_map": {"0": "x"}}}, "usage": {}},
+      INVALID, "capacity.cpumem.cpu_map.0"),
+    R("volume-size-not-a-number-manager", M + "set-node-resource-info",
+      lambda h: {"nodename": h.node, "capacity": {"storage": {"volumes": {"/data": [1]}}}, "usage": {}},
+      INVALID, "capacity.storage.volumes./data"),
     # §8 "malformed gpu maps, IO parameters and disks are `invalid_argument` naming the field".
     R("gpu-count-not-a-number", GPU_ + DEPLOY,
       lambda h: deploy(h.node, {"prod_count_map": {GPU: "1"}}), INVALID, f"{WRR}.prod_count_map.{GPU}"),

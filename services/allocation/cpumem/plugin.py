@@ -8,14 +8,24 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgspec
-
-from bus.errors import BerthError, InvalidArgument
+from bus.errors import InvalidArgument
 from services.allocation.plugin import DeployCapacity, EngineInfo, Raw
-from services.allocation.quantity import MAX_INT, saturating_add
+from services.allocation.plugin_kit import (
+    MatrixUpdates,
+    check_flags,
+    chosen_source,
+    decode_each,
+    encode,
+    metric,
+    metric_description,
+    safe_name,
+)
+from services.allocation.quantity import MAX_INT
 
+from .instances import add_delta, check_unbound, engine_params, insufficient, workload
+from .nodes import new_node
 from .plans import PlanRequest, count_cpu_plans, cpu_plans
-from .requests import MAX_CORES, parse_node_request, parse_workload_request, validate_workload_request
+from .requests import parse_node_request, parse_workload_request, validate_workload_request
 from .resources import (
     availability,
     check_not_negative,
@@ -25,7 +35,6 @@ from .resources import (
     placement,
     remove_empty_cores,
     share_pool,
-    split_memory,
     total_of,
     validate_record,
     workload_delta,
@@ -38,35 +47,14 @@ from .types import (
     WorkloadResource,
     decode_node_resource,
     decode_workload_resource,
-    encode,
     numeric_key,
 )
 
-# Share of the engine-reported memory a node offers when the operator gives none (eru: 80%).
-ENGINE_MEMORY_PERCENT = 80
 # Weight of one plugin's rate and usage in the manager's mean: binding dominates (eru: 100 vs 1).
 BOUND_WEIGHT = 100.0
 UNBOUND_WEIGHT = 1.0
 
-_METRICS_DESCRIPTION = [
-    {
-        "name": "cpu_map",
-        "help": "node available cpu.",
-        "type": "gauge",
-        "labels": ["podname", "nodename", "cpuid"],
-    },
-    {"name": "cpu_used", "help": "node used cpu.", "type": "gauge", "labels": ["podname", "nodename"]},
-    {
-        "name": "memory_capacity",
-        "help": "node available memory.",
-        "type": "gauge",
-        "labels": ["podname", "nodename"],
-    },
-    {"name": "memory_used", "help": "node used memory.", "type": "gauge", "labels": ["podname", "nodename"]},
-]
-
-
-class CpuMemPlugin:
+class CpuMemPlugin(MatrixUpdates[NodeResource]):
     name = "cpumem"
     priority = 100
 
@@ -85,17 +73,7 @@ class CpuMemPlugin:
 
     def add_node(self, resource: Raw | None, info: EngineInfo | Raw | None) -> tuple[Raw, Raw]:
         """A new node's record from its node request, completed from engine info (eru §2.6)."""
-        request = parse_node_request(resource, self.share_base, delta=False, field="resource")
-        capacity = request.to_resource()
-        if info is not None:
-            capacity = self._fill_from_engine(capacity, request.numa, request.numa_memory, _engine_info(info))
-        if capacity.numa and not capacity.numa_memory:
-            capacity.numa_memory = split_memory(capacity.memory, capacity.numa)
-        usage = complete_usage(capacity, NodeResource())
-        try:
-            validate_record(capacity, usage)
-        except BerthError as error:
-            raise _as_request_error(error) from None
+        capacity, usage = new_node(resource, info, self.share_base)
         return encode(capacity), encode(usage)
 
     def validate_record(self, capacity: Raw, usage: Raw) -> None:
@@ -112,19 +90,19 @@ class CpuMemPlugin:
         if count == 0:
             return [], []  # zero instances fit anywhere, so a deploy capacity of 0 can be deployed
         if not want.cpu_bind:
-            _check_unbound(node_capacity, node_usage, want, count)
+            check_unbound(node_capacity, node_usage, want, count)
             return (
-                [encode(_engine_params(want, {}, "")) for _ in range(count)],
-                [encode(_workload(want, {}, "", {})) for _ in range(count)],
+                [encode(engine_params(want, {}, "")) for _ in range(count)],
+                [encode(workload(want, {}, "", {})) for _ in range(count)],
             )
         plans = cpu_plans(availability(node_capacity, node_usage), self._plan_request(want), limit=count)
         if len(plans) < count:
-            raise _insufficient("insufficient_capacity", "cpu", requested=count, available=len(plans))
+            raise insufficient("insufficient_capacity", "cpu", requested=count, available=len(plans))
         engines_params, workloads = [], []
         for plan in plans[:count]:
             cpu_map, numa_node, numa_memory = placement(plan, want.memory_request)
-            engines_params.append(encode(_engine_params(want, cpu_map, numa_node)))
-            workloads.append(encode(_workload(want, cpu_map, numa_node, numa_memory)))
+            engines_params.append(encode(engine_params(want, cpu_map, numa_node)))
+            workloads.append(encode(workload(want, cpu_map, numa_node, numa_memory)))
         return engines_params, workloads
 
     def calculate_realloc(
@@ -135,7 +113,7 @@ class CpuMemPlugin:
         current = decode_workload_resource(workload_resource, "workload_resource")
         # keep-cpu-bind follows the current binding; without it the request decides (so {} unbinds).
         bind = bool(current.cpu_map) if delta.keep_cpu_bind else delta.cpu_bind
-        want = validate_workload_request(_add_delta(current, delta, bind))
+        want = validate_workload_request(add_delta(current, delta, bind))
         node_capacity, node_usage = self._record(capacity, usage)
         node_usage = combine(node_usage, current.as_usage(), -1)  # as if the workload were gone
         if bind:
@@ -144,14 +122,14 @@ class CpuMemPlugin:
                 availability(node_capacity, node_usage), self._plan_request(want), origin, limit=1
             )
             if not plans:
-                raise _insufficient("insufficient_resource", "cpu", requested=1, available=0)
+                raise insufficient("insufficient_resource", "cpu", requested=1, available=0)
             cpu_map, numa_node, numa_memory = placement(plans[0], want.memory_request)
         else:
-            _check_unbound(node_capacity, node_usage, want, 1)
+            check_unbound(node_capacity, node_usage, want, 1)
             cpu_map, numa_node, numa_memory = {}, "", {}
-        new = _workload(want, cpu_map, numa_node, numa_memory)
+        new = workload(want, cpu_map, numa_node, numa_memory)
         return (
-            encode(_engine_params(want, cpu_map, numa_node)),
+            encode(engine_params(want, cpu_map, numa_node)),
             encode(workload_delta(new, current)),
             encode(new),
         )
@@ -197,46 +175,38 @@ class CpuMemPlugin:
 
     # -- record updates ----------------------------------------------------------------------
 
-    def set_capacity(
-        self, capacity: Raw, usage: Raw, resource: Raw | None, request: Raw | None, delta: bool, incr: bool
-    ) -> tuple[Raw, Raw]:
-        """New (capacity, usage) after a capacity change (eru §2.12).
+    # set-node-resource-capacity and -usage (eru §2.12) are MatrixUpdates'; these are their cpumem steps.
+    _empty = NodeResource
+    _combine = staticmethod(combine)
 
-        An absolute request keeps the keys it leaves out. New cores get zero usage; cores left with
-        neither capacity nor usage disappear. Passing the old capacity back as an absolute
-        `resource` (or request) restores both maps exactly.
-        """
-        _check_flags(delta, incr)
-        node_capacity, node_usage = self._record(capacity, usage)
-        origin = None if delta else node_capacity  # eru's LoadFromOrigin
-        sources = self._sources(resource, request, None, delta, origin)
-        new_capacity = _apply(node_capacity, sources, delta, incr)
-        new_capacity = remove_empty_cores(new_capacity, node_usage)
-        new_usage = complete_usage(new_capacity, node_usage)
+    def _capacity_sources(
+        self, capacity: NodeResource, resource: Raw | None, request: Raw | None, delta: bool
+    ) -> tuple[NodeResource, list[NodeResource]]:
+        """An absolute request keeps the keys it leaves out (eru's LoadFromOrigin)."""
+        return capacity, self._sources(resource, request, None, delta, None if delta else capacity)
+
+    def _settled_capacity(self, capacity: NodeResource, usage: NodeResource, delta: bool) -> tuple[Raw, Raw]:
+        """New cores get zero usage; cores left with neither capacity nor usage disappear. Passing the old
+        capacity back as an absolute `resource` (or request) restores both maps exactly."""
+        new_capacity = remove_empty_cores(capacity, usage)
+        new_usage = complete_usage(new_capacity, usage)
         validate_record(new_capacity, new_usage)
         return encode(new_capacity), encode(new_usage)
 
-    def set_usage(
-        self,
-        capacity: Raw,
-        usage: Raw,
-        resource: Raw | None,
-        request: Raw | None,
-        workloads: list[Raw],
-        delta: bool,
-        incr: bool,
-    ) -> Raw:
-        """New usage after a usage change (eru §2.12); the result must fit the capacity."""
-        _check_flags(delta, incr)
-        node_capacity, node_usage = self._record(capacity, usage)
-        sources = self._sources(resource, request, workloads, delta, None)
-        new_usage = complete_usage(node_capacity, _apply(node_usage, sources, delta, incr))
-        validate_record(node_capacity, new_usage)
+    def _usage_sources(
+        self, resource: Raw | None, request: Raw | None, workloads: list[Raw], delta: bool
+    ) -> list[NodeResource]:
+        return self._sources(resource, request, workloads, delta, None)
+
+    def _settled_usage(self, capacity: NodeResource, usage: NodeResource) -> Raw:
+        """The new usage lists every capacity core and NUMA node, and must fit the capacity."""
+        new_usage = complete_usage(capacity, usage)
+        validate_record(capacity, new_usage)
         return encode(new_usage)
 
     def apply_workloads(self, usage: Raw, workloads: list[Raw], incr: bool) -> Raw:
         """Usage plus (incr) or minus the workloads; it may not go below zero."""
-        _check_bool("incr", incr)
+        check_flags(incr=incr)
         total = total_of(_workloads(workloads))
         new_usage = combine(decode_node_resource(usage, "usage"), total, 1 if incr else -1)
         check_not_negative(new_usage)
@@ -278,20 +248,26 @@ class CpuMemPlugin:
         return pieces + divide(node_usage.memory, node_capacity.memory)
 
     def metrics_description(self) -> list[Raw]:
-        return [dict(entry, labels=list(entry["labels"])) for entry in _METRICS_DESCRIPTION]
+        node = ["podname", "nodename"]
+        return [
+            metric_description("cpu_map", "node available cpu.", [*node, "cpuid"]),
+            metric_description("cpu_used", "node used cpu.", node),
+            metric_description("memory_capacity", "node available memory.", node),
+            metric_description("memory_used", "node used memory.", node),
+        ]
 
     def metrics(self, podname: str, nodename: str, capacity: Raw, usage: Raw) -> list[Raw]:
         """eru's gauges; `cpu_map` reports the *used* pieces of each core, despite its help text."""
         node_capacity, node_usage = self._record(capacity, usage)
-        prefix = f"core.node.{nodename.replace('.', '_')}"
+        prefix = f"core.node.{safe_name(nodename)}"
         labels = [podname, nodename]
         metrics = [
-            _metric("memory_capacity", labels, f"{prefix}.memory", node_capacity.memory),
-            _metric("memory_used", labels, f"{prefix}.memory.used", node_usage.memory),
-            _metric("cpu_used", labels, f"{prefix}.cpu.used", node_usage.cpu),
+            metric("memory_capacity", labels, f"{prefix}.memory", node_capacity.memory),
+            metric("memory_used", labels, f"{prefix}.memory.used", node_usage.memory),
+            metric("cpu_used", labels, f"{prefix}.cpu.used", node_usage.cpu),
         ]
         for core, used in sorted(node_usage.cpu_map.items(), key=numeric_key):
-            metrics.append(_metric("cpu_map", [*labels, core], f"{prefix}.cpu.{core}", used))
+            metrics.append(metric("cpu_map", [*labels, core], f"{prefix}.cpu.{core}", used))
         return metrics
 
     # -- helpers -----------------------------------------------------------------------------
@@ -314,144 +290,16 @@ class CpuMemPlugin:
     def _sources(
         self, resource: Raw | None, request: Raw | None, workloads: list[Raw] | None, delta: bool, origin: Any
     ) -> list[NodeResource]:
-        """The one input a set-* call uses, by priority: request, else resource, else workloads."""
+        """The one input a set-* call uses, by priority: request, else resource, else workloads (only
+        the chosen one is decoded, so an unused input is never an error)."""
+        requested = given = None
         if request is not None:
-            return [parse_node_request(request, self.share_base, delta=delta).to_resource(origin)]
-        if resource is not None:
-            return [decode_node_resource(resource, "resource")]
-        return [workload.as_usage() for workload in _workloads(workloads or [])]
-
-    def _fill_from_engine(
-        self,
-        capacity: NodeResource,
-        requested_numa: dict[str, str] | None,
-        requested_numa_memory: dict[str, int] | None,
-        info: EngineInfo,
-    ) -> NodeResource:
-        """Cores and memory the operator left out, from what the engine reports.
-
-        The engine's own cpumem resource, when present, overrides ncpu and memory_total. A requested
-        topology (`numa-cpu`, `numa-memory`) wins over the engine's.
-        """
-        engine = decode_node_resource(info.resources.get("cpumem"), "info.resources.cpumem")
-        ncpu = int(engine.cpu) if engine.cpu > 0 else info.ncpu
-        memory_total = engine.memory if engine.memory > 0 else info.memory_total
-        if not 0 <= ncpu <= MAX_CORES or memory_total < 0:
-            raise InvalidArgument("info", f"ncpu must be in [0, {MAX_CORES}] and memory_total not negative")
-        if not capacity.cpu_map:
-            capacity.cpu_map = {str(core): self.share_base for core in range(ncpu)}
-            capacity.cpu = float(ncpu)
-            capacity.numa = dict(engine.numa if requested_numa is None else requested_numa)
-        if capacity.memory == 0:
-            capacity.memory = memory_total * ENGINE_MEMORY_PERCENT // 100
-            if requested_numa_memory is None:
-                capacity.numa_memory = {
-                    node: memory * ENGINE_MEMORY_PERCENT // 100 for node, memory in engine.numa_memory.items()
-                }
-        return capacity
-
-
-def _engine_info(info: EngineInfo | Raw) -> EngineInfo:
-    if isinstance(info, EngineInfo):
-        return info
-    try:
-        return msgspec.convert(info, EngineInfo, strict=True)
-    except msgspec.ValidationError as error:
-        raise InvalidArgument("info", str(error)) from None
+            requested = parse_node_request(request, self.share_base, delta=delta).to_resource(origin)
+        elif resource is not None:
+            given = decode_node_resource(resource, "resource")
+        held = _workloads(workloads or []) if requested is None and given is None else []
+        return chosen_source(requested, given, [workload.as_usage() for workload in held])
 
 
 def _workloads(workloads: list[Raw]) -> list[WorkloadResource]:
-    if not isinstance(workloads, list):
-        raise InvalidArgument("workloads_resource", f"must be a list, got {type(workloads).__name__}")
-    return [
-        decode_workload_resource(raw, f"workloads_resource[{index}]") for index, raw in enumerate(workloads)
-    ]
-
-
-def _apply(origin: NodeResource, sources: list[NodeResource], delta: bool, incr: bool) -> NodeResource:
-    """eru's delta/incr matrix: a delta changes `origin`; an absolute write starts from empty and always adds.
-
-    (An absolute write that subtracted would store negated values.) Without sources a delta keeps origin.
-    """
-    result = origin if delta else NodeResource()
-    sign = 1 if incr or not delta else -1
-    for source in sources:
-        result = combine(result, source, sign)
-    return result
-
-
-def _add_delta(current: WorkloadResource, delta: WorkloadRequest, bind: bool) -> WorkloadRequest:
-    return WorkloadRequest(
-        cpu_bind=bind,
-        cpu_request=round(current.cpu_request + delta.cpu_request, CPU_DIGITS),
-        cpu_limit=round(current.cpu_limit + delta.cpu_limit, CPU_DIGITS),
-        memory_request=saturating_add(current.memory_request, delta.memory_request),
-        memory_limit=saturating_add(current.memory_limit, delta.memory_limit),
-    )
-
-
-def _check_unbound(capacity: NodeResource, usage: NodeResource, want: WorkloadRequest, count: int) -> None:
-    """Unbound CPU is never capacity-checked, but one instance may not ask for more than the node's cores."""
-    if want.cpu_request > len(capacity.cpu_map):
-        raise _insufficient(
-            "insufficient_capacity", "cpu", requested=want.cpu_request, available=len(capacity.cpu_map)
-        )
-    if want.memory_request > 0:
-        fits = max((capacity.memory - usage.memory) // want.memory_request, 0)
-        if fits < count:
-            raise _insufficient("insufficient_capacity", "memory", requested=count, available=fits)
-
-
-def _check_flags(delta: Any, incr: Any) -> None:
-    _check_bool("delta", delta)
-    _check_bool("incr", incr)
-
-
-# The node-request key each capacity key comes from (add-node builds the record from the request).
-_REQUEST_KEYS = {"cpu": "cpu", "cpu_map": "cpu", "memory": "memory", "numa": "numa-cpu", "numa_memory": "numa-memory"}
-
-
-def _as_request_error(error: BerthError) -> BerthError:
-    """A record validation error of add-node, naming the request key the operator sent instead."""
-    field = error.field or ""
-    key = field.split(".")[1] if field.startswith("capacity.") else None
-    if key not in _REQUEST_KEYS:
-        return error
-    reason = error.message.split(": ", 1)[-1]
-    return BerthError(f"resource.{_REQUEST_KEYS[key]}: {reason}", code=error.code, field=f"resource.{_REQUEST_KEYS[key]}")
-
-
-def _check_bool(field: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise InvalidArgument(field, f"must be a boolean, got {type(value).__name__}")
-
-
-def _engine_params(want: WorkloadRequest, cpu_map: dict[str, int], numa_node: str) -> EngineParams:
-    return EngineParams(cpu=want.cpu_limit, cpu_map=cpu_map, numa_node=numa_node, memory=want.memory_limit)
-
-
-def _workload(
-    want: WorkloadRequest, cpu_map: dict[str, int], numa_node: str, numa_memory: dict[str, int]
-) -> WorkloadResource:
-    return WorkloadResource(
-        cpu_request=want.cpu_request,
-        cpu_limit=want.cpu_limit,
-        memory_request=want.memory_request,
-        memory_limit=want.memory_limit,
-        cpu_map=cpu_map,
-        numa_memory=numa_memory,
-        numa_node=numa_node,
-    )
-
-
-def _insufficient(code: str, resource: str, **details: Any) -> BerthError:
-    reason = "not enough nodes capacity" if code == "insufficient_capacity" else "not enough resource"
-    return BerthError(
-        f"{resource}: cannot alloc a plan, {reason}",
-        code=code,
-        details={"plugin": "cpumem", "resource": resource, **details},
-    )
-
-
-def _metric(name: str, labels: list[str], key: str, value: float) -> Raw:
-    return {"name": name, "labels": labels, "key": key, "value": value}
+    return decode_each(workloads, decode_workload_resource)

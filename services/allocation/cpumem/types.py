@@ -128,10 +128,6 @@ def decode_workload_resource(raw: Any, field: str) -> WorkloadResource:
     return resource
 
 
-def encode(value: msgspec.Struct) -> dict[str, Any]:
-    return msgspec.to_builtins(value)
-
-
 def _convert(raw: Any, kind: type, field: str) -> Any:
     if not isinstance(raw, dict):
         raise InvalidArgument(field, f"must be a map, got {type(raw).__name__}")

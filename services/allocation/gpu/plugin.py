@@ -14,11 +14,12 @@ import msgspec
 from bus.errors import InvalidArgument
 from services.allocation.plugin import DeployCapacity, EngineInfo, Raw
 from services.allocation.plugin_kit import (
-    apply_matrix,
+    MatrixUpdates,
     check_count,
     check_flags,
     chosen_source,
     decode,
+    decode_each,
     encode,
     insufficient_resource,
     metric,
@@ -38,7 +39,7 @@ class GpuResource(msgspec.Struct, forbid_unknown_fields=False):
     prod_count_map: Counts = {}
 
 
-class GpuPlugin:
+class GpuPlugin(MatrixUpdates[Counts]):
     name = "gpu"
     priority = 100
 
@@ -104,43 +105,43 @@ class GpuPlugin:
     def calculate_remap(self, capacity: Raw, usage: Raw, workloads: dict[str, Raw]) -> dict[str, Raw]:
         return {}  # cards are never remapped (eru)
 
-    def set_capacity(
-        self, capacity: Raw, usage: Raw, resource: Raw | None, request: Raw | None, delta: bool, incr: bool
-    ) -> tuple[Raw, Raw]:
-        check_flags(delta=delta, incr=incr)
-        cap, used = _record(capacity, usage)
-        requested = _node_counts(request, "resource_request", delta)
-        if not delta and request is not None and "prod_count_map" not in request:
-            requested = cap  # an absolute request keeps what it leaves out (eru's LoadFromOrigin)
-        sources = chosen_source(requested, _node_counts(resource, "resource", delta), [])
-        after = apply_matrix(cap, sources, empty={}, delta=delta, incr=incr, combine=_sum)
-        _check_record(after, used)
-        return _wire(after), _wire(used)
-
-    def set_usage(
-        self,
-        capacity: Raw,
-        usage: Raw,
-        resource: Raw | None,
-        request: Raw | None,
-        workloads: list[Raw],
-        delta: bool,
-        incr: bool,
-    ) -> Raw:
-        check_flags(delta=delta, incr=incr)
-        cap, used = _record(capacity, usage)
-        requested = _node_counts(request, "resource_request", delta)
-        sources = chosen_source(requested, _node_counts(resource, "resource", delta), _holdings(workloads))
-        after = apply_matrix(used, sources, empty={}, delta=delta, incr=incr, combine=_sum)
-        _check_record(cap, after)
-        return _wire(after)
-
     def apply_workloads(self, usage: Raw, workloads: list[Raw], incr: bool) -> Raw:
         check_flags(incr=incr)
         sign = 1 if incr else -1
         after = reduce(lambda total, held: _sum(total, held, sign), _holdings(workloads), _usage(usage))
         _check_counts(after, "usage", minimum=1)
         return _wire(after)
+
+    # set-node-resource-capacity and -usage (eru §2.12) are MatrixUpdates'; these are their gpu steps.
+    _empty = dict
+
+    def _combine(self, a: Counts, b: Counts, sign: int) -> Counts:
+        return _sum(a, b, sign)
+
+    def _record(self, capacity: Raw, usage: Raw) -> tuple[Counts, Counts]:
+        return _record(capacity, usage)
+
+    def _capacity_sources(
+        self, capacity: Counts, resource: Raw | None, request: Raw | None, delta: bool
+    ) -> tuple[Counts, list[Counts]]:
+        requested = _node_counts(request, "resource_request", delta)
+        if not delta and request is not None and "prod_count_map" not in request:
+            requested = capacity  # an absolute request keeps what it leaves out (eru's LoadFromOrigin)
+        return capacity, chosen_source(requested, _node_counts(resource, "resource", delta), [])
+
+    def _settled_capacity(self, capacity: Counts, usage: Counts, delta: bool) -> tuple[Raw, Raw]:
+        _check_record(capacity, usage)
+        return _wire(capacity), _wire(usage)
+
+    def _usage_sources(
+        self, resource: Raw | None, request: Raw | None, workloads: list[Raw], delta: bool
+    ) -> list[Counts]:
+        requested = _node_counts(request, "resource_request", delta)
+        return chosen_source(requested, _node_counts(resource, "resource", delta), _holdings(workloads))
+
+    def _settled_usage(self, capacity: Counts, usage: Counts) -> Raw:
+        _check_record(capacity, usage)
+        return _wire(usage)
 
     def usage_from_workloads(self, capacity: Raw, workloads: list[Raw]) -> Raw:
         return _wire(_explained(workloads))
@@ -252,9 +253,7 @@ def _usage(usage: Raw) -> Counts:
 
 def _holdings(workloads: list[Raw]) -> list[Counts]:
     """Each workload's cards; a realloc delta (negative counts) is a workload resource too."""
-    if not isinstance(workloads, list):
-        raise InvalidArgument("workloads_resource", f"must be a list, got {type(workloads).__name__}")
-    return [_counts(raw, f"workloads_resource[{i}]", minimum=None) for i, raw in enumerate(workloads)]
+    return decode_each(workloads, lambda raw, field: _counts(raw, field, minimum=None))
 
 
 def _explained(workloads: list[Raw]) -> Counts:

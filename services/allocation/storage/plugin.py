@@ -11,11 +11,12 @@ from functools import reduce
 from bus.errors import InvalidArgument
 from services.allocation.plugin import DeployCapacity, EngineInfo, Raw
 from services.allocation.plugin_kit import (
-    apply_matrix,
+    MatrixUpdates,
     check_count,
     check_flags,
     chosen_source,
     decode,
+    decode_each,
     encode,
     insufficient_resource,
     metric,
@@ -57,7 +58,7 @@ DELTA_PLAN_KEY = "fake-source:fake-destination:fake-flags:0:0:0:0:0"
 ENGINE_STORAGE_SHARE = (8, 10)
 
 
-class StoragePlugin:
+class StoragePlugin(MatrixUpdates[StorageNode]):
     name = "storage"
     priority = 1  # eru's storage never decides the most idle node against cpumem/gpu (100)
 
@@ -143,50 +144,6 @@ class StoragePlugin:
 
     # --- node operations -----------------------------------------------------------------------------
 
-    def set_capacity(
-        self, capacity: Raw, usage: Raw, resource: Raw | None, request: Raw | None, delta: bool, incr: bool
-    ) -> tuple[Raw, Raw]:
-        check_flags(delta=delta, incr=incr)
-        cap, used = _record(capacity, usage)
-        node_request = parse_node_request(request, "resource_request", delta=delta)
-        node_resource = decode(resource, StorageNode, "resource") if resource is not None else None
-        if node_request is not None and node_request.rm_disks:
-            if delta:
-                raise InvalidArgument(
-                    "resource_request.rm-disks", "disks can only be removed by an absolute update"
-                )
-            cap = without_disks(cap, node_request.rm_disks)
-        # An absolute request keeps the keys it leaves out (eru's SkipEmpty).
-        requested = node_request.resolve(None if delta else cap) if node_request is not None else None
-        sources = chosen_source(requested, node_resource, [])
-        after = apply_matrix(cap, sources, empty=StorageNode(), delta=delta, incr=incr, combine=combine)
-        if delta:
-            after = without_empty_volumes(after)
-        after_usage = normalized_usage(after, used)
-        check_record(after, after_usage)
-        return encode(after), encode(after_usage)
-
-    def set_usage(
-        self,
-        capacity: Raw,
-        usage: Raw,
-        resource: Raw | None,
-        request: Raw | None,
-        workloads: list[Raw],
-        delta: bool,
-        incr: bool,
-    ) -> Raw:
-        check_flags(delta=delta, incr=incr)
-        cap, used = _record(capacity, usage)
-        node_request = parse_node_request(request, "resource_request", delta=delta)
-        node_resource = decode(resource, StorageNode, "resource") if resource is not None else None
-        requested = node_request.resolve() if node_request is not None else None
-        sources = chosen_source(requested, node_resource, _holdings(workloads))
-        after = apply_matrix(used, sources, empty=StorageNode(), delta=delta, incr=incr, combine=combine)
-        after = normalized_usage(cap, after)
-        check_record(cap, after)
-        return encode(after)
-
     def apply_workloads(self, usage: Raw, workloads: list[Raw], incr: bool) -> Raw:
         check_flags(incr=incr)
         sign = 1 if incr else -1
@@ -197,6 +154,48 @@ class StoragePlugin:
     def usage_from_workloads(self, capacity: Raw, workloads: list[Raw]) -> Raw:
         cap = decode(capacity, StorageNode, "capacity")
         return encode(normalized_usage(cap, _explained(workloads)))
+
+    # set-node-resource-capacity and -usage (eru §2.12) are MatrixUpdates'; these are their storage steps.
+    _empty = StorageNode
+    _combine = staticmethod(combine)
+
+    def _record(self, capacity: Raw, usage: Raw) -> tuple[StorageNode, StorageNode]:
+        return _record(capacity, usage)
+
+    def _capacity_sources(
+        self, capacity: StorageNode, resource: Raw | None, request: Raw | None, delta: bool
+    ) -> tuple[StorageNode, list[StorageNode]]:
+        node_request = parse_node_request(request, "resource_request", delta=delta)
+        node_resource = decode(resource, StorageNode, "resource") if resource is not None else None
+        if node_request is not None and node_request.rm_disks:
+            if delta:
+                raise InvalidArgument(
+                    "resource_request.rm-disks", "disks can only be removed by an absolute update"
+                )
+            capacity = without_disks(capacity, node_request.rm_disks)
+        # An absolute request keeps the keys it leaves out (eru's SkipEmpty).
+        requested = node_request.resolve(None if delta else capacity) if node_request is not None else None
+        return capacity, chosen_source(requested, node_resource, [])
+
+    def _settled_capacity(self, capacity: StorageNode, usage: StorageNode, delta: bool) -> tuple[Raw, Raw]:
+        if delta:
+            capacity = without_empty_volumes(capacity)
+        after_usage = normalized_usage(capacity, usage)
+        check_record(capacity, after_usage)
+        return encode(capacity), encode(after_usage)
+
+    def _usage_sources(
+        self, resource: Raw | None, request: Raw | None, workloads: list[Raw], delta: bool
+    ) -> list[StorageNode]:
+        node_request = parse_node_request(request, "resource_request", delta=delta)
+        node_resource = decode(resource, StorageNode, "resource") if resource is not None else None
+        requested = node_request.resolve() if node_request is not None else None
+        return chosen_source(requested, node_resource, _holdings(workloads))
+
+    def _settled_usage(self, capacity: StorageNode, usage: StorageNode) -> Raw:
+        after = normalized_usage(capacity, usage)
+        check_record(capacity, after)
+        return encode(after)
 
     def diffs(self, capacity: Raw, usage: Raw, workloads: list[Raw]) -> list[str]:
         """eru's diffs in its order (storage, volumes, disks), devices ascending; a missing entry is 0."""
@@ -256,11 +255,8 @@ def _usage(usage: Raw) -> StorageNode:
 
 def _holdings(workloads: list[Raw]) -> list[StorageNode]:
     """What each workload holds of the node (its request side)."""
-    if not isinstance(workloads, list):
-        raise InvalidArgument("workloads_resource", f"must be a list, got {type(workloads).__name__}")
-    return [
-        decode(raw, StorageWorkload, f"workloads_resource[{i}]").usage() for i, raw in enumerate(workloads)
-    ]
+    held = decode_each(workloads, lambda raw, field: decode(raw, StorageWorkload, field))
+    return [workload.usage() for workload in held]
 
 
 def _explained(workloads: list[Raw]) -> StorageNode:
