@@ -14,10 +14,10 @@ from typing import Awaitable, Callable
 
 from bus.codec import encode
 from bus.events import EventBus
-from services.allocation.directory import NodeDirectory
+from services.allocation.directory import NodeDirectory, matches
 from services.allocation.errors import no_node_matches, node_not_found
 from services.allocation.plugin_set import Keyed, PluginSet
-from services.allocation.store import NodeStore
+from services.allocation.store import NodeRecord, NodeStore
 from services.allocation.view import CapacityView, Selection, Views
 
 log = logging.getLogger("berth.allocation")
@@ -94,6 +94,23 @@ class Fleet:
 
     async def all_nodes(self) -> list[str]:
         return sorted(self.directory.labels) if self.watching else await self.store.node_names()
+
+    async def page(
+        self, nodenames: list[str] | None, labels: dict[str, str], offset: int, limit: int
+    ) -> tuple[list[NodeRecord], int]:
+        """One page of the selected nodes in name order, and how many there are. Only the page's
+        records are read: the names come from the list, the directory (labels) or the index."""
+        if nodenames is not None:
+            listed = await self.store.load_many(sorted(set(nodenames)))
+            found = [r for r in listed.values() if r is not None and matches(r.labels, labels)]
+            return found[offset:offset + limit], len(found)
+        if labels:
+            await self.follow_directory()
+            names = self.directory.select(labels)
+        else:
+            names = await self.store.node_names()
+        page = await self.store.load_many(names[offset:offset + limit])
+        return [r for r in page.values() if r is not None and matches(r.labels, labels)], len(names)
 
     # -- keeping views fresh -----------------------------------------------------------------------
 

@@ -17,7 +17,6 @@ from bus.events import EventBus
 from bus.idempotency import current_claim
 from services.allocation import telemetry
 from services.allocation.committer import Committer, NodeFilledUp, workload_ids
-from services.allocation.directory import matches
 from services.allocation.errors import no_node_matches, node_not_found, workload_not_found
 from services.allocation.fleet import Fleet
 from services.allocation.messages import Allocation, NodeEvent
@@ -396,20 +395,7 @@ class AllocationManager:
     async def list_nodes(
         self, nodenames: list[str] | None, labels: dict[str, str], offset: int, limit: int
     ) -> tuple[list[NodeRecord], int]:
-        """One page of the selected nodes in name order, and how many there are. Only the page's
-        records are read: the names come from the list, the directory (labels) or the index."""
-        if nodenames is not None:
-            listed = await self.store.load_many(sorted(set(nodenames)))
-            found = [r for r in listed.values() if r is not None and matches(r.labels, labels)]
-            return found[offset:offset + limit], len(found)
-        if labels:
-            await self.fleet.follow_directory()
-            names = self.fleet.directory.select(labels)
-        else:
-            names = await self.store.node_names()
-        page = await self.store.load_many(names[offset:offset + limit])
-        return [r for r in page.values() if r is not None and matches(r.labels, labels)], len(names)
-
+        return await self.fleet.page(nodenames, labels, offset, limit)
 
 def as_map(state: PluginState) -> Raw:
     """A plugin state as events carry it."""
