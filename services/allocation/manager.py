@@ -72,17 +72,14 @@ class AllocationManager:
     async def unwatch(self) -> None:
         await self.fleet.unwatch()
 
-    async def _load(self, node: str, names: list[str]) -> States:
-        record = await self.store.load(node)
-        if record is None:
-            raise node_not_found(node)
-        return self.plugins.states(record, names)
-
     async def _existing(self, node: str) -> NodeRecord:
         record = await self.store.load(node)
         if record is None:
             raise node_not_found(node)
         return record
+
+    async def _load(self, node: str, names: list[str]) -> States:
+        return self.plugins.states(await self._existing(node), names)
 
     async def _publish(self, node: str, kind: str, version: int, **fields: Any) -> None:
         if self.events is not None:
@@ -92,7 +89,7 @@ class AllocationManager:
     async def _publish_states(
         self, node: str, kind: str, version: int, after: States, before: States | None = None
     ) -> None:
-        """One event per plugin whose state changed: `added` has no `before`."""
+        """One `kind` event per plugin in `after`; a plugin without a `before` state is `added`."""
         for name, state in after.items():
             if before is not None and name in before:
                 await self._publish(node, kind, version, plugin=name, before=as_map(before[name]), after=as_map(state))
