@@ -9,7 +9,7 @@ import pytest
 
 from bus.errors import BusError
 from bus.idempotency import IdempotencyStore
-from services.allocation.manager import ResourceManager
+from services.allocation.manager import AllocationManager
 from services.allocation.store import NodeStore
 from services.allocation.worker import make_plugins, make_service
 
@@ -19,7 +19,7 @@ ONE_CORE = {"cpumem": {"cpu-bind": True, "cpu-request": 1, "memory-request": GiB
 
 @pytest.fixture
 async def manager(serve, prefix, redis, events):
-    manager = ResourceManager(NodeStore(redis, prefix), make_plugins(), events)
+    manager = AllocationManager(NodeStore(redis, prefix), make_plugins(), events)
     await manager.watch()
     await serve(make_service(manager, prefix, IdempotencyStore(redis, prefix=prefix)))
     yield manager

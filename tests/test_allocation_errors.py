@@ -6,7 +6,7 @@ import pytest
 
 from bus.errors import BusError
 from bus.idempotency import IdempotencyStore
-from services.allocation.manager import ResourceManager
+from services.allocation.manager import AllocationManager
 from services.allocation.store import NodeStore
 from services.allocation.worker import make_plugins, make_service
 from tests.bus_helpers import EventLog, idempotency_keys
@@ -21,7 +21,7 @@ NODE = {
 
 @pytest.fixture
 async def call(serve, prefix, redis, events, client):
-    manager = ResourceManager(NodeStore(redis, prefix), make_plugins(), events)
+    manager = AllocationManager(NodeStore(redis, prefix), make_plugins(), events)
     await manager.watch()
     await serve(make_service(manager, prefix, IdempotencyStore(redis, prefix=prefix)))
 

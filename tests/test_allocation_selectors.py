@@ -10,7 +10,7 @@ import pytest
 
 from bus.errors import BusError
 from bus.idempotency import IdempotencyStore
-from services.allocation.manager import ResourceManager
+from services.allocation.manager import AllocationManager
 from services.allocation.store import NodeStore
 from services.allocation.worker import make_plugins, make_service
 
@@ -20,7 +20,7 @@ ONE_CORE = {"cpumem": {"cpu-bind": True, "cpu-request": 1, "memory-request": GiB
 
 @pytest.fixture
 async def call(serve, prefix, redis, events, client):
-    manager = ResourceManager(NodeStore(redis, prefix), make_plugins(), events)
+    manager = AllocationManager(NodeStore(redis, prefix), make_plugins(), events)
     await manager.watch()
     await serve(make_service(manager, prefix, IdempotencyStore(redis, prefix=prefix)))
 
@@ -171,7 +171,7 @@ async def call_error(call, command: str, payload: dict) -> BusError:
 async def test_list_nodes_pages_never_exceed_the_max_payload(serve, prefix, redis, events, client):
     """No reply may exceed the server's max payload: a page of big nodes holds fewer than `limit`,
     and `next_offset` leads through every node exactly once."""
-    manager = ResourceManager(NodeStore(redis, prefix), make_plugins(), events)
+    manager = AllocationManager(NodeStore(redis, prefix), make_plugins(), events)
     await serve(make_service(manager, prefix, IdempotencyStore(redis, prefix=prefix), max_payload=16 * 1024))
     names = [f"big{i:02d}" for i in range(30)]
     for name in names:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from bus.idempotency import IdempotencyStore
-from services.allocation.manager import ResourceManager as AllocationManager
+from services.allocation.manager import AllocationManager
 from services.allocation.store import NodeStore
 from services.allocation.worker import make_plugins, make_service
 from tests.broker_helpers import eventually, marked, param

@@ -20,21 +20,12 @@ from typing import Any, Awaitable, Callable
 from bus.codec import encode
 from bus.errors import BerthError
 from services.allocation import telemetry
-from services.allocation.plugin import ResourcePlugin
-from services.allocation.store import (
-    Change,
-    LedgerConflict,
-    NodeRecord,
-    NodeStore,
-    PluginState,
-    StaleVersion,
-    decode_state,
-    encode_state,
-)
+from services.allocation.errors import node_busy, node_not_found, workload_exists
+from services.allocation.messages import Allocation
+from services.allocation.plugin_set import Keyed, PluginSet
+from services.allocation.store import Change, LedgerConflict, NodeRecord, NodeStore, StaleVersion
 
 log = logging.getLogger("berth.allocation")
-
-Raw = dict[str, Any]
 
 
 @dataclass(eq=False)  # identity: two deploys are never the same one
@@ -42,7 +33,7 @@ class Deploy:
     """Instances to place on one node: their ids and the per-plugin request."""
 
     ids: list[str]
-    requests: dict[str, Raw | None]
+    requests: Keyed
     # Called once the deploy is committed or refused, in the same step as the views learn the
     # commit: the planner's reservation for it ends exactly when the record holds it.
     settled: Callable[[], None] = lambda: None
@@ -55,9 +46,9 @@ class Deploy:
 
 @dataclass
 class Placed:
-    """A committed deploy: one allocation map per instance, and the node's version after it."""
+    """A committed deploy: one allocation per instance, and the node's version after it."""
 
-    allocations: list[Raw]
+    allocations: list[Allocation]
     version: int
 
 
@@ -65,7 +56,7 @@ class DeployBatches:
     def __init__(
         self,
         store: NodeStore,
-        plugins: dict[str, ResourcePlugin],
+        plugins: PluginSet,
         *,
         latest: Callable[[str], NodeRecord | None],
         committed: Callable[[str, NodeRecord | None, Change, int], None],
@@ -83,10 +74,9 @@ class DeployBatches:
         self.contend = contend  # says another worker commits to the node too
         self.attempts = attempts
         self._waiting: dict[str, list[Deploy]] = {}  # node -> deploys for its next commit
-        self._memo: dict[tuple[str, bytes, bytes, int], tuple[list[Raw], list[Raw], bytes]] = {}
 
     async def deploy(
-        self, node: str, ids: list[str], requests: dict[str, Raw | None], *, settled: Callable[[], None] = lambda: None
+        self, node: str, ids: list[str], requests: Keyed, *, settled: Callable[[], None] = lambda: None
     ) -> Placed:
         """Place `ids` on `node`, in this worker's next commit to it; raises what the plugins refuse."""
         deploy = Deploy(ids, requests, settled)
@@ -140,17 +130,16 @@ class DeployBatches:
 
     async def _commit_fitting(
         self, node: str, batch: list[Deploy]
-    ) -> tuple[dict[Deploy, list[Raw]], dict[Deploy, BaseException], int]:
-        names = list(self.plugins)
+    ) -> tuple[dict[Deploy, list[Allocation]], dict[Deploy, BaseException], int]:
         for attempt in range(self.attempts):
             record = self.latest(node) or await self.store.load(node)
             if record is None:
                 return {}, {d: node_not_found(node) for d in batch}, 0
-            placed, refused, after = self._fit(record, names, batch)
+            placed, refused, after = self._fit(record, batch)
             if not placed:
                 return {}, refused, record.version
             ids = [i for d in placed for i in d.ids]
-            ledger = {a["workload_id"]: a["workload_resource"] for allocations in placed.values() for a in allocations}
+            ledger = {a.workload_id: a.workload_resource for allocations in placed.values() for a in allocations}
             change = Change(plugins=after, ledger_add=ledger, index=dict.fromkeys(ids, node))
             try:
                 version = await self.store.commit(node, record.version, change)
@@ -176,72 +165,26 @@ class DeployBatches:
             telemetry.PLACEMENTS.inc(len(ids))
             telemetry.COMMIT_DEPLOYS.observe(len(placed))
             return placed, refused, version
-        raise BerthError(f"node {node} is changing too fast; retry", code="busy", details={"nodename": node})
+        raise node_busy(node)
 
     def _fit(
-        self, record: NodeRecord, names: list[str], batch: list[Deploy]
-    ) -> tuple[dict[Deploy, list[Raw]], dict[Deploy, BaseException], dict[str, bytes]]:
+        self, record: NodeRecord, batch: list[Deploy]
+    ) -> tuple[dict[Deploy, list[Allocation]], dict[Deploy, BaseException], dict[str, bytes]]:
         """Each deploy in turn on the state the ones before it leave; those that do not fit are refused."""
         state = dict(record.raw)
-        placed: dict[Deploy, list[Raw]] = {}
+        placed: dict[Deploy, list[Allocation]] = {}
         refused: dict[Deploy, BaseException] = {}
         for deploy in batch:
             try:
-                engines: list[Raw] = [{} for _ in deploy.ids]
-                workloads: list[Raw] = [{} for _ in deploy.ids]
-                after: dict[str, bytes] = {}
-                keys = deploy.request_keys
-                for name in names:
-                    params, resources, after[name] = self._deploy_on(
-                        record.name, state, name, len(deploy.ids), deploy.requests[name], keys[name]
-                    )
-                    for i in range(len(deploy.ids)):
-                        engines[i][name] = params[i]
-                        workloads[i][name] = resources[i]
+                deployment, after = self.plugins.deploy_stored(
+                    record.name, state, len(deploy.ids), deploy.requests, deploy.request_keys
+                )
             except BerthError as error:
                 refused[deploy] = error
                 continue
             state.update(after)
             placed[deploy] = [
-                {"workload_id": wid, "nodename": record.name, "workload_resource": w, "engine_params": e}
-                for wid, w, e in zip(deploy.ids, workloads, engines)
+                Allocation(wid, record.name, workload, engine)
+                for wid, workload, engine in zip(deploy.ids, deployment.workloads_resource, deployment.engines_params)
             ]
-        return placed, refused, {name: state[name] for name in names if state[name] is not record.raw.get(name)}
-
-    def _deploy_on(
-        self, node: str, state: dict[str, bytes], name: str, count: int, request: Raw | None, request_key: bytes
-    ) -> tuple[list[Raw], list[Raw], bytes]:
-        """One plugin's deploy on a stored state: (engine params, workload resources, the state after).
-
-        Memoised on the stored bytes: a fleet of identical nodes filling up in step asks the same
-        question over and over. The results are never mutated.
-        """
-        raw = state.get(name)
-        if raw is None:
-            raise node_not_found(node, name)
-        key = (name, raw, request_key, count)
-        done = self._memo.get(key)
-        if done is None:
-            if len(self._memo) > 50_000:
-                self._memo.clear()
-            current = decode_state(raw)
-            plugin = self.plugins[name]
-            params, resources = plugin.calculate_deploy(current.capacity, current.usage, count, request)
-            usage = plugin.apply_workloads(current.usage, resources, True)
-            done = self._memo[key] = (params, resources, encode_state(PluginState(current.capacity, usage)))
-        return done
-
-
-def node_not_found(node: str, plugin: str | None = None) -> BerthError:
-    where = f" in plugin {plugin}" if plugin else ""
-    return BerthError(
-        f"node {node} not found{where}", code="node_not_found", field="nodename",
-        details={"nodename": node, **({"plugin": plugin} if plugin else {})},
-    )
-
-
-def workload_exists(workload_id: str) -> BerthError:
-    return BerthError(
-        f"workload {workload_id} is already allocated", code="workload_exists",
-        field="workload_ids", details={"workload_id": workload_id},
-    )
+        return placed, refused, {name: state[name] for name in self.plugins if state[name] is not record.raw.get(name)}

@@ -2,8 +2,9 @@
 
 Plugin level: `resource.<plugin>.<command>` takes and returns that plugin's maps.
 Manager level: `resource.<command>` takes and returns maps keyed by plugin name, and adds the
-committed-allocation commands. One `Endpoints` class serves both: it only translates between the
-wire shape and the manager, which does the work.
+committed-allocation commands. One `AllocationEndpoints` class serves both: it only translates
+between the wire shape and the manager's per-plugin values (it splits keyed maps and picks or keys
+the answers), and the manager does the work.
 """
 
 from __future__ import annotations
@@ -18,14 +19,13 @@ from bus.errors import BerthError, InvalidArgument
 from bus.events import StreamSpec
 from bus.service import Command
 from schemas.common import Empty
-from services.allocation.manager import ResourceManager
+from services.allocation.manager import AllocationManager
 from services.allocation.messages import (
     NULL,
     AddNode,
     Allocate,
     AllocateReply,
     AllocateWire,
-    Allocation,
     AllocationsReply,
     BeforeAfter,
     CalculateDeploy,
@@ -35,7 +35,6 @@ from services.allocation.messages import (
     CalculateRemap,
     CalculateRemapReply,
     CapacityUsage,
-    Done,
     GetAllocations,
     GetMetrics,
     GetMostIdleNode,
@@ -49,15 +48,15 @@ from services.allocation.messages import (
     MetricsReply,
     MostIdleNode,
     NodeDeployCapacityMsg,
+    NodeEvent,
     NodeRequest,
     NodeResourceInfo,
     NodeSummary,
     PluginsReply,
     Realloc,
     ReallocReply,
-    Release,
     ReleaseReply,
-    ResourceEvent,
+    ReleaseWorkloads,
     SetNodeLabels,
     SetNodeResourceCapacity,
     SetNodeResourceInfo,
@@ -66,6 +65,7 @@ from services.allocation.messages import (
 )
 from services.allocation.placement import total_capacity
 from services.allocation.plugin import EngineInfo, keyed_field
+from services.allocation.plugin_set import Keyed, PluginSet, States, capacities, usages
 from services.allocation.view import NodeSet, Selection
 
 Raw = dict[str, Any]
@@ -78,11 +78,11 @@ PLUGIN_COMMANDS = [
     ("calculate-realloc", CalculateRealloc, CalculateReallocReply, "calculate_realloc", False),
     ("calculate-remap", CalculateRemap, CalculateRemapReply, "calculate_remap", False),
     ("add-node", AddNode, CapacityUsage, "add_node", True),
-    ("remove-node", NodeRequest, Done, "remove_node", True),
+    ("remove-node", NodeRequest, Empty, "remove_node", True),
     ("get-nodes-deploy-capacity", GetNodesDeployCapacity, GetNodesDeployCapacityReply, "get_nodes_deploy_capacity", False),
     ("set-node-resource-capacity", SetNodeResourceCapacity, BeforeAfter, "set_node_resource_capacity", True),
     ("get-node-resource-info", GetNodeResourceInfo, NodeResourceInfo, "get_node_resource_info", False),
-    ("set-node-resource-info", SetNodeResourceInfo, Done, "set_node_resource_info", True),
+    ("set-node-resource-info", SetNodeResourceInfo, Empty, "set_node_resource_info", True),
     ("set-node-resource-usage", SetNodeResourceUsage, BeforeAfter, "set_node_resource_usage", True),
     ("get-most-idle-node", GetMostIdleNode, MostIdleNode, "get_most_idle_node", False),
     ("fix-node-resource", GetNodeResourceInfo, NodeResourceInfo, "fix_node_resource", True),
@@ -96,11 +96,11 @@ WIRE_TYPES = {GetNodesDeployCapacity: GetNodesDeployCapacityWire}
 MANAGER_ONLY_COMMANDS = [
     Command("resource.allocate", Allocate, AllocateReply, "allocate", idempotent=True, wire=AllocateWire,
             undo="undo_allocate"),
-    Command("resource.release", Release, ReleaseReply, "release", idempotent=True),
+    Command("resource.release", ReleaseWorkloads, ReleaseReply, "release", idempotent=True),
     Command("resource.realloc", Realloc, ReallocReply, "realloc", idempotent=True),
     Command("resource.list-nodes", ListNodes, ListNodesReply, "list_nodes"),
     Command("resource.get-allocations", GetAllocations, AllocationsReply, "get_allocations"),
-    Command("resource.set-node-labels", SetNodeLabels, Done, "set_node_labels", idempotent=True),
+    Command("resource.set-node-labels", SetNodeLabels, Empty, "set_node_labels", idempotent=True),
     Command("resource.plugins", Empty, PluginsReply, "list_plugins"),
 ]
 
@@ -117,7 +117,7 @@ def plugin_commands(plugin: str | None) -> list[Command]:
 COMMANDS = plugin_commands(None) + MANAGER_ONLY_COMMANDS + [
     command for plugin in PLUGIN_NAMES for command in plugin_commands(plugin)
 ]
-EVENTS = {"resource.<node>.<added|removed|capacity|usage|allocated|released|labels>": ResourceEvent}
+EVENTS = {"resource.<node>.<added|removed|capacity|usage|allocated|released|labels>": NodeEvent}
 # Change events are kept a day for replay, in the stream all services' change events share.
 STREAM = StreamSpec("events", ("resource.>",), max_age=24 * 3600, max_bytes=1 << 30)
 
@@ -128,6 +128,20 @@ def selection(nodenames: msgspec.Raw, labels: dict[str, str] | None) -> Selectio
     if listed is not None and len(listed) == 0:
         raise InvalidArgument("nodenames", "must name at least one node")
     return Selection(listed, labels)
+
+
+def keyed(value: Raw | None, names: list[str], field: str, plugins: PluginSet) -> Keyed:
+    """Split a manager-level map keyed by plugin into one value per selected plugin."""
+    value = value or {}
+    for key, sub in value.items():
+        if key not in plugins:
+            raise BerthError(
+                f"{field}: no plugin named {key!r} (have {', '.join(plugins)})",
+                code="plugin_not_found", field=f"{field}.{key}",
+            )
+        if sub is not None and not isinstance(sub, dict):
+            raise BerthError(f"{field}.{key}: must be a map", code="invalid_argument", field=f"{field}.{key}")
+    return {name: value.get(name) for name in names}
 
 
 def naming_keyed_fields(cls: type) -> type:
@@ -160,75 +174,83 @@ def rename_field(error: BerthError, field: str) -> None:
 
 
 @naming_keyed_fields
-class Endpoints:
+class AllocationEndpoints:
     """Handlers for one plugin (`plugin` set) or for the manager (all plugins, keyed maps)."""
 
-    def __init__(self, manager: ResourceManager, plugin: str | None = None, *, max_payload: int = 1 << 20) -> None:
-        self.m = manager
+    def __init__(self, manager: AllocationManager, plugin: str | None = None, *, max_payload: int = 1 << 20) -> None:
+        self.manager = manager
         self.plugin = plugin
         self.names = [plugin] if plugin else list(manager.plugins)
         self.reply_bytes = max_payload - 4096  # what a listing's entries may take (headers, envelope)
 
-    def _in(self, value: Raw | None, field: str) -> dict[str, Raw | None]:
+    def _in(self, value: Raw | None, field: str) -> Keyed:
         """Per-plugin values from the wire: the plugin's own map, or a map keyed by plugin."""
         if self.plugin:
             return {self.plugin: value}
-        return self.m.keyed(value, self.names, field)
+        return keyed(value, self.names, field, self.manager.plugins)
 
-    def _out(self, keyed: Raw) -> Any:
-        return keyed.get(self.plugin) if self.plugin else keyed
+    def _out(self, per_plugin: Raw) -> Any:
+        """A per-plugin value for the wire: the plugin's own, or the map keyed by plugin."""
+        return per_plugin.get(self.plugin) if self.plugin else per_plugin
+
+    def _capacity_usage(self, states: States) -> tuple[Any, Any]:
+        return self._out(capacities(states)), self._out(usages(states))
 
     # -- eru plugin commands ----------------------------------------------------------------
 
     async def calculate_deploy(self, req: CalculateDeploy) -> CalculateDeployReply:
         requests = self._in(req.workload_resource_request, "workload_resource_request")
-        engines, workloads = await self.m.calculate_deploy(self.names, req.nodename, req.deploy_count, requests)
-        return CalculateDeployReply([self._out(e) for e in engines], [self._out(w) for w in workloads])
+        deployment = await self.manager.calculate_deploy(self.names, req.nodename, req.deploy_count, requests)
+        return CalculateDeployReply(
+            [self._out(e) for e in deployment.engines_params], [self._out(w) for w in deployment.workloads_resource]
+        )
 
     async def calculate_realloc(self, req: CalculateRealloc) -> CalculateReallocReply:
         current = self._in(req.workload_resource, "workload_resource")
         requests = self._in(req.workload_resource_request, "workload_resource_request")
-        engine, delta, resource = await self.m.calculate_realloc(self.names, req.nodename, current, requests)
-        return CalculateReallocReply(self._out(engine), self._out(delta), self._out(resource))
+        result = await self.manager.calculate_realloc(self.names, req.nodename, current, requests)
+        return CalculateReallocReply(
+            self._out(result.engine_params), self._out(result.delta_resource), self._out(result.workload_resource)
+        )
 
     async def calculate_remap(self, req: CalculateRemap) -> CalculateRemapReply:
         workloads = {wid: self._in(w, f"workloads_resource.{wid}") for wid, w in req.workloads_resource.items()}
-        remapped = await self.m.calculate_remap(self.names, req.nodename, workloads)
+        remapped = await self.manager.calculate_remap(self.names, req.nodename, workloads)
         return CalculateRemapReply({wid: self._out(params) for wid, params in remapped.items()})
 
     async def add_node(self, req: AddNode) -> CapacityUsage:
         info = EngineInfo(req.info.ncpu, req.info.memory_total, req.info.storage_total, req.info.resources) if req.info else None
-        capacity, usage = await self.m.add_node(
+        created = await self.manager.add_node(
             self.names, req.nodename, self._in(req.resource, "resource"), info, req.labels
         )
-        return CapacityUsage(self._out(capacity), self._out(usage))
+        return CapacityUsage(*self._capacity_usage(created))
 
-    async def remove_node(self, req: NodeRequest) -> Done:
-        await self.m.remove_node(self.names, req.nodename)
-        return Done()
+    async def remove_node(self, req: NodeRequest) -> Empty:
+        await self.manager.remove_node(self.names, req.nodename)
+        return Empty()
 
     async def get_nodes_deploy_capacity(self, req: GetNodesDeployCapacityWire) -> GetNodesDeployCapacityReply:
         requests = self._in(req.workload_resource_request, "workload_resource_request")
-        capacities = await self.m.deploy_capacity(self.names, selection(req.nodenames, req.labels), requests)
+        capacities = await self.manager.deploy_capacity(self.names, selection(req.nodenames, req.labels), requests)
         return GetNodesDeployCapacityReply(
             {node: NodeDeployCapacityMsg(c.capacity, c.usage, c.rate, c.weight) for node, c in capacities.items()},
             total_capacity(capacities),
         )
 
     async def set_node_resource_capacity(self, req: SetNodeResourceCapacity) -> BeforeAfter:
-        before, after = await self.m.set_capacity(
+        changed = await self.manager.set_capacity(
             self.names, req.nodename, self._in(req.resource, "resource"),
             self._in(req.resource_request, "resource_request"), req.delta, req.incr,
         )
-        return BeforeAfter(self._out(before) or {}, self._out(after) or {})
+        return BeforeAfter(self._out(capacities(changed.before)) or {}, self._out(capacities(changed.after)) or {})
 
     async def get_node_resource_info(self, req: GetNodeResourceInfo) -> NodeResourceInfo:
-        capacity, usage, diffs = await self.m.node_info(self.names, req.nodename, self._workloads(req))
-        return NodeResourceInfo(self._out(capacity), self._out(usage), diffs)
+        info = await self.manager.node_info(self.names, req.nodename, self._workloads(req))
+        return NodeResourceInfo(*self._capacity_usage(info.states), info.diffs)
 
     async def fix_node_resource(self, req: GetNodeResourceInfo) -> NodeResourceInfo:
-        capacity, usage, diffs = await self.m.fix(self.names, req.nodename, self._workloads(req))
-        return NodeResourceInfo(self._out(capacity), self._out(usage), diffs)
+        info = await self.manager.fix(self.names, req.nodename, self._workloads(req))
+        return NodeResourceInfo(*self._capacity_usage(info.states), info.diffs)
 
     def _workloads(self, req) -> list[Raw] | None:
         """Workloads as manager-level maps; None means "the node's ledger"."""
@@ -236,29 +258,29 @@ class Endpoints:
             return None
         return [self._in(w, f"workloads_resource[{i}]") for i, w in enumerate(req.workloads_resource)]
 
-    async def set_node_resource_info(self, req: SetNodeResourceInfo) -> Done:
-        await self.m.set_info(
+    async def set_node_resource_info(self, req: SetNodeResourceInfo) -> Empty:
+        await self.manager.set_info(
             self.names, req.nodename, self._in(req.capacity, "capacity"), self._in(req.usage, "usage")
         )
-        return Done()
+        return Empty()
 
     async def set_node_resource_usage(self, req: SetNodeResourceUsage) -> BeforeAfter:
-        before, after = await self.m.set_usage(
+        changed = await self.manager.set_usage(
             self.names, req.nodename, self._in(req.resource, "resource"),
             self._in(req.resource_request, "resource_request"), self._workloads(req) or [], req.delta, req.incr,
         )
-        return BeforeAfter(self._out(before), self._out(after))
+        return BeforeAfter(self._out(usages(changed.before)), self._out(usages(changed.after)))
 
     async def get_most_idle_node(self, req: GetMostIdleNode) -> MostIdleNode:
         listed = NodeSet.of(req.nodenames) if req.nodenames is not None else None
-        node, priority = await self.m.most_idle(self.names, Selection(listed, req.labels))
+        node, priority = await self.manager.most_idle(self.names, Selection(listed, req.labels))
         return MostIdleNode(node, priority)
 
     async def get_metrics_description(self, req: Empty) -> MetricsDescriptionReply:
-        return MetricsDescriptionReply(self.m.metrics_description(self.names))
+        return MetricsDescriptionReply(self.manager.metrics_description(self.names))
 
     async def get_metrics(self, req: GetMetrics) -> MetricsReply:
-        return MetricsReply(await self.m.metrics(self.names, req.podname, req.nodename))
+        return MetricsReply(await self.manager.metrics(self.names, req.podname, req.nodename))
 
     # -- manager-only commands ----------------------------------------------------------------
 
@@ -269,34 +291,35 @@ class Endpoints:
             nodes = Selection(NodeSet.of([req.nodename]))
         else:
             nodes = selection(req.nodenames, req.labels)
-        placed = await self.m.allocate(
+        placed = await self.manager.allocate(
             nodes, req.strategy, req.deploy_count, self._in(req.workload_resource_request, "workload_resource_request"),
             req.workload_ids, req.request_id,
         )
-        return AllocateReply([Allocation(**a) for a in placed])
+        return AllocateReply(placed)
 
     async def undo_allocate(self, req: AllocateWire, answer: bytes) -> None:
         """Give back what an allocate placed when its answer could not be kept (see Command.undo)."""
         placed = msgspec.msgpack.decode(answer, type=AllocateReply).allocations
-        await self.m.release([a.workload_id for a in placed])
+        await self.manager.release([a.workload_id for a in placed])
 
-    async def release(self, req: Release) -> ReleaseReply:
-        return ReleaseReply(await self.m.release(req.workload_ids))
+    async def release(self, req: ReleaseWorkloads) -> ReleaseReply:
+        return ReleaseReply(await self.manager.release(req.workload_ids))
 
     async def realloc(self, req: Realloc) -> ReallocReply:
-        reply = await self.m.realloc(req.workload_id, self._in(req.workload_resource_request, "workload_resource_request"))
-        return ReallocReply(**reply)
+        node, result = await self.manager.realloc(
+            req.workload_id, self._in(req.workload_resource_request, "workload_resource_request")
+        )
+        return ReallocReply(
+            req.workload_id, node, result.engine_params, result.workload_resource, result.delta_resource
+        )
 
     async def list_nodes(self, req: ListNodes) -> ListNodesReply:
-        records, total = await self.m.list_nodes(req.nodenames, req.labels, req.offset, req.limit)
+        records, total = await self.manager.list_nodes(req.nodenames, req.labels, req.offset, req.limit)
         nodes = []
         room = self.reply_bytes
-        for r in records:
-            node = NodeSummary(
-                r.name, r.labels,
-                {name: s.capacity for name, s in sorted(r.plugins.items())},
-                {name: s.usage for name, s in sorted(r.plugins.items())},
-            )
+        for record in records:
+            states = dict(sorted(record.plugins.items()))
+            node = NodeSummary(record.name, record.labels, capacities(states), usages(states))
             room -= len(msgspec.msgpack.encode(node))
             if room < 0 and nodes:  # no reply may exceed the server's max payload: the page ends here
                 break
@@ -305,12 +328,12 @@ class Endpoints:
         return ListNodesReply(nodes, total, end if end < total else None)
 
     async def get_allocations(self, req: GetAllocations) -> AllocationsReply:
-        ledger = await self.m.allocations(req.nodename)
-        return AllocationsReply([WorkloadAllocation(wid, res) for wid, res in ledger.items()])
+        ledger = await self.manager.allocations(req.nodename)
+        return AllocationsReply([WorkloadAllocation(wid, resource) for wid, resource in ledger.items()])
 
-    async def set_node_labels(self, req: SetNodeLabels) -> Done:
-        await self.m.set_labels(req.nodename, req.labels)
-        return Done()
+    async def set_node_labels(self, req: SetNodeLabels) -> Empty:
+        await self.manager.set_labels(req.nodename, req.labels)
+        return Empty()
 
     async def list_plugins(self, req: Empty) -> PluginsReply:
-        return PluginsReply(list(self.m.plugins))
+        return PluginsReply(list(self.manager.plugins))

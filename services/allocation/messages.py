@@ -85,10 +85,6 @@ class NodeRequest(Struct):
     request_id: RequestId = ""
 
 
-class Done(Struct):
-    """An empty reply (`{}`)."""
-
-
 class GetNodesDeployCapacity(Struct):
     """`nodenames` lists the nodes, `labels` selects those whose labels match; neither: every node."""
 
@@ -227,7 +223,7 @@ class AllocateReply(Struct):
     allocations: list[Allocation]
 
 
-class Release(Struct):
+class ReleaseWorkloads(Struct):
     workload_ids: Annotated[list[WorkloadId], Meta(min_length=1, max_length=10_000)]
     request_id: RequestId = ""
 
@@ -299,7 +295,7 @@ class PluginsReply(Struct):
 # -- events ---------------------------------------------------------------------------------
 
 
-class ResourceEvent(Event, kw_only=True, omit_defaults=True):
+class NodeEvent(Event, kw_only=True, omit_defaults=True):
     """`berth.events.resource.<node>.<added|removed|capacity|usage|allocated|released|labels>`."""
 
     type: str = ""

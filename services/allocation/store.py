@@ -157,6 +157,10 @@ def _pairs(mapping: dict[str, str]) -> list[str]:
 
 def encode_state(state: PluginState) -> bytes:
     return _encode(state)
+
+
+def encode_states(states: dict[str, PluginState]) -> dict[str, bytes]:
+    return {name: _encode(state) for name, state in states.items()}
 _decode_map = msgspec.msgpack.Decoder(dict[str, Any]).decode
 
 

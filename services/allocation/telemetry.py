@@ -107,7 +107,7 @@ SLICE = 500  # records read per round trip
 
 
 class NodeTotals:
-    """The scrape-time figures of one allocation worker (`manager` is its ResourceManager).
+    """The scrape-time figures of one allocation worker (`manager` is its AllocationManager).
 
     Each node's share of the totals is kept with the version it was read at. A refresh reads again
     only the nodes whose version the worker's directory (kept by change events and the version
@@ -120,11 +120,11 @@ class NodeTotals:
         self._memo: dict[tuple[str, bytes], list[tuple[str, str, float, float]]] = {}
 
     async def refresh(self) -> None:
-        manager, store = self.manager, self.manager.store
-        if manager.watching:
-            await manager._follow_directory()  # nodes other workers added or removed since
-        names = await manager._all_nodes()
-        known = manager.directory.versions if manager.watching else {}
+        manager, store, fleet = self.manager, self.manager.store, self.manager.fleet
+        if fleet.watching:
+            await fleet.follow_directory()  # nodes other workers added or removed since
+        names = await fleet.all_nodes()
+        known = fleet.directory.versions if fleet.watching else {}
         todo = [n for n in names if n not in self._nodes or self._nodes[n][0] < known.get(n, 1 << 62)]
         if len(self._memo) > 50_000:
             self._memo.clear()

@@ -15,11 +15,11 @@ from services.allocation.endpoints import (
     MANAGER_ONLY_COMMANDS,
     PLUGIN_NAMES,
     STREAM,
-    Endpoints,
+    AllocationEndpoints,
     plugin_commands,
 )
 from services.allocation.gpu import GpuPlugin
-from services.allocation.manager import ResourceManager
+from services.allocation.manager import AllocationManager
 from services.allocation.plugin import ResourcePlugin
 from services.allocation.storage import StoragePlugin
 from services.allocation.store import NodeStore
@@ -50,23 +50,23 @@ def make_plugins(share_base: int = 100, max_share: int = -1, max_deploy_count: i
 
 
 def make_service(
-    manager: ResourceManager, prefix: str, idempotency: IdempotencyStore, concurrency: int = 64,
+    manager: AllocationManager, prefix: str, idempotency: IdempotencyStore, concurrency: int = 64,
     max_payload: int = 1 << 20,
 ) -> Service:
     service = Service(
         f"{prefix}-allocation", prefix=prefix, concurrency=concurrency, idempotency=idempotency,
         description="node capacity, CPU/NUMA, memory, volume and GPU allocation (eru resource plugins)",
     )
-    service.bind(plugin_commands(None) + MANAGER_ONLY_COMMANDS, Endpoints(manager, max_payload=max_payload))
+    service.bind(plugin_commands(None) + MANAGER_ONLY_COMMANDS, AllocationEndpoints(manager, max_payload=max_payload))
     for plugin in manager.plugins:
-        service.bind(plugin_commands(plugin), Endpoints(manager, plugin))
+        service.bind(plugin_commands(plugin), AllocationEndpoints(manager, plugin))
     return service
 
 
 async def build(ctx) -> Service:
     args = ctx.args
     plugins = make_plugins(args.share_base, args.max_share, args.max_deploy_count)
-    manager = ResourceManager(NodeStore(ctx.redis, ctx.prefix), plugins, ctx.events)
+    manager = AllocationManager(NodeStore(ctx.redis, ctx.prefix), plugins, ctx.events)
     await manager.watch()
     ctx.cleanups.append(manager.unwatch)
     ctx.cleanups.append(on_scrape("allocation totals", NodeTotals(manager).refresh, every=args.metrics_refresh))

@@ -1,0 +1,201 @@
+"""Committing changes to nodes: the optimistic-concurrency loop, and multi-node placements that
+either all land or are rolled back, even when their worker dies half way.
+
+A change is computed on a fresh record and committed with `NodeStore.commit`, which refuses if the
+record changed meanwhile; then we compute again on the fresh record. Calculation and commit are
+therefore one atomic step per node, with any number of workers. Deploys go through `DeployBatches`
+(commits.py): one commit per node in flight per worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+import uuid
+from functools import partial
+from typing import Awaitable, Callable, TypeVar
+
+from bus.errors import BerthError
+from services.allocation import telemetry
+from services.allocation.commits import DeployBatches
+from services.allocation.errors import node_busy
+from services.allocation.fleet import Fleet
+from services.allocation.messages import Allocation
+from services.allocation.plugin_set import Keyed, PluginSet
+from services.allocation.store import Change, LedgerConflict, NodeRecord, NodeStore, StaleVersion
+from services.allocation.view import Reservation
+
+log = logging.getLogger("berth.allocation")
+
+T = TypeVar("T")
+
+# Workload ids derived from a request_id are stable, so a retried allocate names the same workloads.
+_WORKLOAD_NAMESPACE = uuid.UUID("6f1d3c2e-8a4b-4e55-9a37-3b0f1c7d2e91")
+
+
+class Committer:
+    def __init__(
+        self,
+        store: NodeStore,
+        plugins: PluginSet,
+        fleet: Fleet,
+        *,
+        publish: Callable[..., Awaitable[None]],
+        release: Callable[[list[str]], Awaitable[list[str]]],
+        attempts: int = 200,
+        intent_timeout: float = 30.0,
+    ) -> None:
+        self.store = store
+        self.fleet = fleet
+        self.release = release  # gives back workloads (by id) to their nodes
+        self.attempts = attempts
+        self.intent_timeout = intent_timeout
+        self.deploys = DeployBatches(
+            store, plugins, latest=fleet.views.take_record, committed=self.committed, publish=publish,
+            release=release, contend=fleet.views.contend, attempts=attempts,
+        )
+
+    async def mutate(
+        self,
+        node: str,
+        compute: Callable[[], Awaitable[tuple[NodeRecord | None, Change, T]]],
+        *,
+        retry_ledger: bool = False,
+    ) -> tuple[T, int]:
+        """Compute a change on fresh data and commit it; if the node changed meanwhile, do it again.
+
+        `compute` reads what it needs and returns (the record it read, None for a new node; the
+        change; the result); it raises to refuse. `retry_ledger` also retries when a ledger entry
+        it relied on moved. Returns the result and the node's new version.
+        """
+        retry_on: tuple[type[Exception], ...] = (StaleVersion, LedgerConflict) if retry_ledger else (StaleVersion,)
+        for attempt in range(self.attempts):
+            record, change, result = await compute()
+            version = record.version if record else 0
+            if change.is_empty():
+                return result, version
+            try:
+                version = await self.store.commit(node, version, change)
+            except retry_on as error:
+                (telemetry.RETRY_VERSION if isinstance(error, StaleVersion) else telemetry.RETRY_LEDGER).inc()
+                # Someone else changed the node; a short random pause spreads the contenders out.
+                await asyncio.sleep(random.uniform(0, 0.002 * min(attempt + 1, 10)))
+                continue
+            self.committed(node, record, change, version)
+            return result, version
+        raise node_busy(node)
+
+    def committed(self, node: str, record: NodeRecord | None, change: Change, version: int) -> None:
+        """Show our own commit to the views and the directory at once, instead of waiting for its
+        event and a reload."""
+        fleet = self.fleet
+        if not fleet.watching:
+            return
+        if change.delete:
+            after = None
+            fleet.views.invalidate(node)
+        else:
+            raw = {} if record is None else {n: v for n, v in record.raw.items() if n not in change.remove_plugins}
+            raw.update(change.plugins)
+            labels = change.labels if change.labels is not None else record.labels if record else {}
+            after = NodeRecord(node, version, labels, raw)
+            fleet.views.committed(after)
+        if fleet.directory.note(after, node):
+            fleet.views.relabelled(node, None if after is None else after.labels)
+
+    # -- placements over several nodes ---------------------------------------------------------
+
+    async def place(
+        self, plan: dict[str, int], ids: list[str], requests: Keyed, reservation: Reservation
+    ) -> list[Allocation]:
+        """Commit a plan node by node. Over several nodes an intent records the ids first: if this
+        worker dies half way, a reaper on any worker releases them (see `reap_intents`)."""
+        intent = uuid.uuid4().hex if len(plan) > 1 else None
+        if intent:
+            await self.store.begin_intent(intent, ids, time.time() + self.intent_timeout)
+        placed: list[Allocation] = []
+        start = 0
+        try:
+            for node in sorted(plan):
+                try:
+                    deployed = await self.deploys.deploy(
+                        node, ids[start:start + plan[node]], requests, settled=partial(reservation.settle, node)
+                    )
+                    placed += deployed.allocations
+                except BerthError as error:
+                    if error.code in ("insufficient_capacity", "insufficient_resource"):
+                        raise NodeFilledUp(node, error) from None
+                    raise
+                start += plan[node]
+            if intent and not await self.store.take_intent(intent):
+                # A reaper judged us dead and is releasing these ids: report failure, not a placement.
+                raise BerthError("allocate took too long and was rolled back; retry", code="busy")
+        except BaseException as error:
+            # Release every id of the plan, not only those known placed: a commit interrupted by a
+            # cancellation may have landed. An id that turned out to be someone else's stays.
+            taken = error.details.get("workload_id") if isinstance(error, BerthError) and error.code == "workload_exists" else None
+            await asyncio.shield(self._roll_back([i for i in ids if i != taken], intent))
+            raise
+        return placed
+
+    async def _roll_back(self, ids: list[str], intent: str | None) -> None:
+        released = await self.release(ids)
+        if released:
+            log.info("allocate failed after placing %d instances: rolled them back", len(released))
+        if intent:
+            await self.store.take_intent(intent)
+
+    async def recover(self, rounds: int, index_every: int = 12) -> None:
+        """Reap the allocations a dead worker left half done, and every `index_every` rounds index
+        what the ledgers hold that the workload index lost."""
+        await self.reap_intents()
+        if rounds % index_every == 0 and (repaired := await self.store.repair_index(await self.fleet.all_nodes())):
+            log.warning("indexed %d workloads the ledgers hold and the index had lost", repaired)
+
+    async def reap_intents(self) -> None:
+        """Release the instances of multi-node allocations whose worker died before finishing."""
+        for intent, ids in (await self.store.expired_intents(time.time())).items():
+            if await self.store.take_intent(intent):
+                log.warning("allocate %s never finished: releasing its %d instances", intent, len(ids))
+                await self.release(ids)
+
+    async def forget_runs(self, request_id: str, attempt: int, count: int) -> None:
+        """Release what earlier runs of this very request placed without answering (their worker
+        died, and this run took their claim over). Their ids derive from the request id and the
+        run, so they are ours; no caller ever saw them."""
+        earlier = [wid for run in range(attempt) for wid in workload_ids(count, None, request_id, run)]
+        if len(await self.store.locate(earlier)) < len(earlier):
+            # Not all were placed, or some lost their index entry with a Redis failover: look in the
+            # ledgers (a takeover is rare; this reads every node's ledger for these ids once).
+            await self.store.repair_index(await self.fleet.all_nodes(), earlier)
+        released = await self.release(earlier)
+        if released:
+            log.info("request %s: released %d instances an unanswered run had placed", request_id, len(released))
+
+
+class NodeFilledUp(Exception):
+    """A node planned for an allocate had no room left at its commit."""
+
+    def __init__(self, node: str, error: BerthError) -> None:
+        super().__init__(node)
+        self.node = node
+        self.error = error
+
+
+def workload_ids(count: int, given: list[str] | None, request_id: str, attempt: int = 0) -> list[str]:
+    """The caller's ids, else ids derived from the request id and its run (so a later run can find
+    what an unanswered one placed), else fresh ones."""
+    if given is not None:
+        if len(given) != count or len(set(given)) != count:
+            raise BerthError(
+                f"workload_ids: need {count} distinct ids, got {len(given)}", code="invalid_argument",
+                field="workload_ids",
+            )
+        return list(given)
+    if request_id:
+        run = f"{request_id}/{attempt}/" if attempt else f"{request_id}/"
+        return [str(uuid.uuid5(_WORKLOAD_NAMESPACE, f"{run}{i}")) for i in range(count)]
+    return [str(uuid.uuid4()) for _ in range(count)]
+

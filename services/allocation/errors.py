@@ -1,0 +1,43 @@
+"""The allocation service's domain errors, each built in one place (codes and details per DESIGN.md)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from bus.errors import BerthError
+
+if TYPE_CHECKING:
+    from services.allocation.view import Selection
+
+
+def node_not_found(node: str, plugin: str | None = None) -> BerthError:
+    where = f" in plugin {plugin}" if plugin else ""
+    return BerthError(
+        f"node {node} not found{where}", code="node_not_found", field="nodename",
+        details={"nodename": node, **({"plugin": plugin} if plugin else {})},
+    )
+
+
+def no_node_matches(nodes: Selection) -> BerthError:
+    return BerthError(
+        "no node matches the selection", code="node_not_found", field="labels", details={"labels": nodes.labels or {}}
+    )
+
+
+def workload_exists(workload_id: str) -> BerthError:
+    return BerthError(
+        f"workload {workload_id} is already allocated", code="workload_exists",
+        field="workload_ids", details={"workload_id": workload_id},
+    )
+
+
+def workload_not_found(workload_id: str) -> BerthError:
+    return BerthError(
+        f"workload {workload_id} not found", code="workload_not_found", field="workload_id",
+        details={"workload_id": workload_id},
+    )
+
+
+def node_busy(node: str) -> BerthError:
+    """A node changed under every one of our attempts to commit to it."""
+    return BerthError(f"node {node} is changing too fast; retry", code="busy", details={"nodename": node})

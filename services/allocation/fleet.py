@@ -1,0 +1,156 @@
+"""What one worker knows of the nodes: the directory (names, labels, versions), the standing capacity
+views, and the change events and version sweep that keep both fresh.
+
+Everything here is a hint: every change is still computed on a fresh record and committed with a
+version check (see committer.py), so a stale view costs a retry, never an over-commit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from typing import Awaitable, Callable
+
+from bus.codec import encode
+from bus.events import EventBus
+from services.allocation.directory import NodeDirectory, matches
+from services.allocation.errors import no_node_matches, node_not_found
+from services.allocation.plugin_set import Keyed, PluginSet
+from services.allocation.store import NodeRecord, NodeStore
+from services.allocation.view import CapacityView, Selection, Views
+
+log = logging.getLogger("berth.allocation")
+
+
+class Fleet:
+    def __init__(self, store: NodeStore, plugins: PluginSet) -> None:
+        self.store = store
+        self.plugins = plugins
+        self.views = Views()
+        self.directory = NodeDirectory(store)
+        self.watching = False
+
+    async def view(self, names: list[str], nodes: Selection, requests: Keyed) -> CapacityView:
+        """The standing capacity view for this request over these nodes, refreshed where it is stale."""
+        request_keys = tuple(encode(requests[name]) for name in names)
+        key = (tuple(names), request_keys, nodes.key)
+        view = self.views.get(key) if self.watching else None
+        if view is None:
+            compute = self.plugins.capacity_function(
+                names, requests, dict(zip(names, request_keys)), strict=not nodes.dynamic
+            )
+            view = CapacityView(await self.members(nodes), compute, selection=nodes if nodes.dynamic else None)
+            if self.watching:
+                self.views.put(key, view)
+        elif nodes.dynamic:
+            await self.follow_directory()
+        if not view.members:
+            raise no_node_matches(nodes)
+        if not view.ready:  # its first computation: every request needs it
+            async with view.lock:
+                await self._refresh(view, nodes)
+        elif view.stale and not view.lock.locked():
+            # Nodes other workers changed: read them again, but let no request wait for it (the
+            # view is a hint; every commit re-checks the node), or each would queue on the lock.
+            async with view.lock:
+                await self._refresh(view, nodes)
+        return view
+
+    async def _refresh(self, view: CapacityView, nodes: Selection) -> None:
+        """Read the view's stale nodes again and recompute them."""
+        if not view.stale:
+            return
+        todo = list(view.stale)
+        view.stale.clear()
+        records = await self.store.load_many(todo)
+        missing = [node for node, record in records.items() if record is None]
+        if missing and not nodes.dynamic:
+            view.stale.update(missing)  # look again next time; it may have been added by then
+            raise node_not_found(missing[0])
+        for node in missing:
+            view.leave(node)
+        found = [record for record in records.values() if record is not None]
+        view.update(found)
+        view.ready = True
+        if self.watching:
+            self.views.remember(found)
+
+    async def members(self, nodes: Selection) -> list[str]:
+        """The nodes of a selection as this worker knows them (a list is taken as given)."""
+        if not nodes.dynamic:
+            return nodes.names.names
+        await self.follow_directory()
+        return [n for n in self.directory.select(nodes.labels or {}) if nodes.admits(n, self.directory.labels[n])]
+
+    async def follow_directory(self) -> None:
+        """Read the nodes that events said were added, removed or relabelled, and move them in or
+        out of the label selections; without events to follow, read the whole directory now."""
+        if not self.watching:
+            await self.directory.load()
+            return
+        for node in await self.directory.refresh():
+            self.views.relabelled(node, self.directory.labels.get(node))
+
+    async def all_nodes(self) -> list[str]:
+        return sorted(self.directory.labels) if self.watching else await self.store.node_names()
+
+    async def page(
+        self, nodenames: list[str] | None, labels: dict[str, str], offset: int, limit: int
+    ) -> tuple[list[NodeRecord], int]:
+        """One page of the selected nodes in name order, and how many there are. Only the page's
+        records are read: the names come from the list, the directory (labels) or the index."""
+        if nodenames is not None:
+            listed = await self.store.load_many(sorted(set(nodenames)))
+            found = [r for r in listed.values() if r is not None and matches(r.labels, labels)]
+            return found[offset:offset + limit], len(found)
+        if labels:
+            await self.follow_directory()
+            names = self.directory.select(labels)
+        else:
+            names = await self.store.node_names()
+        page = await self.store.load_many(names[offset:offset + limit])
+        return [r for r in page.values() if r is not None and matches(r.labels, labels)], len(names)
+
+    # -- keeping views fresh -----------------------------------------------------------------------
+
+    async def watch(
+        self, events: EventBus | None, sweep_interval: float, chores: Callable[[int], Awaitable[None]]
+    ) -> None:
+        """Follow the change events of every worker so views recompute only the nodes that changed;
+        every `sweep_interval` run `chores(round)`, then compare versions with the store."""
+        if events is None or self.watching:
+            return
+        await self.directory.load()
+
+        async def changed(subject: str, event: dict) -> None:
+            _, node, kind = subject.rsplit(".", 2)
+            version = event.get("version") or 0
+            if not version or version > self.views.known_version(node):  # not our own, already shown
+                self.views.invalidate(node)
+            self.directory.changed(node, kind, version)
+
+        self._subscription = await events.subscribe("resource.*.*", cb=changed)
+        self._sweeper = asyncio.create_task(self._sweep(sweep_interval, chores))
+        self.watching = True
+
+    async def unwatch(self) -> None:
+        if self.watching:
+            self.watching = False
+            self._sweeper.cancel()
+            await self._subscription.unsubscribe()
+
+    async def _sweep(self, interval: float, chores: Callable[[int], Awaitable[None]]) -> None:
+        """Catch changes whose event was lost (a reconnect, a slow consumer) by comparing versions."""
+        for rounds in itertools.count(1):
+            await asyncio.sleep(interval)
+            try:
+                await chores(rounds)
+            except Exception:
+                log.exception("reaping unfinished allocations failed; trying again later")
+            try:
+                for node in await self.directory.sweep():
+                    self.views.invalidate(node)
+            except Exception:
+                log.exception("view sweep failed; making every view recompute")
+                self.views.invalidate_all()
