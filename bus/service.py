@@ -45,6 +45,7 @@ from bus.codec import decode, encode
 from bus.connection import subscriptions_in_place
 from bus.errors import BerthError
 from bus.idempotency import IdempotencyStore, Reply
+from bus.tasks import cancel_and_wait
 from bus.telemetry import EndpointMeter, error_code
 from schemas.common import ErrorBody, ErrorInfo
 
@@ -219,8 +220,7 @@ class Service:
             _, pending = await asyncio.wait(set(self._tasks), timeout=max(0.1, deadline - time.monotonic()))
             if pending:
                 log.error("%d requests still running after %.1f s; cancelling them", len(pending), timeout)
-                for task in pending:
-                    task.cancel()
+                await cancel_and_wait(*pending, timeout=max(0.1, deadline - time.monotonic()))
         await self._nc.flush(timeout=max(1, int(deadline - time.monotonic())))
         self._micro._stopped.set()
         self._micro = None
