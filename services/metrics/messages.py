@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from msgspec import UNSET, Meta, Struct, UnsetType, field
 
-from bus.subjects import escape_token
+from bus.subjects import DOTTED_NAME_REGEX, escape_token
 from services.metrics.metrics_list import SCOPES
 from services.metrics.provisioners import Ids
 from services.metrics.store import AGGREGATORS, KINDS, PodRef, entity_key
@@ -29,7 +29,7 @@ assert set(Scope.__args__) == set(SCOPES) and set(Kind.__args__) == set(KINDS)
 assert set(Aggregator.__args__) == set(AGGREGATORS)
 
 # Metric names become subject tokens (one per dot-separated part), so each part is a plain name.
-Metric = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$", max_length=255)]
+Metric = Annotated[str, Meta(pattern=DOTTED_NAME_REGEX, max_length=255)]
 Index = Annotated[int, Meta(ge=0, le=1_000_000)]
 Id = Annotated[str, Meta(min_length=1, max_length=4096)]
 NotifierKey = Annotated[str, Meta(pattern=r"^[0-9a-f]{32}$")]

@@ -23,7 +23,7 @@ from redis.asyncio import Redis
 
 from bus.idempotency import IdempotencyStore
 from bus.service import Service
-from bus.subjects import NAME_PATTERN
+from bus.subjects import NAME_CHARS, NAME_PATTERN
 from bus.tasks import cancel_and_wait
 from bus.telemetry import on_scrape
 from services.metrics.agent import Agent
@@ -115,7 +115,7 @@ def _report_crash(task: asyncio.Task) -> None:
 
 def default_node() -> str:
     """The host name's first label, with any character a subject token cannot hold made a '-'."""
-    return re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname().split(".")[0]) or "node"
+    return re.sub(f"[^{NAME_CHARS}]", "-", socket.gethostname().split(".")[0]) or "node"
 
 
 def _node(text: str) -> str:
