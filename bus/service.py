@@ -43,7 +43,7 @@ from redis import exceptions as redis_errors
 
 from bus.codec import decode, encode
 from bus.connection import subscriptions_in_place
-from bus.errors import BerthError
+from bus.errors import BerthError, Unavailable
 from bus.idempotency import IdempotencyStore, Reply
 from bus.tasks import cancel_and_wait
 from bus.telemetry import EndpointMeter, error_code
@@ -277,7 +277,7 @@ class Service:
             return error_reply(error)
         except STORE_UNREACHABLE as error:  # a Redis restart or failover: nothing to debug, retry
             log.warning("%s: the store is unreachable: %r", spec.subject, error)
-            return error_reply(BerthError(f"the store is unreachable ({type(error).__name__}); retry", code="unavailable"))
+            return error_reply(Unavailable(f"the store is unreachable ({type(error).__name__}); retry"))
         except Exception as error:
             log.error("%s: unexpected error\n%s", spec.subject, traceback.format_exc())
             return error_reply(BerthError(f"internal error: {type(error).__name__}: {error}", code="internal"))

@@ -8,8 +8,9 @@ import math
 import pytest
 
 from bus.errors import BerthError, InvalidArgument
+from services.metrics.errors import MetricExpired, MetricNotFound
 from services.metrics.provisioners import Sample
-from services.metrics.store import MetricData, MetricExpired, MetricNotFound, PodRef, Store
+from services.metrics.store import MetricData, PodRef, Store
 
 
 class Clock:

@@ -12,6 +12,7 @@ A service loop looks like:
             store.retain_cgroups(p.discovery.cgroups)
 """
 
+from services.metrics.errors import MetricExpired, MetricNotFound
 from services.metrics.metrics_list import METRICS, SCOPES, MetricInfo
 from services.metrics.provisioners import (
     PROVISIONERS,
@@ -25,7 +26,7 @@ from services.metrics.provisioners import (
     Roots,
     Sample,
 )
-from services.metrics.store import Entry, MetricData, MetricExpired, MetricNotFound, PodRef, Store
+from services.metrics.store import Entry, MetricData, PodRef, Store
 
 __all__ = [
     "METRICS",

@@ -20,7 +20,8 @@ from typing import Annotated, Any
 
 import msgspec
 
-from bus.errors import BerthError, InvalidArgument
+from bus.errors import InvalidArgument
+from services.metrics.errors import MetricExpired, MetricNotFound
 from services.metrics.metrics_list import INT_IDS, SCOPES
 from services.metrics.parsers import parse_cpulist
 from services.metrics.provisioners import Ids, Sample
@@ -66,20 +67,6 @@ class PodRef(msgspec.Struct, frozen=True):
 
     uid: Annotated[str, msgspec.Meta(min_length=1)]
     containers: list[Annotated[str, msgspec.Meta(min_length=1)]] = []
-
-
-class MetricNotFound(BerthError):
-    code = "metric_not_found"
-
-
-class MetricExpired(BerthError):
-    """The value exists but is older than the insurance period; it travels with the error."""
-
-    code = "metric_expired"
-
-    def __init__(self, message: str, data: MetricData, details: dict[str, Any]) -> None:
-        super().__init__(message, details={**details, "value": data.value, "time": data.time})
-        self.data = data
 
 
 class _Slot(msgspec.Struct, gc=False):
