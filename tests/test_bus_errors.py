@@ -14,7 +14,7 @@ from bus.errors import (
     status_of,
 )
 from services.metrics.errors import MetricExpired, MetricNotFound
-from services.metrics.store import MetricData
+from services.metrics.store import MetricValue
 
 # Every code DESIGN.md §2 lists, the services' other codes, and the bus's own, with §8's status.
 STATUSES = {
@@ -22,10 +22,10 @@ STATUSES = {
     "invalid_numa_cpu": 400, "invalid_numa_memory": 400, "invalid_volume": 400, "invalid_storage": 400,
     "node_not_found": 404, "plugin_not_found": 404, "resource_not_found": 404, "application_not_found": 404,
     "metric_not_found": 404, "workload_not_found": 404, "broker_not_found": 404, "notifier_not_found": 404,
-    "node_exists": 409, "workload_exists": 409, "resource_already_init": 409, "resource_already_released": 409,
-    "application_already_launched": 409, "node_not_empty": 409, "insufficient_capacity": 409,
-    "insufficient_resource": 409, "no_enough_resources": 409, "broker_not_enough_resources": 409,
-    "broker_param_not_fit": 409,
+    "node_exists": 409, "workload_exists": 409, "resource_already_init": 409,
+    "resource_already_released": 409, "application_already_launched": 409, "node_not_empty": 409,
+    "insufficient_capacity": 409, "insufficient_resource": 409, "no_enough_resources": 409,
+    "broker_not_enough_resources": 409, "broker_param_not_fit": 409,
     "resource_not_running": 412,
     "busy": 429,
     "manager_not_running": 503, "broker_cooling": 503, "unavailable": 503, "no_responders": 503,
@@ -57,6 +57,6 @@ def test_a_reply_keeps_the_status_its_header_said():
 
 def test_metrics_codes():
     assert (MetricNotFound("m").code, MetricNotFound("m").status) == ("metric_not_found", 404)
-    expired = MetricExpired("old", MetricData(1.0, 2.0), {"scope": "node"})
+    expired = MetricExpired("old", MetricValue(1.0, 2.0), {"scope": "node"})
     assert (expired.code, expired.status) == ("metric_expired", 412)
     assert expired.details == {"scope": "node", "value": 1.0, "time": 2.0}

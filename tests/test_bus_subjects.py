@@ -36,7 +36,8 @@ def test_every_service_uses_the_one_definition():
 
     assert allocation.NodeName is NodeName
     assert broker.Token is ShortName
-    assert model.TOKEN is NAME_PATTERN and runner.PREFIX_PATTERN is NAME_PATTERN and asyncapi.KEY is NAME_PATTERN
+    assert model.TOKEN is NAME_PATTERN and runner.PREFIX_PATTERN is NAME_PATTERN
+    assert asyncapi.KEY is NAME_PATTERN
 
 
 def test_metric_names_are_names_joined_by_dots():

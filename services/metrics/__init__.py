@@ -26,7 +26,7 @@ from services.metrics.provisioners import (
     Roots,
     Sample,
 )
-from services.metrics.store import Entry, MetricData, PodRef, Store
+from services.metrics.store import MetricValue, PodRef, Store, StoredMetric
 
 __all__ = [
     "METRICS",
@@ -35,12 +35,11 @@ __all__ = [
     "CgroupProvisioner",
     "CpuProvisioner",
     "DiskProvisioner",
-    "Entry",
     "MemoryProvisioner",
-    "MetricData",
     "MetricExpired",
     "MetricInfo",
     "MetricNotFound",
+    "MetricValue",
     "NetworkProvisioner",
     "PodRef",
     "PressureProvisioner",
@@ -48,4 +47,5 @@ __all__ = [
     "Roots",
     "Sample",
     "Store",
+    "StoredMetric",
 ]

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from bus.errors import BerthError
 
 if TYPE_CHECKING:
-    from services.metrics.store import MetricData
+    from services.metrics.store import MetricValue
 
 
 class MetricNotFound(BerthError):
@@ -26,6 +26,6 @@ class MetricExpired(BerthError):
     code = "metric_expired"
     http_status = 412  # a precondition (fresh enough data) failed, the value is there
 
-    def __init__(self, message: str, data: MetricData, details: dict[str, Any]) -> None:
+    def __init__(self, message: str, data: MetricValue, details: dict[str, Any]) -> None:
         super().__init__(message, details={**details, "value": data.value, "time": data.time})
         self.data = data

@@ -4,7 +4,9 @@ Every command answers on `<prefix>.metrics.<node>.<command>`. An entity is named
 scope needs (`SCOPES` in metrics_list: `pod_uid` and `container` for the container scope, ...);
 ids a scope does not need are ignored. Types are strict: msgspec rejects a string where a number
 belongs, a null, a negative id, an unknown scope, kind or aggregator, and names the field. Finite
-numbers (no NaN, no infinity) are checked by the store, which names the field too.
+numbers (no NaN, no infinity) are checked by the store, which names the field too. The store's
+own Structs travel as they are: `MetricValue` (the reply of `get`, `aggregate` and `put`) and
+`PodRef` (a pod in `aggregate`) are defined in store.py.
 """
 
 from __future__ import annotations
@@ -77,13 +79,6 @@ class MetricRef(EntityIds, kw_only=True):
 
 class Get(MetricRef, kw_only=True):
     """`get`: the latest value of a metric."""
-
-
-class MetricValue(Struct):
-    """A value and the unix time (seconds) of its sample."""
-
-    value: float
-    time: float
 
 
 class Aggregate(Struct, kw_only=True):
