@@ -205,7 +205,8 @@ class Service:
         return len(self._tasks)
 
     async def drain(self, timeout: float = 10.0) -> None:
-        """Stop taking requests, let queued and running ones finish (within `timeout`), flush replies."""
+        """Stop taking requests, let queued and running ones finish (within `timeout`; those still
+        running then are cancelled, see `bus.tasks`), flush replies."""
         if self._micro is None or self._nc is None:
             return
         deadline = time.monotonic() + timeout
