@@ -1,8 +1,13 @@
-"""Domain errors and their wire form (DESIGN.md §2 and §8).
+"""The error mechanism and its wire form (DESIGN.md §2 and §8).
 
 A handler raises a `BerthError` (or a subclass); the service runtime turns it into the
 `Nats-Service-Error-Code` / `Nats-Service-Error` headers and the `{"error": {...}}` body.
 The client turns such a reply back into a `BusError` carrying the same code.
+
+Here are the errors every service shares: `InvalidArgument`, the runtime's `Unavailable` and
+`internal`, and the client's `RequestTimeout` and `NoResponders`. Each service owns its own codes
+and defines them next to its code (`services/broker/errors.py`, `services/metrics/errors.py`; the
+allocation service raises `BerthError(code=...)` where it refuses); their statuses follow §8.
 
 This module imports nothing from nats so that pure calculation code can raise these errors.
 """
@@ -11,15 +16,17 @@ from __future__ import annotations
 
 from typing import Any
 
-# HTTP-like status per error code. Codes not listed fall back by their shape (see `status_of`).
+# The HTTP-like status of a code that its shape does not give (see `status_of`). Bus-level codes are
+# the runtime's and the client's own; the others are DESIGN.md §8's table, which every service
+# follows (a code a service owns keeps that status whichever service's runtime answers it).
 _STATUS: dict[str, int] = {
-    "invalid_argument": 400,
-    "node_not_found": 404,
-    "plugin_not_found": 404,
-    "resource_not_found": 404,
-    "application_not_found": 404,
-    "metric_not_found": 404,
-    "node_exists": 409,
+    # bus level
+    "busy": 429,  # a retry later may succeed (a claim or a version changed meanwhile)
+    "unavailable": 503,  # the store cannot be reached for a moment
+    "not_leader": 503,
+    "no_responders": 503,  # nobody listens on the subject (the client's own)
+    "timeout": 504,  # no reply in time (the client's own)
+    # DESIGN.md §8 "HTTP-like statuses", where the shape alone would say 500
     "node_not_empty": 409,
     "insufficient_capacity": 409,
     "insufficient_resource": 409,
@@ -27,19 +34,14 @@ _STATUS: dict[str, int] = {
     "broker_not_enough_resources": 409,
     "broker_param_not_fit": 409,
     "resource_not_running": 412,
-    "metric_expired": 412,
-    "busy": 429,
     "manager_not_running": 503,
-    "unavailable": 503,
     "broker_cooling": 503,
-    "not_leader": 503,
-    "timeout": 504,
-    "internal": 500,
 }
 
 
 def status_of(code: str) -> int:
-    """The HTTP-like status for an error code (DESIGN.md §8)."""
+    """The HTTP-like status for an error code (DESIGN.md §8): `_STATUS`, else by the code's shape
+    (`invalid_*` 400, `*_not_found` 404, `*_exists` and `*_already_*` 409), else 500 (`internal`)."""
     if code in _STATUS:
         return _STATUS[code]
     if code.startswith("invalid_"):
@@ -58,6 +60,9 @@ class BerthError(Exception):
     """
 
     code: str = "internal"
+    # The status of a code that neither `_STATUS` nor its shape gives: set by the error class of the
+    # service that owns the code (metrics' `metric_expired`), or from the reply's header (`BusError`).
+    http_status: int | None = None
 
     def __init__(
         self,
@@ -77,7 +82,7 @@ class BerthError(Exception):
 
     @property
     def status(self) -> int:
-        return status_of(self.code)
+        return status_of(self.code) if self.http_status is None else self.http_status
 
     @property
     def field(self) -> str | None:
@@ -96,12 +101,10 @@ class InvalidArgument(BerthError):
         super().__init__(f"{field}: {reason}", code=code, field=field, details=details)
 
 
-class NotFound(BerthError):
-    code = "not_found"
+class Unavailable(BerthError):
+    """Something the service needs (its store) cannot be reached for a moment: retry."""
 
-
-class Conflict(BerthError):
-    code = "conflict"
+    code = "unavailable"
 
 
 class BusError(BerthError):
@@ -109,11 +112,7 @@ class BusError(BerthError):
 
     def __init__(self, code: str, message: str, details: dict[str, Any] | None = None, status: int | None = None):
         super().__init__(message, code=code, details=details)
-        self._status = status if status is not None else status_of(code)
-
-    @property
-    def status(self) -> int:
-        return self._status
+        self.http_status = status
 
 
 class RequestTimeout(BusError):
@@ -127,4 +126,4 @@ class NoResponders(BusError):
     """Nobody listens on the subject (no worker of that service is running)."""
 
     def __init__(self, subject: str) -> None:
-        super().__init__("no_responders", f"no service answers on {subject}", {"subject": subject}, status=503)
+        super().__init__("no_responders", f"no service answers on {subject}", {"subject": subject})

@@ -43,8 +43,9 @@ from redis import exceptions as redis_errors
 
 from bus.codec import decode, encode
 from bus.connection import subscriptions_in_place
-from bus.errors import BerthError
+from bus.errors import BerthError, Unavailable
 from bus.idempotency import IdempotencyStore, Reply
+from bus.tasks import cancel_and_wait
 from bus.telemetry import EndpointMeter, error_code
 from schemas.common import ErrorBody, ErrorInfo
 
@@ -204,7 +205,8 @@ class Service:
         return len(self._tasks)
 
     async def drain(self, timeout: float = 10.0) -> None:
-        """Stop taking requests, let queued and running ones finish (within `timeout`), flush replies."""
+        """Stop taking requests, let queued and running ones finish (within `timeout`; those still
+        running then are cancelled, see `bus.tasks`), flush replies."""
         if self._micro is None or self._nc is None:
             return
         deadline = time.monotonic() + timeout
@@ -219,8 +221,7 @@ class Service:
             _, pending = await asyncio.wait(set(self._tasks), timeout=max(0.1, deadline - time.monotonic()))
             if pending:
                 log.error("%d requests still running after %.1f s; cancelling them", len(pending), timeout)
-                for task in pending:
-                    task.cancel()
+                await cancel_and_wait(*pending, timeout=max(0.1, deadline - time.monotonic()))
         await self._nc.flush(timeout=max(1, int(deadline - time.monotonic())))
         self._micro._stopped.set()
         self._micro = None
@@ -277,7 +278,7 @@ class Service:
             return error_reply(error)
         except STORE_UNREACHABLE as error:  # a Redis restart or failover: nothing to debug, retry
             log.warning("%s: the store is unreachable: %r", spec.subject, error)
-            return error_reply(BerthError(f"the store is unreachable ({type(error).__name__}); retry", code="unavailable"))
+            return error_reply(Unavailable(f"the store is unreachable ({type(error).__name__}); retry"))
         except Exception as error:
             log.error("%s: unexpected error\n%s", spec.subject, traceback.format_exc())
             return error_reply(BerthError(f"internal error: {type(error).__name__}: {error}", code="internal"))

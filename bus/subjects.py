@@ -1,15 +1,35 @@
-"""Putting ids into NATS subjects (DESIGN.md §8, "All services").
+"""Putting names and ids into NATS subjects (DESIGN.md §8, "All services").
 
-Names used as subject tokens (node names, users, broker names) must match `NAME_PATTERN`. Any other
-id (a cgroup path, a container id, a disk name) is escaped so that it is exactly one token: no `.`
-(the token separator), no wildcard, no whitespace.
+Names used as subject tokens (node names, users, broker names, the subject prefix) match
+`NAME_RULE`, `[A-Za-z0-9_-]+`: this module holds the one definition, as a compiled pattern
+(`NAME_PATTERN`) and as msgspec types with each name's length limit (`NodeName`, `ShortName`), so
+a request with another name is `invalid_argument` naming the field. Any other id (a cgroup path, a
+container id, a disk name) is escaped so that it is exactly one token: no `.` (the token separator),
+no wildcard, no whitespace.
 """
 
 from __future__ import annotations
 
 import re
+from typing import Annotated, Any
 
-NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-]+$")
+from msgspec import Meta
+
+NAME_CHARS = "A-Za-z0-9_-"  # a regex character class's inside: `[^{NAME_CHARS}]` is any other character
+NAME_RULE = f"[{NAME_CHARS}]+"  # as DESIGN.md §8 writes it (and error messages quote it)
+NAME_REGEX = f"^{NAME_RULE}$"
+NAME_PATTERN = re.compile(NAME_REGEX)
+# Names joined by `.`, each part one subject token (metric names: `cpu.usage.ratio.cpu`).
+DOTTED_NAME_REGEX = rf"^{NAME_RULE}(\.{NAME_RULE})*$"
+
+
+def _name(max_length: int) -> Any:
+    """A msgspec string type: a subject-token name of 1 to `max_length` characters."""
+    return Annotated[str, Meta(pattern=NAME_REGEX, min_length=1, max_length=max_length)]
+
+
+NodeName = _name(253)  # a node's name: at most a DNS host name's length
+ShortName = _name(128)  # the broker's users and broker names
 
 _ESCAPES = {"%": "%25", ".": "%2E", "*": "%2A", ">": "%3E"}
 

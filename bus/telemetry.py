@@ -39,6 +39,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from bus.tasks import cancel_and_wait
 from schemas.common import ErrorBody
 
 log = logging.getLogger("berth.telemetry")
@@ -232,10 +233,7 @@ class MetricsServer:
         if self._server is None:
             return
         self._server.close()
-        tasks = list(self._handlers) + [hook._running for hook in _HOOKS if hook._running is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(*self._handlers, *(hook._running for hook in _HOOKS))
         await self._server.wait_closed()
         self._server = None
 

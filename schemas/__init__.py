@@ -1,4 +1,5 @@
-"""msgspec Structs for every message; `python -m schemas` (or `berth schema`) writes JSON Schema."""
+"""The Structs every service shares (error body, event envelope) and the schema exports: `berth schema`
+(or `python -m schemas.export`) writes JSON Schema of every message, `--asyncapi` an AsyncAPI document."""
 
 from schemas.common import Empty, ErrorBody, ErrorInfo, Event
 

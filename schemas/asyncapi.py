@@ -35,6 +35,7 @@ from urllib.parse import urlsplit
 import msgspec
 from nats.micro.request import ERROR_CODE_HEADER, ERROR_HEADER
 
+from bus.subjects import NAME_CHARS, NAME_PATTERN
 from schemas.common import ErrorBody, Event
 
 ASYNCAPI_VERSION = "3.0.0"
@@ -43,8 +44,9 @@ DEFAULT_SERVERS = ("127.0.0.1:4222",)
 MICRO_QUEUE_GROUP = "q"  # the queue group nats.micro endpoints share (bus.service: not for broadcast)
 NATS_BINDING_VERSION = "0.1.0"
 SCHEMAS = "#/components/schemas/"
-# Keys of channels, operations, messages and components: what every AsyncAPI 3 tool accepts.
-KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+# Keys of channels, operations, messages and components: what every AsyncAPI 3 tool accepts, and
+# the names that subjects hold too (bus.subjects).
+KEY = NAME_PATTERN
 
 
 @dataclass
@@ -126,7 +128,7 @@ def server_host(url: str) -> str:
 
 def key(text: str) -> str:
     """A component or channel key from a subject: `{node}` and `.` become `_`."""
-    return re.sub(r"[^A-Za-z0-9_-]+", "_", text).strip("_")
+    return re.sub(f"[^{NAME_CHARS}]+", "_", text).strip("_")
 
 
 def _ref(*path: str) -> dict[str, str]:

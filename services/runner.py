@@ -18,7 +18,6 @@ import gc
 import importlib
 import logging
 import os
-import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
@@ -29,11 +28,10 @@ from redis.asyncio import Redis
 from bus.connection import connect
 from bus.events import EventBus
 from bus.redis import connect_redis, ready
+from bus.subjects import NAME_PATTERN as PREFIX_PATTERN
 from bus.telemetry import MetricsServer
 
 log = logging.getLogger("berth.runner")
-
-PREFIX_PATTERN = re.compile(r"^[A-Za-z0-9_-]+$")
 
 
 @dataclass

@@ -8,8 +8,9 @@ import math
 import pytest
 
 from bus.errors import BerthError, InvalidArgument
+from services.metrics.errors import MetricExpired, MetricNotFound
 from services.metrics.provisioners import Sample
-from services.metrics.store import MetricData, MetricExpired, MetricNotFound, PodRef, Store
+from services.metrics.store import MetricValue, PodRef, Store
 
 
 class Clock:
@@ -45,9 +46,9 @@ def error_of(call) -> BerthError:
 
 def test_get_returns_value_and_sample_time(store):
     write(store, "node", (), "mem.total.system", 42.0, time=123.5)
-    assert store.get("node", "mem.total.system") == MetricData(42.0, 123.5)
+    assert store.get("node", "mem.total.system") == MetricValue(42.0, 123.5)
     write(store, "node", (), "mem.total.system", 43.0, time=124.5)
-    assert store.get("node", "mem.total.system") == MetricData(43.0, 124.5)
+    assert store.get("node", "mem.total.system") == MetricValue(43.0, 124.5)
 
 
 def test_missing_node_metric_names_the_metric(store):
@@ -151,29 +152,29 @@ def test_expired_value_travels_with_the_error(clock):
     error = error_of(lambda: store.get("numa", "mem.free.numa", {"numa_id": 0}))
     assert isinstance(error, MetricExpired) and error.code == "metric_expired" and error.status == 412
     assert (error.details["value"], error.details["time"]) == (8.0, clock.now - 61)
-    assert error.data == MetricData(8.0, clock.now - 61)
+    assert error.data == MetricValue(8.0, clock.now - 61)
 
 
 def test_epoch_time_is_never_stale(clock):
     store = Store(insurance_seconds=60, clock=clock)
     write(store, "node", (), "m", 1.0, time=0.0)
-    assert store.get("node", "m") == MetricData(1.0, 0.0)
+    assert store.get("node", "m") == MetricValue(1.0, 0.0)
 
 
 def test_aggregates_are_not_checked_for_staleness(clock):
     store = Store(insurance_seconds=60, clock=clock)
     write(store, "cpu", (0,), "cpu.usage.ratio.cpu", 0.5, time=1.0)
-    assert store.aggregate("cores", "sum", "cpu.usage.ratio.cpu", cpuset="0") == MetricData(0.5, clock.now)
+    assert store.aggregate("cores", "sum", "cpu.usage.ratio.cpu", cpuset="0") == MetricValue(0.5, clock.now)
 
 
 # ------------------------------------------------------------------------------------ put
 
 
 def test_put_without_time_uses_now(store, clock):
-    assert store.put("node", "external.score", 3) == MetricData(3.0, clock.now)
-    assert store.get("node", "external.score") == MetricData(3.0, clock.now)
+    assert store.put("node", "external.score", 3) == MetricValue(3.0, clock.now)
+    assert store.get("node", "external.score") == MetricValue(3.0, clock.now)
     store.put("device", "io.custom", 1.5, {"device": "vda"}, time=12.0)
-    assert store.get("device", "io.custom", {"device": "vda"}) == MetricData(1.5, 12.0)
+    assert store.get("device", "io.custom", {"device": "vda"}) == MetricValue(1.5, 12.0)
 
 
 def test_put_with_ttl_expires(store, clock):
@@ -281,7 +282,7 @@ def test_cores_sum_and_avg_divide_by_cpus_with_data(store, clock):
     # katalyst's test: cpu0=1, cpu1=2, cpu2=1, cpu3 missing
     for cpu, value in ((0, 1.0), (1, 2.0), (2, 1.0)):
         write(store, "cpu", (cpu,), "cpu.usage.ratio.cpu", value)
-    assert store.aggregate("cores", "sum", "cpu.usage.ratio.cpu", cpuset="0-3") == MetricData(4.0, clock.now)
+    assert store.aggregate("cores", "sum", "cpu.usage.ratio.cpu", cpuset="0-3") == MetricValue(4.0, clock.now)
     assert store.aggregate("cores", "avg", "cpu.usage.ratio.cpu", cpuset="0-3").value == pytest.approx(4 / 3)
     assert store.aggregate("cores", "avg", "cpu.usage.ratio.cpu", cpuset=[2, 0, 0]).value == 1.0
 
@@ -321,8 +322,8 @@ def test_pods_numa_uses_container_numa_values(store):
 
 
 def test_no_data_gives_zero_at_now(store, clock):
-    assert store.aggregate("pods", "avg", "m", pods=[PodRef("nobody", ["c"])]) == MetricData(0.0, clock.now)
-    assert store.aggregate("cores", "sum", "m", cpuset="") == MetricData(0.0, clock.now)
+    assert store.aggregate("pods", "avg", "m", pods=[PodRef("nobody", ["c"])]) == MetricValue(0.0, clock.now)
+    assert store.aggregate("cores", "sum", "m", cpuset="") == MetricValue(0.0, clock.now)
 
 
 def test_aggregate_time_is_the_newest_sample_and_at_least_now(store, clock):

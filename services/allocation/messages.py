@@ -12,10 +12,10 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta, Struct
 
+from bus.subjects import NodeName
 from schemas.common import Event
 
 Raw = dict[str, Any]
-NodeName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]+$", min_length=1, max_length=253)]
 # The server decodes a long candidate list as its MessagePack bytes and decodes the names once
 # per distinct list (see services/allocation/view.py NodeSet): the *Wire subclasses below.
 NULL = msgspec.Raw(b"\xc0")

@@ -11,9 +11,9 @@ from typing import Annotated, Literal
 
 from msgspec import UNSET, Meta, Struct, UnsetType, field
 
+from bus.subjects import ShortName as Token
 from schemas.common import Event
 
-Token = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]+$", min_length=1, max_length=128)]
 # Any printable text: ids go into subjects escaped, and into launched processes' environment.
 ResourceId = Annotated[str, Meta(pattern=r"^[^\x00-\x1f\x7f]+$", min_length=1, max_length=256)]
 RequestId = Annotated[str, Meta(max_length=200)]

@@ -12,6 +12,7 @@ import time
 import msgspec
 
 from bus.errors import InvalidArgument
+from bus.subjects import NAME_PATTERN as TOKEN
 from services.broker import errors
 from services.broker.messages import (
     AddBroker,
@@ -117,7 +118,6 @@ class BrokerState(msgspec.Struct, kw_only=True):
 
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
 
 
 def check_param(param: ResourceParam) -> None:

@@ -12,6 +12,7 @@ A service loop looks like:
             store.retain_cgroups(p.discovery.cgroups)
 """
 
+from services.metrics.errors import MetricExpired, MetricNotFound
 from services.metrics.metrics_list import METRICS, SCOPES, MetricInfo
 from services.metrics.provisioners import (
     PROVISIONERS,
@@ -25,7 +26,7 @@ from services.metrics.provisioners import (
     Roots,
     Sample,
 )
-from services.metrics.store import Entry, MetricData, MetricExpired, MetricNotFound, PodRef, Store
+from services.metrics.store import MetricValue, PodRef, Store, StoredMetric
 
 __all__ = [
     "METRICS",
@@ -34,12 +35,11 @@ __all__ = [
     "CgroupProvisioner",
     "CpuProvisioner",
     "DiskProvisioner",
-    "Entry",
     "MemoryProvisioner",
-    "MetricData",
     "MetricExpired",
     "MetricInfo",
     "MetricNotFound",
+    "MetricValue",
     "NetworkProvisioner",
     "PodRef",
     "PressureProvisioner",
@@ -47,4 +47,5 @@ __all__ = [
     "Roots",
     "Sample",
     "Store",
+    "StoredMetric",
 ]

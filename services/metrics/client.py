@@ -32,11 +32,10 @@ from services.metrics.messages import (
     Lease,
     MetricEvent,
     MetricRef,
-    MetricValue,
     Synced,
     event_subject,
 )
-from services.metrics.store import PodRef
+from services.metrics.store import MetricValue, PodRef
 
 log = logging.getLogger("berth.metrics.client")
 

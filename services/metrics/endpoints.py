@@ -23,14 +23,13 @@ from services.metrics.messages import (
     Lease,
     ListMetrics,
     MetricEvent,
-    MetricValue,
     NotifierRequest,
     Put,
     RegisterNotifier,
     Synced,
 )
 from services.metrics.notifier import Notifier
-from services.metrics.store import MetricData, Store
+from services.metrics.store import MetricValue, Store
 
 
 def commands(node: str) -> list[Command]:
@@ -59,16 +58,12 @@ EVENTS = {EVENT_PATTERN: MetricEvent}
 STREAM = StreamSpec("metrics", ("metrics.>",), max_age=3600, max_bytes=256 << 20, max_msgs_per_subject=600)
 
 
-def _value(data: MetricData) -> MetricValue:
-    return MetricValue(data.value, data.time)
-
-
 def _given(value):
     """An optional field's value, None when it was left out."""
     return None if value is UNSET else value
 
 
-class Endpoints:
+class MetricsEndpoints:
     def __init__(self, store: Store, agent: Agent, notifier: Notifier, interval_seconds: float) -> None:
         self.store = store
         self.agent = agent
@@ -76,20 +71,19 @@ class Endpoints:
         self.interval_seconds = interval_seconds
 
     async def get(self, req: Get) -> MetricValue:
-        return _value(self.store.get(req.scope, req.metric, req.ids()))
+        return self.store.get(req.scope, req.metric, req.ids())
 
     async def aggregate(self, req: Aggregate) -> MetricValue:
-        data = self.store.aggregate(
+        return self.store.aggregate(
             req.kind, req.agg, req.metric, req.pods, _given(req.numa_id), _given(req.cpuset)
         )
-        return _value(data)
 
     async def put(self, req: Put) -> MetricValue:
-        data = self.store.put(
+        value = self.store.put(
             req.scope, req.metric, req.value, req.ids(), _given(req.time), _given(req.ttl_seconds)
         )
         self.notifier.wake()
-        return _value(data)
+        return value
 
     async def register_notifier(self, req: RegisterNotifier) -> Lease:
         return await self.notifier.register(req, _given(req.lease_seconds))

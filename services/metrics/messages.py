@@ -4,7 +4,9 @@ Every command answers on `<prefix>.metrics.<node>.<command>`. An entity is named
 scope needs (`SCOPES` in metrics_list: `pod_uid` and `container` for the container scope, ...);
 ids a scope does not need are ignored. Types are strict: msgspec rejects a string where a number
 belongs, a null, a negative id, an unknown scope, kind or aggregator, and names the field. Finite
-numbers (no NaN, no infinity) are checked by the store, which names the field too.
+numbers (no NaN, no infinity) are checked by the store, which names the field too. The store's
+own Structs travel as they are: `MetricValue` (the reply of `get`, `aggregate` and `put`) and
+`PodRef` (a pod in `aggregate`) are defined in store.py.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from msgspec import UNSET, Meta, Struct, UnsetType, field
 
-from bus.subjects import escape_token
+from bus.subjects import DOTTED_NAME_REGEX, escape_token
 from services.metrics.metrics_list import SCOPES
 from services.metrics.provisioners import Ids
 from services.metrics.store import AGGREGATORS, KINDS, PodRef, entity_key
@@ -29,7 +31,7 @@ assert set(Scope.__args__) == set(SCOPES) and set(Kind.__args__) == set(KINDS)
 assert set(Aggregator.__args__) == set(AGGREGATORS)
 
 # Metric names become subject tokens (one per dot-separated part), so each part is a plain name.
-Metric = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$", max_length=255)]
+Metric = Annotated[str, Meta(pattern=DOTTED_NAME_REGEX, max_length=255)]
 Index = Annotated[int, Meta(ge=0, le=1_000_000)]
 Id = Annotated[str, Meta(min_length=1, max_length=4096)]
 NotifierKey = Annotated[str, Meta(pattern=r"^[0-9a-f]{32}$")]
@@ -77,13 +79,6 @@ class MetricRef(EntityIds, kw_only=True):
 
 class Get(MetricRef, kw_only=True):
     """`get`: the latest value of a metric."""
-
-
-class MetricValue(Struct):
-    """A value and the unix time (seconds) of its sample."""
-
-    value: float
-    time: float
 
 
 class Aggregate(Struct, kw_only=True):

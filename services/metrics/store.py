@@ -20,7 +20,8 @@ from typing import Annotated, Any
 
 import msgspec
 
-from bus.errors import BerthError, InvalidArgument
+from bus.errors import InvalidArgument
+from services.metrics.errors import MetricExpired, MetricNotFound
 from services.metrics.metrics_list import INT_IDS, SCOPES
 from services.metrics.parsers import parse_cpulist
 from services.metrics.provisioners import Ids, Sample
@@ -46,13 +47,15 @@ _ENTITY_NAMES = {
 _POD_SCOPES = ("container", "container-numa", "pod-volume")
 
 
-class MetricData(msgspec.Struct, frozen=True):
+class MetricValue(msgspec.Struct, frozen=True):
+    """A value and the unix time (seconds) of its sample."""
+
     value: float
-    time: float  # unix seconds of the sample
+    time: float
 
 
-class Entry(msgspec.Struct):
-    """One stored value, as `list` returns it."""
+class StoredMetric(msgspec.Struct):
+    """One stored value, as `list` returns it (the `list` reply flattens `ids` into each entry)."""
 
     scope: str
     metric: str
@@ -66,20 +69,6 @@ class PodRef(msgspec.Struct, frozen=True):
 
     uid: Annotated[str, msgspec.Meta(min_length=1)]
     containers: list[Annotated[str, msgspec.Meta(min_length=1)]] = []
-
-
-class MetricNotFound(BerthError):
-    code = "metric_not_found"
-
-
-class MetricExpired(BerthError):
-    """The value exists but is older than the insurance period; it travels with the error."""
-
-    code = "metric_expired"
-
-    def __init__(self, message: str, data: MetricData, details: dict[str, Any]) -> None:
-        super().__init__(message, details={**details, "value": data.value, "time": data.time})
-        self.data = data
 
 
 class _Slot(msgspec.Struct, gc=False):
@@ -155,7 +144,7 @@ class Store:
         ids: Mapping[str, Any] | None = None,
         time: float | None = None,
         ttl_seconds: float | None = None,
-    ) -> MetricData:
+    ) -> MetricValue:
         """Store an external metric. Without `time` the sample time is now; with `ttl_seconds`
         the value disappears that long after the put."""
         key = entity_key(scope, ids)
@@ -172,11 +161,11 @@ class Store:
             self._scopes[scope].setdefault(key, {})[metric] = _Slot(
                 value, sample_time, expires, external=True
             )
-        return MetricData(value, sample_time)
+        return MetricValue(value, sample_time)
 
     # ------------------------------------------------------------------------------- reads
 
-    def get(self, scope: str, metric: str, ids: Mapping[str, Any] | None = None) -> MetricData:
+    def get(self, scope: str, metric: str, ids: Mapping[str, Any] | None = None) -> MetricValue:
         """The latest value, or `metric_not_found` saying whether the entity or the metric is
         missing, or `metric_expired` (carrying the value) when it is older than the insurance."""
         key = entity_key(scope, ids)
@@ -187,7 +176,7 @@ class Store:
             slot = self._live_slot(entities, key, metric, now)
             if slot is None:
                 raise self._not_found(entities, scope, key, metric)
-        data = MetricData(slot.value, slot.time)
+        data = MetricValue(slot.value, slot.time)
         # A zero (epoch) time means "no time": never stale, as in katalyst.
         if self.insurance_seconds and 0 < data.time < now - self.insurance_seconds:
             details = {"scope": scope, "metric": metric, **ids_dict(scope, key)}
@@ -196,14 +185,14 @@ class Store:
             )
         return data
 
-    def latest(self, scope: str, key: Ids, metric: str) -> MetricData | None:
+    def latest(self, scope: str, key: Ids, metric: str) -> MetricValue | None:
         """The stored value or None, for an already validated entity key and without the staleness
         check: the notifier's look-up, made for every registration after every round."""
         with self._lock:
             slot = self._live_slot(self._scopes[scope], key, metric, self._clock())
-        return None if slot is None else MetricData(slot.value, slot.time)
+        return None if slot is None else MetricValue(slot.value, slot.time)
 
-    def list(self, scope: str | None = None) -> list[Entry]:
+    def list(self, scope: str | None = None) -> list[StoredMetric]:
         """Every stored value (of one scope, if given), ordered by scope, ids and metric."""
         if scope is not None and scope not in SCOPES:
             raise InvalidArgument("scope", f"unknown scope {scope!r}; one of {', '.join(SCOPES)}")
@@ -216,7 +205,8 @@ class Store:
                     for metric in sorted(entities[key]):
                         slot = self._live_slot(entities, key, metric, now)
                         if slot is not None:
-                            entries.append(Entry(name, metric, ids_dict(name, key), slot.value, slot.time))
+                            ids = ids_dict(name, key)
+                            entries.append(StoredMetric(name, metric, ids, slot.value, slot.time))
         return entries
 
     def aggregate(
@@ -227,7 +217,7 @@ class Store:
         pods: Sequence[PodRef] = (),
         numa_id: int | None = None,
         cpuset: str | Sequence[int] | None = None,
-    ) -> MetricData:
+    ) -> MetricValue:
         """Sum or average a metric over pods' containers (`pods`), their containers on one NUMA
         node (`pods-numa`), or the CPUs of a cpuset (`cores`).
 
@@ -261,7 +251,7 @@ class Store:
                     newest = max(newest, *(s.time for s in found))
         if agg == "avg":
             total = total / len(counted) if counted else 0.0
-        return MetricData(total, newest)
+        return MetricValue(total, newest)
 
     # ---------------------------------------------------------------------------- clean-up
 

@@ -23,11 +23,11 @@ from redis.asyncio import Redis
 
 from bus.idempotency import IdempotencyStore
 from bus.service import Service
-from bus.subjects import NAME_PATTERN
+from bus.subjects import NAME_CHARS, NAME_PATTERN
 from bus.tasks import cancel_and_wait
 from bus.telemetry import on_scrape
 from services.metrics.agent import Agent
-from services.metrics.endpoints import COMMANDS, EVENTS, STREAM, Endpoints, commands
+from services.metrics.endpoints import COMMANDS, EVENTS, STREAM, MetricsEndpoints, commands
 from services.metrics.notifier import Notifier, Publishing, Registrations
 from services.metrics.provisioners import PROVISIONERS, CgroupProvisioner, Provisioner
 from services.metrics.store import Store
@@ -89,7 +89,9 @@ class MetricsWorker:
             idempotency=IdempotencyStore(redis, prefix=prefix), metadata={"node": node},
             description="node, NUMA, CPU, device, NIC, container and cgroup metrics; reads and change events",
         )
-        self.service.bind(commands(node), Endpoints(self.store, self.agent, self.notifier, options.interval))
+        self.service.bind(
+            commands(node), MetricsEndpoints(self.store, self.agent, self.notifier, options.interval)
+        )
         self._tasks: list[asyncio.Task] = []
 
     def start(self) -> None:
@@ -115,7 +117,7 @@ def _report_crash(task: asyncio.Task) -> None:
 
 def default_node() -> str:
     """The host name's first label, with any character a subject token cannot hold made a '-'."""
-    return re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname().split(".")[0]) or "node"
+    return re.sub(f"[^{NAME_CHARS}]", "-", socket.gethostname().split(".")[0]) or "node"
 
 
 def _node(text: str) -> str:

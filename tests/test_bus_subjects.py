@@ -1,0 +1,56 @@
+"""`bus.subjects`: the one definition of a name that is a subject token (DESIGN.md §8), and escaping."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from bus.subjects import NAME_PATTERN, NodeName, ShortName, escape_token
+
+
+@pytest.mark.parametrize("name", ["n1", "node-1", "a_B-9", "-", "_"])
+def test_a_name_is_letters_digits_underscore_and_dash(name):
+    assert NAME_PATTERN.match(name)
+
+
+@pytest.mark.parametrize("name", ["", "a.b", "a b", "a*", "a>", "é", "a/b", "a%2E"])
+def test_anything_else_is_not_a_name(name):
+    assert not NAME_PATTERN.match(name)
+
+
+@pytest.mark.parametrize(("kind", "longest"), [(NodeName, 253), (ShortName, 128)])
+def test_name_types_keep_their_length_limits(kind, longest):
+    decode = msgspec.msgpack.Decoder(kind).decode
+    assert decode(msgspec.msgpack.encode("n" * longest)) == "n" * longest
+    for bad in ("n" * (longest + 1), "", "a.b"):
+        with pytest.raises(msgspec.ValidationError):
+            decode(msgspec.msgpack.encode(bad))
+
+
+def test_every_service_uses_the_one_definition():
+    from schemas import asyncapi
+    from services import runner
+    from services.allocation import messages as allocation
+    from services.broker import messages as broker
+    from services.broker import model
+
+    assert allocation.NodeName is NodeName
+    assert broker.Token is ShortName
+    assert model.TOKEN is NAME_PATTERN and runner.PREFIX_PATTERN is NAME_PATTERN
+    assert asyncapi.KEY is NAME_PATTERN
+
+
+def test_metric_names_are_names_joined_by_dots():
+    from services.metrics.messages import Metric
+
+    decode = msgspec.msgpack.Decoder(Metric).decode
+    assert decode(msgspec.msgpack.encode("cpu.usage.ratio.cpu")) == "cpu.usage.ratio.cpu"
+    for bad in ("", "cpu..usage", ".cpu", "cpu.", "cpu.*", "cpu usage"):
+        with pytest.raises(msgspec.ValidationError):
+            decode(msgspec.msgpack.encode(bad))
+
+
+def test_escaped_ids_are_one_token():
+    assert escape_token("/kubepods/pod1.slice") == "/kubepods/pod1%2Eslice"
+    assert escape_token("a*b>c%d e\tf") == "a%2Ab%3Ec%25d%20e%09f"
+    assert escape_token("plain-id_1") == "plain-id_1"
