@@ -17,10 +17,13 @@ from msgspec import Meta
 
 NAME_CHARS = "A-Za-z0-9_-"  # a regex character class's inside: `[^{NAME_CHARS}]` is any other character
 NAME_RULE = f"[{NAME_CHARS}]+"  # as DESIGN.md §8 writes it (and error messages quote it)
-NAME_REGEX = f"^{NAME_RULE}$"
+# `$(?!\n)`: Python's `$` also matches before a final newline, so `"n1\n"` would pass `^...$`; the
+# look-ahead refuses it, and reads the same in JSON Schema (ECMA regexes), where `\Z` does not exist.
+END = r"$(?!\n)"
+NAME_REGEX = f"^{NAME_RULE}{END}"
 NAME_PATTERN = re.compile(NAME_REGEX)
 # Names joined by `.`, each part one subject token (metric names: `cpu.usage.ratio.cpu`).
-DOTTED_NAME_REGEX = rf"^{NAME_RULE}(\.{NAME_RULE})*$"
+DOTTED_NAME_REGEX = rf"^{NAME_RULE}(\.{NAME_RULE})*{END}"
 
 
 def _name(max_length: int) -> Any:

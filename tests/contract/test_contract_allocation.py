@@ -296,7 +296,7 @@ async def test_one_endpoint_per_command_and_srv_info_lists_every_subject(wire, n
     assert info["name"] == f"{namespace}-allocation"  # `berth-allocation` under the default prefix
 
 
-BAD_NAMES = ["a.b", "a*", "a>", "a b", "a\tb", "a%b", "", "ü"]
+BAD_NAMES = ["a.b", "a*", "a>", "a b", "a\tb", "a%b", "", "ü", "a\n"]
 
 
 def _named(command: str, plugin: str | None) -> Callable[[str], dict]:

@@ -178,7 +178,7 @@ async def test_default_prefix_names_the_services_berth(services, nats_url, redis
 
 BAD_NAMES = {
     "dot": "a.b", "space": "a b", "star": "a*", "gt": ">", "empty": "", "accent": "é", "percent": "a%b",
-    "slash": "a/b", "tab": "a\tb",
+    "slash": "a/b", "tab": "a\tb", "trailing-newline": "a\n",
 }  # fmt: skip
 
 
