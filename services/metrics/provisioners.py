@@ -779,3 +779,4 @@ PROVISIONERS: tuple[type[Provisioner], ...] = (
     NetworkProvisioner,
     CgroupProvisioner,
 )
+PROVISIONER_NAMES = tuple(p.name for p in PROVISIONERS)
