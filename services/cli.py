@@ -125,8 +125,8 @@ def cmd_schema(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="berth", description="berth: allocation, broker and metrics over NATS")
-    sub = p.add_subparsers(dest="command", required=True)
+    berth = argparse.ArgumentParser(prog="berth", description="berth: allocation, broker and metrics over NATS")
+    sub = berth.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="start embedded nats-server and redis-server and every service")
     add_server_flags(up)
@@ -167,16 +167,16 @@ def parser() -> argparse.ArgumentParser:
     schema.add_argument("--server", action="append", metavar="URL",
                         help="with --asyncapi: a NATS server to list (repeatable; default 127.0.0.1:4222)")
     schema.set_defaults(run=cmd_schema)
-    return p
+    return berth
 
 
 def main(argv: list[str] | None = None) -> None:
     """For `worker`, options berth does not know are passed on to the service processes."""
     configure_logging(log_level())
-    p = parser()
-    args, extra = p.parse_known_args(sys.argv[1:] if argv is None else argv)
+    berth = parser()
+    args, extra = berth.parse_known_args(sys.argv[1:] if argv is None else argv)
     if extra and args.command != "worker":
-        p.error(f"unrecognized arguments: {' '.join(extra)}")
+        berth.error(f"unrecognized arguments: {' '.join(extra)}")
     sys.exit(args.run(args, extra))
 
 

@@ -33,8 +33,11 @@ from services.settings import CommonConfig, ServiceConfig, parse_worker
 
 log = logging.getLogger("berth.runner")
 
+
 @dataclass
 class WorkerContext:
+    """What `build(ctx)` gets: its frozen configs, the connections, and clean-ups to run at the end."""
+
     common: CommonConfig
     config: ServiceConfig | None
     nc: Client

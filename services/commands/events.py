@@ -67,7 +67,7 @@ def parse_since(text: str, now: datetime | None = None) -> datetime:
     if re.fullmatch(r"\d+(?:\.\d+)?", text):
         return now - timedelta(seconds=float(text))
     if text and _DURATION.sub("", text) == "":
-        seconds = sum(float(n) * _UNITS[unit] for n, unit in _DURATION.findall(text))
+        seconds = sum(float(amount) * _UNITS[unit] for amount, unit in _DURATION.findall(text))
         return now - timedelta(seconds=seconds)
     try:
         moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
@@ -81,9 +81,9 @@ def parse_since(text: str, now: datetime | None = None) -> datetime:
 def check_pattern(pattern: str) -> str:
     tokens = pattern.split(".")
     if (
-        any(not t or any(c.isspace() for c in t) for t in tokens)
+        any(not token or any(char.isspace() for char in token) for token in tokens)
         or ">" in tokens[:-1]
-        or any(t != ">" and ">" in t or t != "*" and "*" in t for t in tokens)
+        or any(token != ">" and ">" in token or token != "*" and "*" in token for token in tokens)
     ):
         raise CommandError(
             f"pattern {pattern!r} is not a NATS subject pattern (tokens, * and a final >)", EXIT_USAGE

@@ -38,7 +38,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def parse_labels(values: list[str]) -> dict[str, str]:
     labels = {}
     for value in values:
-        for pair in filter(None, (p.strip() for p in value.split(","))):
+        for pair in filter(None, (part.strip() for part in value.split(","))):
             key, sep, label = pair.partition("=")
             if not sep or not key:
                 raise CommandError(f"--labels {pair!r}: give key=value", EXIT_USAGE)
@@ -64,10 +64,12 @@ def node_row(node: dict[str, Any]) -> dict[str, Any]:
     products = (capacity.get("gpu") or {}).get("prod_count_map")
     if isinstance(products, dict):
         used = (usage.get("gpu") or {}).get("prod_count_map") or {}
-        per_product = {p: {"used": used.get(p, 0), "total": n} for p, n in sorted(products.items())}
+        per_product = {
+            product: {"used": used.get(product, 0), "total": count} for product, count in sorted(products.items())
+        }
         gpu = {
-            "used": sum(v["used"] for v in per_product.values()),
-            "total": sum(v["total"] for v in per_product.values()),
+            "used": sum(figures["used"] for figures in per_product.values()),
+            "total": sum(figures["total"] for figures in per_product.values()),
             "products": per_product,
         }
     return {
@@ -101,7 +103,7 @@ def format_nodes(rows: list[dict[str, Any]], total: int) -> str:
     table = [
         (
             row["nodename"],
-            ",".join(f"{k}={v}" for k, v in sorted(row["labels"].items())) or "-",
+            ",".join(f"{key}={label}" for key, label in sorted(row["labels"].items())) or "-",
             used_total(row["cpu"], _amount),
             used_total(row["memory"], human_bytes),
             used_total(row["storage"], human_bytes),

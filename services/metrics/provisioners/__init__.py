@@ -45,7 +45,7 @@ PROVISIONERS: tuple[type[Provisioner], ...] = (
     NetworkProvisioner,
     CgroupProvisioner,
 )
-PROVISIONER_NAMES = tuple(p.name for p in PROVISIONERS)
+PROVISIONER_NAMES = tuple(provisioner.name for provisioner in PROVISIONERS)
 
 __all__ = [
     "DISK_HDD", "DISK_NVME", "DISK_SSD", "DISK_UNKNOWN", "DISK_VIRTIO", "HOST", "PROVISIONERS", "PROVISIONER_NAMES",

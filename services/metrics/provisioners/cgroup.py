@@ -137,8 +137,8 @@ class CgroupReader:
         text = read_text(f"{self.layout.v1['cpuacct']}{path}/cpuacct.usage_all")
         if text is not None:
             per_cpu = parse_cpuacct_usage_all(text)
-            user = sum(u for u, _ in per_cpu.values())
-            system = sum(s for _, s in per_cpu.values())
+            user = sum(cpu_user for cpu_user, _ in per_cpu.values())
+            system = sum(cpu_system for _, cpu_system in per_cpu.values())
             stats.counters["cpu.usage.container"] = (user + system) / 1e9
             stats.counters["cpu.usage.user.container"] = user / 1e9
             stats.counters["cpu.usage.sys.container"] = system / 1e9
@@ -241,8 +241,8 @@ class CgroupReader:
             if text is None:
                 continue
             devices = parse_blkio(text).values()
-            stats.counters[f"blkio.read.{kind}.container"] = sum(d.get("Read", 0) for d in devices)
-            stats.counters[f"blkio.write.{kind}.container"] = sum(d.get("Write", 0) for d in devices)
+            stats.counters[f"blkio.read.{kind}.container"] = sum(device.get("Read", 0) for device in devices)
+            stats.counters[f"blkio.write.{kind}.container"] = sum(device.get("Write", 0) for device in devices)
 
     def _io_v2(self, stats: CgroupStats, directory: str) -> None:
         text = read_text(f"{directory}/io.stat")
@@ -255,7 +255,7 @@ class CgroupReader:
             ("blkio.read.iops.container", "rios"),
             ("blkio.write.iops.container", "wios"),
         ):
-            stats.counters[metric] = sum(d.get(key, 0) for d in devices)
+            stats.counters[metric] = sum(device.get(key, 0) for device in devices)
 
 
 def _cpu_limits(stats: CgroupStats, quota_us: int, period_us: int) -> None:
@@ -279,7 +279,7 @@ def _throttling(stats: CgroupStats, cpu_stat: dict[str, int], throttled_us: floa
 
 # Scope -> (container-scope name -> the metric's name in that scope). Looking a name up here also
 # guarantees the cgroup provisioner only writes metrics that metrics_list lists.
-_CONTAINER_METRICS = [m.name for m in METRICS if m.scope in ("container", "container-numa")]
+_CONTAINER_METRICS = [metric.name for metric in METRICS if metric.scope in ("container", "container-numa")]
 _SCOPE_NAMES = {
     "container": {name: name for name in _CONTAINER_METRICS},
     "cgroup": {name: cgroup_name(name) for name in _CONTAINER_METRICS},

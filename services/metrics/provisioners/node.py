@@ -79,10 +79,10 @@ class CpuProvisioner(Provisioner):
             have = [ratios[cpu] for cpu in cpus if cpu in ratios]
             if not have:
                 continue
-            usage = sum(r.usage for r in have)
+            usage = sum(ratio.usage for ratio in have)
             batch.add("numa", (node,), "cpu.usage.numa", usage)
             batch.add("numa", (node,), "cpu.usage.numa.avg", usage / len(have))
-            batch.add("numa", (node,), "cpu.iowait.ratio.numa.avg", sum(r.iowait for r in have) / len(have))
+            batch.add("numa", (node,), "cpu.iowait.ratio.numa.avg", sum(ratio.iowait for ratio in have) / len(have))
 
 
 # ------------------------------------------------------------------------------------- memory
