@@ -383,7 +383,8 @@ def add_client_flags(parser: argparse.ArgumentParser, env: Env | None = None) ->
     parser.add_argument("--nats", default=env.get("NATS_URL"),
                         help="NATS URL(s), comma-separated; nats://user:password@host:port works (env NATS_URL)")
     parser.add_argument("--nats-creds", default=env.get("BERTH_NATS_CREDS"), metavar="FILE",
-                        help="user=... and password=... lines, as .berth/credentials/client.nats (env BERTH_NATS_CREDS)")
+                        help="user=... and password=... lines, as .berth/credentials/client.nats "
+                        "(env BERTH_NATS_CREDS)")
     parser.add_argument("--prefix", default=env.get("BERTH_PREFIX", "berth"),
                         help="subject prefix (env BERTH_PREFIX, default berth)")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log to standard error (-vv: debug)")

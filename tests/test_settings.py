@@ -30,12 +30,25 @@ from services.settings import (
 def test_common_defaults_without_flags_or_environment():
     common, config = parse_worker("allocation", [], env={})
     assert common == CommonConfig()
-    assert (common.prefix, common.concurrency, common.metrics_port, common.metrics_refresh) == ("berth", 64, None, 10.0)
+    assert (common.prefix, common.concurrency, common.metrics_port, common.metrics_refresh) == (
+        "berth",
+        64,
+        None,
+        10.0,
+    )
     assert config == AllocationConfig()
 
 
 COMMON = [  # (flag, value, variable, its value, field, expected from the variable, expected from the flag)
-    ("--nats", "nats://flag:4222", "NATS_URL", "nats://env:4222", "nats", "nats://env:4222", "nats://flag:4222"),
+    (
+        "--nats",
+        "nats://flag:4222",
+        "NATS_URL",
+        "nats://env:4222",
+        "nats",
+        "nats://env:4222",
+        "nats://flag:4222",
+    ),
     ("--nats-user", "fu", "NATS_USER", "eu", "nats_user", "eu", "fu"),
     ("--nats-password", "fp", "NATS_PASSWORD", "ep", "nats_password", "ep", "fp"),
     ("--nats-creds", "/f.nats", "BERTH_NATS_CREDS", "/e.nats", "nats_creds", "/e.nats", "/f.nats"),
@@ -44,7 +57,15 @@ COMMON = [  # (flag, value, variable, its value, field, expected from the variab
     ("--prefix", "fromflag", "BERTH_PREFIX", "fromenv", "prefix", "fromenv", "fromflag"),
     ("--concurrency", "8", "BERTH_CONCURRENCY", "16", "concurrency", 16, 8),
     ("--metrics-port", "9100", "BERTH_METRICS_PORT", "0", "metrics_port", 0, 9100),
-    ("--metrics-addr", "127.0.0.2", "BERTH_METRICS_ADDR", "127.0.0.3", "metrics_addr", "127.0.0.3", "127.0.0.2"),
+    (
+        "--metrics-addr",
+        "127.0.0.2",
+        "BERTH_METRICS_ADDR",
+        "127.0.0.3",
+        "metrics_addr",
+        "127.0.0.3",
+        "127.0.0.2",
+    ),
     ("--metrics-refresh", "2.5", "BERTH_METRICS_REFRESH", "7", "metrics_refresh", 7.0, 2.5),
 ]
 
@@ -69,7 +90,12 @@ def test_common_flags_without_variable_and_the_log_level():
 
 
 def test_metrics_port_off_values_and_a_bad_port():
-    assert parse_worker("allocation", ["--metrics-port", "off"], env={"BERTH_METRICS_PORT": "9100"})[0].metrics_port is None
+    assert (
+        parse_worker("allocation", ["--metrics-port", "off"], env={"BERTH_METRICS_PORT": "9100"})[
+            0
+        ].metrics_port
+        is None
+    )
     assert parse_worker("allocation", [], env={"BERTH_METRICS_PORT": ""})[0].metrics_port is None
     with pytest.raises(SystemExit):
         parse_worker("allocation", ["--metrics-port", "70000"], env={})
@@ -107,16 +133,37 @@ def test_broker_precedence_and_its_own_flags():
     }
     _, config = parse_worker("broker", [], env=env)
     assert (config.operator, config.max_instances, config.namespace, config.instance_types) == (
-        "allocation", 5, "ns-env", '[{"platform": "p"}]'
+        "allocation",
+        5,
+        "ns-env",
+        '[{"platform": "p"}]',
     )
     _, config = parse_worker(
         "broker",
-        ["--operator", "process", "--max-instances", "6", "--namespace", "ns-flag", "--instance-types", "[]",
-         "--mem-per-instance", "512M", "--no-bind-cpus", "--placement", "pack", "--pool-interval", "0.25"],
+        [
+            "--operator",
+            "process",
+            "--max-instances",
+            "6",
+            "--namespace",
+            "ns-flag",
+            "--instance-types",
+            "[]",
+            "--mem-per-instance",
+            "512M",
+            "--no-bind-cpus",
+            "--placement",
+            "pack",
+            "--pool-interval",
+            "0.25",
+        ],
         env=env,
     )
     assert (config.operator, config.max_instances, config.namespace, config.instance_types) == (
-        "process", 6, "ns-flag", "[]"
+        "process",
+        6,
+        "ns-flag",
+        "[]",
     )
     assert (config.mem_per_instance, config.bind_cpus, config.placement) == (512 << 20, False, "pack")
     assert config.timing == dataclasses.replace(Timing(), pool_interval=0.25)
@@ -127,18 +174,38 @@ def test_metrics_precedence_and_validation():
     assert (config.node, config.interval) == ("env-node", 3.0)
     _, config = parse_worker(
         "metrics",
-        ["--node", "flag-node", "--interval", "2", "--provisioner-interval", "cpu=4", "--cgroup-path", "/a",
-         "--insurance-seconds", "60", "--notifier-lease", "10"],
+        [
+            "--node",
+            "flag-node",
+            "--interval",
+            "2",
+            "--provisioner-interval",
+            "cpu=4",
+            "--cgroup-path",
+            "/a",
+            "--insurance-seconds",
+            "60",
+            "--notifier-lease",
+            "10",
+        ],
         env={"BERTH_NODE": "env-node", "BERTH_METRICS_INTERVAL": "3"},
     )
     assert config == MetricsConfig(
-        node="flag-node", interval=2.0, provisioner_intervals={"cpu": 4.0}, cgroup_paths=["/a"],
-        insurance_seconds=60.0, notifier_lease=10.0,
+        node="flag-node",
+        interval=2.0,
+        provisioner_intervals={"cpu": 4.0},
+        cgroup_paths=["/a"],
+        insurance_seconds=60.0,
+        notifier_lease=10.0,
     )
     _, config = parse_worker("metrics", [], env={})
     assert (config.node, config.interval, config.notifier_lease) == (default_node(), 5.0, 30.0)
-    for bad in (["--node", "a.b"], ["--interval", "0.5"], ["--provisioner-interval", "nope=2"],
-                ["--notifier-lease", "4000"]):
+    for bad in (
+        ["--node", "a.b"],
+        ["--interval", "0.5"],
+        ["--provisioner-interval", "nope=2"],
+        ["--notifier-lease", "4000"],
+    ):
         with pytest.raises(SystemExit):
             parse_worker("metrics", bad, env={})
 
@@ -152,8 +219,13 @@ def test_a_service_settings_does_not_know_gets_the_common_flags_only():
 
 def test_configs_are_frozen():
     common, config = parse_worker("allocation", [], env={})
-    for frozen, name in ((common, "prefix"), (config, "share_base"), (DashboardConfig(), "port"),
-                         (BrokerConfig(), "operator"), (MetricsConfig(node="n"), "interval")):
+    for frozen, name in (
+        (common, "prefix"),
+        (config, "share_base"),
+        (DashboardConfig(), "port"),
+        (BrokerConfig(), "operator"),
+        (MetricsConfig(node="n"), "interval"),
+    ):
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(frozen, name, None)
 
@@ -178,19 +250,31 @@ def test_dashboard_precedence():
 @pytest.mark.parametrize("add", [add_server_flags, add_client_flags])
 def test_cli_connection_flags_precedence(add):
     assert _parse(add, [], {}).prefix == "berth" and _parse(add, [], {}).nats is None
-    env = {"NATS_URL": "nats://env:4222", "REDIS_URL": "redis://env/0", "BERTH_PREFIX": "penv",
-           "BERTH_NATS_CREDS": "/e.nats"}
+    env = {
+        "NATS_URL": "nats://env:4222",
+        "REDIS_URL": "redis://env/0",
+        "BERTH_PREFIX": "penv",
+        "BERTH_NATS_CREDS": "/e.nats",
+    }
     from_env = _parse(add, [], env)
     assert (from_env.nats, from_env.prefix) == ("nats://env:4222", "penv")
     from_flags = _parse(add, ["--nats", "nats://flag:4222", "--prefix", "pflag"], env)
     assert (from_flags.nats, from_flags.prefix) == ("nats://flag:4222", "pflag")
     if add is add_server_flags:
-        assert from_env.redis == "redis://env/0" and _parse(add, ["--redis", "redis://f/1"], env).redis == "redis://f/1"
+        assert (
+            from_env.redis == "redis://env/0"
+            and _parse(add, ["--redis", "redis://f/1"], env).redis == "redis://f/1"
+        )
     else:
-        assert from_env.nats_creds == "/e.nats" and _parse(add, ["--nats-creds", "/f"], env).nats_creds == "/f"
+        assert (
+            from_env.nats_creds == "/e.nats" and _parse(add, ["--nats-creds", "/f"], env).nats_creds == "/f"
+        )
 
 
 def test_berth_worker_metrics_port_precedence():
     assert _parse(add_metrics_port_flag, [], {}).metrics_port is None
     assert _parse(add_metrics_port_flag, [], {"BERTH_METRICS_PORT": "9200"}).metrics_port == 9200
-    assert _parse(add_metrics_port_flag, ["--metrics-port", "0"], {"BERTH_METRICS_PORT": "9200"}).metrics_port == 0
+    assert (
+        _parse(add_metrics_port_flag, ["--metrics-port", "0"], {"BERTH_METRICS_PORT": "9200"}).metrics_port
+        == 0
+    )

@@ -27,17 +27,26 @@ from services.commands.output import decode_msgpack, emit, to_json
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = add_command(
-        sub, "call", call_command,
+        sub,
+        "call",
+        call_command,
         help="send one request: JSON in, MessagePack on the wire, JSON out",
         description="Send a request to a berth command and print the reply as JSON. Bytes in the reply are "
         'base64 strings. An error reply is printed as {"status", "error": {code, message, details}} '
         "on standard output, with one line on standard error.",
     )
-    parser.add_argument("subject", help="below the prefix (resource.add-node), or whole (berth.resource.add-node)")
     parser.add_argument(
-        "payload", nargs="?", default=None, help="the request as JSON; - reads it from standard input; default {}"
+        "subject", help="below the prefix (resource.add-node), or whole (berth.resource.add-node)"
     )
-    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the reply (default 5)")
+    parser.add_argument(
+        "payload",
+        nargs="?",
+        default=None,
+        help="the request as JSON; - reads it from standard input; default {}",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=5.0, help="seconds to wait for the reply (default 5)"
+    )
     parser.add_argument("-c", "--compact", action="store_true", help="print the reply on one line")
 
 

@@ -38,18 +38,24 @@ log = logging.getLogger("berth.cli")
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = add_command(
-        sub, "events", events_command,
+        sub,
+        "events",
+        events_command,
         help="print events as JSON lines, live (and replayed with --since)",
         description="Print every event on <prefix>.events.<pattern> as a JSON line {subject, event}; lines "
         "delivered by a JetStream stream also carry {stream, seq}. With --since, events the streams "
         "kept since then come first, then the live ones, with no gap and no duplicate. Ctrl-C stops.",
     )
     parser.add_argument(
-        "pattern", nargs="?", default=">",
+        "pattern",
+        nargs="?",
+        default=">",
         help="NATS subject pattern below <prefix>.events. (default >): resource.n1.*, metrics.>",
     )
     parser.add_argument(
-        "--since", metavar="DURATION", help="replay from the streams first: 30s, 10m, 1h, 2d, 1h30m, or an ISO time"
+        "--since",
+        metavar="DURATION",
+        help="replay from the streams first: 30s, 10m, 1h, 2d, 1h30m, or an ISO time",
     )
     parser.add_argument("--count", type=int, metavar="N", help="stop after N events")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds for each JetStream API call")
@@ -206,8 +212,13 @@ async def events_command(args: argparse.Namespace) -> int:
                     )
                 js = nc.jetstream(timeout=args.timeout)
                 for name, stream_subjects in streams:
-                    filters = sorted({kept_part for stream_subject in stream_subjects
-                                      if (kept_part := intersect(subject, stream_subject))})
+                    filters = sorted(
+                        {
+                            kept_part
+                            for stream_subject in stream_subjects
+                            if (kept_part := intersect(subject, stream_subject))
+                        }
+                    )
                     if not filters:
                         continue
                     config = ConsumerConfig(

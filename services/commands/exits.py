@@ -31,13 +31,17 @@ class CommandError(Exception):
         self.status = status
 
 
-
 def add_command(
-    sub: argparse._SubParsersAction, name: str, command: Callable[[argparse.Namespace], Awaitable[int]], **texts: str
+    sub: argparse._SubParsersAction,
+    name: str,
+    command: Callable[[argparse.Namespace], Awaitable[int]],
+    **texts: str,
 ) -> argparse.ArgumentParser:
     """A subparser for `command` (`texts`: its help and description), with the client's connection
     options and the exit statuses in its help; the command runs as `_runner` says."""
-    parser = sub.add_parser(name, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXIT_STATUSES, **texts)
+    parser = sub.add_parser(
+        name, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXIT_STATUSES, **texts
+    )
     add_client_flags(parser)
     parser.set_defaults(run=_runner(command))
     return parser

@@ -22,13 +22,19 @@ from services.commands.output import emit, format_table, to_json
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = add_command(
-        sub, "nodes", nodes_command,
+        sub,
+        "nodes",
+        nodes_command,
         help="table of the allocation service's nodes",
         description="List every node (paging through resource.list-nodes): labels, CPU, memory, storage "
         "and GPUs as used/total.",
     )
     parser.add_argument(
-        "--labels", action="append", default=[], metavar="K=V[,K=V]", help="only nodes with these labels (repeatable)"
+        "--labels",
+        action="append",
+        default=[],
+        metavar="K=V[,K=V]",
+        help="only nodes with these labels (repeatable)",
     )
     parser.add_argument("--json", action="store_true", help="a JSON document instead of the table")
     parser.add_argument("--page-size", type=int, default=200, help="nodes asked per request (1-1000)")
@@ -65,7 +71,8 @@ def node_row(node: dict[str, Any]) -> dict[str, Any]:
     if isinstance(products, dict):
         used = (usage.get("gpu") or {}).get("prod_count_map") or {}
         per_product = {
-            product: {"used": used.get(product, 0), "total": count} for product, count in sorted(products.items())
+            product: {"used": used.get(product, 0), "total": count}
+            for product, count in sorted(products.items())
         }
         gpu = {
             "used": sum(figures["used"] for figures in per_product.values()),

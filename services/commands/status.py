@@ -13,7 +13,9 @@ from services.commands.output import emit, format_table, to_json
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = add_command(
-        sub, "status", status_command,
+        sub,
+        "status",
+        status_command,
         help="live services: one line each (--endpoints: every endpoint of every instance)",
         description="Ask every service instance for its statistics ($SRV.STATS) and print one line per "
         "service: instances, requests, errors, mean latency. --endpoints prints one line per endpoint "

@@ -220,8 +220,10 @@ class Live:
         agents = sorted(
             {
                 instance["node"]
-                for service in self.services if service["name"] == "metrics"
-                for instance in service["instances"] if instance["node"]
+                for service in self.services
+                if service["name"] == "metrics"
+                for instance in service["instances"]
+                if instance["node"]
             }
         )
         self.charts.watch(agents[: self.max_agents])
@@ -295,7 +297,10 @@ class Live:
         while True:
             try:
                 reply = await self.client.request("broker.list-brokers", {})
-                pools, available = sorted(reply["brokers"], key=lambda broker: (broker["user"], broker["name"])), True
+                pools, available = (
+                    sorted(reply["brokers"], key=lambda broker: (broker["user"], broker["name"])),
+                    True,
+                )
             except Exception as error:
                 log.info("pools not read: %r", error)
                 pools, available = self.pools, False
@@ -356,8 +361,12 @@ class Live:
         except Exception as error:  # no stream yet, or not allowed to read it
             log.info("past events not read: %r", error)
             return
-        seen = {(event["subject"], event["time"]) for event in self.events}  # came live since the subscription
-        merged = [event for event in past if (event["subject"], event["time"]) not in seen] + list(self.events)
+        seen = {
+            (event["subject"], event["time"]) for event in self.events
+        }  # came live since the subscription
+        merged = [event for event in past if (event["subject"], event["time"]) not in seen] + list(
+            self.events
+        )
         self.events.clear()
         self.events.extend(merged)
         self.broadcast("events", list(self.events))

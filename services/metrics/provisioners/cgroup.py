@@ -242,7 +242,9 @@ class CgroupReader:
                 continue
             devices = parse_blkio(text).values()
             stats.counters[f"blkio.read.{kind}.container"] = sum(device.get("Read", 0) for device in devices)
-            stats.counters[f"blkio.write.{kind}.container"] = sum(device.get("Write", 0) for device in devices)
+            stats.counters[f"blkio.write.{kind}.container"] = sum(
+                device.get("Write", 0) for device in devices
+            )
 
     def _io_v2(self, stats: CgroupStats, directory: str) -> None:
         text = read_text(f"{directory}/io.stat")

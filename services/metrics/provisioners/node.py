@@ -82,7 +82,9 @@ class CpuProvisioner(Provisioner):
             usage = sum(ratio.usage for ratio in have)
             batch.add("numa", (node,), "cpu.usage.numa", usage)
             batch.add("numa", (node,), "cpu.usage.numa.avg", usage / len(have))
-            batch.add("numa", (node,), "cpu.iowait.ratio.numa.avg", sum(ratio.iowait for ratio in have) / len(have))
+            batch.add(
+                "numa", (node,), "cpu.iowait.ratio.numa.avg", sum(ratio.iowait for ratio in have) / len(have)
+            )
 
 
 # ------------------------------------------------------------------------------------- memory
