@@ -1,4 +1,5 @@
-"""The `berth` command: `up`, `worker`, `schema`, and `call`, `events`, `nodes`, `status` (services/commands.py)."""
+"""The `berth` command: `up`, `worker`, `dashboard`, `schema`, and `call`, `events`, `nodes`, `status`
+(services/commands/). Flags and environment are read by services/settings.py."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from pathlib import Path
 
 from services import commands
 from services.registry import SERVICES, available
-from services.runner import configure_logging, metrics_port
+from services.runner import configure_logging
+from services.settings import DashboardConfig, add_metrics_port_flag, add_server_flags, log_level, state_dir
 from services.supervisor import Supervisor, worker_argv
 
 log = logging.getLogger("berth")
@@ -111,7 +113,7 @@ def cmd_worker(args: argparse.Namespace, extra: list[str]) -> int:
 def cmd_dashboard(args: argparse.Namespace, extra: list[str]) -> int:
     from services.dashboard.app import run
 
-    return run(args.nats, args.prefix, args.host, args.port, quiet=args.quiet)
+    return run(DashboardConfig.from_flags(args))
 
 
 def cmd_schema(args: argparse.Namespace, extra: list[str]) -> int:
@@ -123,18 +125,13 @@ def cmd_schema(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="berth", description="berth: allocation, broker and metrics over NATS")
-    sub = p.add_subparsers(dest="command", required=True)
-
-    def urls(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--nats", default=os.environ.get("NATS_URL"), help="NATS URL (env NATS_URL)")
-        sp.add_argument("--redis", default=os.environ.get("REDIS_URL"), help="Redis URL (env REDIS_URL)")
-        sp.add_argument("--prefix", default=os.environ.get("BERTH_PREFIX", "berth"))
+    berth = argparse.ArgumentParser(prog="berth", description="berth: allocation, broker and metrics over NATS")
+    sub = berth.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="start embedded nats-server and redis-server and every service")
-    urls(up)
+    add_server_flags(up)
     up.set_defaults(nats=None, redis=None)  # `up` embeds servers unless told otherwise, whatever the env says
-    up.add_argument("--state", default=os.environ.get("BERTH_STATE", ".berth"), help="state folder")
+    up.add_argument("--state", default=state_dir(), help="state folder")
     up.add_argument("--nats-port", type=int, help="port for the embedded nats-server (default: a free one)")
     up.add_argument("--redis-port", type=int, help="port for the embedded redis-server (default: a free one)")
     up.add_argument("--no-auth", action="store_true",
@@ -152,20 +149,14 @@ def parser() -> argparse.ArgumentParser:
     worker = sub.add_parser("worker", help="run N processes of one service")
     worker.add_argument("service", choices=sorted(SERVICES))
     worker.add_argument("--workers", type=int, default=1)
-    worker.add_argument("--metrics-port", type=metrics_port, default=os.environ.get("BERTH_METRICS_PORT", ""),
-                        metavar="PORT", help="Prometheus metrics: process k serves on PORT+k (0: free ports; "
-                        "env BERTH_METRICS_PORT; default: off)")
-    urls(worker)
+    add_metrics_port_flag(worker)
+    add_server_flags(worker)
     worker.set_defaults(run=cmd_worker)
 
-    commands.add_parsers(sub)  # call, events, nodes, status: services/commands.py
+    commands.add_parsers(sub)  # call, events, nodes, status: services/commands/
 
     dashboard = sub.add_parser("dashboard", help="live web dashboard of a berth deployment (a client of the bus)")
-    dashboard.add_argument("--nats", default=os.environ.get("NATS_URL"), help="NATS URL, a client user's (env NATS_URL)")
-    dashboard.add_argument("--prefix", default=os.environ.get("BERTH_PREFIX", "berth"))
-    dashboard.add_argument("--host", default="127.0.0.1", help="address to serve on")
-    dashboard.add_argument("--port", type=int, default=0, help="port to serve on (default: a free one, printed)")
-    dashboard.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)  # `berth up` prints the URL itself
+    DashboardConfig.add_flags(dashboard)
     dashboard.set_defaults(run=cmd_dashboard)
 
     schema = sub.add_parser("schema", help="JSON Schema of every message, by subject")
@@ -176,16 +167,16 @@ def parser() -> argparse.ArgumentParser:
     schema.add_argument("--server", action="append", metavar="URL",
                         help="with --asyncapi: a NATS server to list (repeatable; default 127.0.0.1:4222)")
     schema.set_defaults(run=cmd_schema)
-    return p
+    return berth
 
 
 def main(argv: list[str] | None = None) -> None:
     """For `worker`, options berth does not know are passed on to the service processes."""
-    configure_logging(os.environ.get("BERTH_LOG_LEVEL", "INFO"))
-    p = parser()
-    args, extra = p.parse_known_args(sys.argv[1:] if argv is None else argv)
+    configure_logging(log_level())
+    berth = parser()
+    args, extra = berth.parse_known_args(sys.argv[1:] if argv is None else argv)
     if extra and args.command != "worker":
-        p.error(f"unrecognized arguments: {' '.join(extra)}")
+        berth.error(f"unrecognized arguments: {' '.join(extra)}")
     sys.exit(args.run(args, extra))
 
 

@@ -109,7 +109,7 @@ def service_permissions(prefix: str, service: str) -> Permissions:
     name = f"{prefix}-{service}"
     stream = f"{prefix}-{STREAM[service]}"
     own_inbox = f"{inbox_prefix(prefix, service)}.>"
-    callers = [s for s in SERVICES if service in CALLS[s]]
+    callers = [caller for caller in SERVICES if service in CALLS[caller]]
     publish = [
         f"{prefix}.events.{EVENT_TOKEN[service]}.>",
         "_INBOX.>",  # replies to clients

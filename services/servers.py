@@ -17,9 +17,9 @@ from pathlib import Path
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def free_cluster_port() -> int:
@@ -29,8 +29,8 @@ def free_cluster_port() -> int:
         if port > 55535:
             continue
         try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 10000))
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", port + 10000))
             return port
         except OSError:
             continue
@@ -208,16 +208,20 @@ def start_redis_cluster(
         ids = [client.execute_command("CLUSTER MYID").decode() for client in clients]
         for client in clients[1:]:
             client.execute_command("CLUSTER MEET", "127.0.0.1", clients[0].connection_pool.connection_kwargs["port"])
-        _wait(lambda: all(len(c.execute_command("CLUSTER NODES")) == count for c in clients))
+        _wait(lambda: all(len(client.execute_command("CLUSTER NODES")) == count for client in clients))
         for index in range(primaries):
             first, last = 16384 * index // primaries, 16384 * (index + 1) // primaries - 1
             clients[index].execute_command("CLUSTER ADDSLOTS", *range(first, last + 1))
         for index in range(primaries, count):
             primary = ids[(index - primaries) % primaries]
-            _wait(lambda c=clients[index], p=primary: any(n["node_id"] == p for n in c.execute_command("CLUSTER NODES").values()))
+            _wait(lambda replica=clients[index], primary=primary: any(
+                node["node_id"] == primary for node in replica.execute_command("CLUSTER NODES").values()
+            ))
             clients[index].execute_command("CLUSTER REPLICATE", primary)
-        _wait(lambda: all(c.execute_command("CLUSTER INFO")["cluster_state"] == "ok" for c in clients))
-        _wait(lambda: all(c.info("replication").get("master_link_status") == "up" for c in clients[primaries:]))
+        _wait(lambda: all(client.execute_command("CLUSTER INFO")["cluster_state"] == "ok" for client in clients))
+        _wait(lambda: all(
+            replica.info("replication").get("master_link_status") == "up" for replica in clients[primaries:]
+        ))
     finally:
         for client in clients:
             client.close()

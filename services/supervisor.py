@@ -75,7 +75,7 @@ class Supervisor:
                 child.start()
 
     def _stop_all(self) -> int:
-        running = [c.proc for c in self.children if c.proc is not None and c.proc.poll() is None]
+        running = [child.proc for child in self.children if child.proc is not None and child.proc.poll() is None]
         for proc in running:
             proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + self.grace

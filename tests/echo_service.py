@@ -149,9 +149,5 @@ def make_service(prefix: str, redis, concurrency: int = 64) -> Service:
     return service
 
 
-def add_arguments(parser) -> None:
-    pass
-
-
 async def build(ctx) -> Service:
-    return make_service(ctx.prefix, ctx.redis, ctx.args.concurrency)
+    return make_service(ctx.prefix, ctx.redis, ctx.common.concurrency)

@@ -1,4 +1,4 @@
-"""`berth call`, `events`, `nodes` and `status` against real workers (services/commands.py).
+"""`berth call`, `events`, `nodes` and `status` against real workers (services/commands/).
 
 Every command runs as the user runs it, `python -m services.cli ...` in a process of its own, on
 this test's prefix. Besides what each test checks, `berth()` checks that no log line ever reaches

@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bus.errors import BusError
 from services.cli import _metrics_args
 from services.metrics.client import MetricsClient
-from services.metrics.worker import PROVISIONER_NAMES
+from services.metrics.provisioners import PROVISIONER_NAMES
 from tests.broker_helpers import FAST_ARGS, const_broker, eventually, marked, param
 
 pytest_plugins = ["tests.broker_fixtures"]

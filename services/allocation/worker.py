@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
-import os
-
 from bus.idempotency import IdempotencyStore
 from bus.service import Service
 from bus.telemetry import on_scrape
@@ -26,17 +23,7 @@ from services.allocation.store import NodeStore
 from services.allocation.telemetry import NodeTotals
 
 NAME = "allocation"
-__all__ = ["NAME", "COMMANDS", "EVENTS", "STREAM", "add_arguments", "build", "make_service"]
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    env = os.environ.get
-    parser.add_argument("--share-base", type=int, default=int(env("BERTH_SHARE_BASE", "100")),
-                        help="pieces per CPU core (env BERTH_SHARE_BASE)")
-    parser.add_argument("--max-share", type=int, default=int(env("BERTH_MAX_SHARE", "-1")),
-                        help="most fragments per core, -1 for no limit (env BERTH_MAX_SHARE)")
-    parser.add_argument("--max-deploy-count", type=int, default=int(env("BERTH_MAX_DEPLOY_COUNT", "10000")),
-                        help="storage plugin's capacity for requests without volumes (env BERTH_MAX_DEPLOY_COUNT)")
+__all__ = ["NAME", "COMMANDS", "EVENTS", "STREAM", "build", "make_service"]
 
 
 def make_plugins(share_base: int = 100, max_share: int = -1, max_deploy_count: int = 10000) -> dict[str, ResourcePlugin]:
@@ -64,11 +51,12 @@ def make_service(
 
 
 async def build(ctx) -> Service:
-    args = ctx.args
-    plugins = make_plugins(args.share_base, args.max_share, args.max_deploy_count)
+    """`ctx.config`: the frozen `services.settings.AllocationConfig`."""
+    config = ctx.config
+    plugins = make_plugins(config.share_base, config.max_share, config.max_deploy_count)
     manager = AllocationManager(NodeStore(ctx.redis, ctx.prefix), plugins, ctx.events)
     await manager.watch()
     ctx.cleanups.append(manager.unwatch)
-    ctx.cleanups.append(on_scrape("allocation totals", NodeTotals(manager).refresh, every=args.metrics_refresh))
+    ctx.cleanups.append(on_scrape("allocation totals", NodeTotals(manager).refresh, every=ctx.common.metrics_refresh))
     idempotency = IdempotencyStore(ctx.redis, prefix=ctx.prefix)
-    return make_service(manager, ctx.prefix, idempotency, args.concurrency, ctx.nc.max_payload)
+    return make_service(manager, ctx.prefix, idempotency, ctx.common.concurrency, ctx.nc.max_payload)

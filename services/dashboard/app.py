@@ -23,6 +23,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from services.dashboard.live import Live
+from services.settings import DashboardConfig
 
 STATIC = Path(__file__).resolve().parent / "static"
 KEEP_ALIVE = 15.0  # seconds between comments on an idle stream, so that proxies keep it open
@@ -117,6 +118,7 @@ async def serve(
         sock.close()
 
 
-def run(nats_url: str | None, prefix: str, host: str, port: int, quiet: bool = False) -> int:
-    asyncio.run(serve(nats_url, prefix, host, port, None if quiet else lambda line: print(line, flush=True)))
+def run(config: DashboardConfig) -> int:
+    announce = None if config.quiet else lambda line: print(line, flush=True)
+    asyncio.run(serve(config.nats, config.prefix, config.host, config.port, announce))
     return 0

@@ -12,21 +12,26 @@ A service loop looks like:
             store.retain_cgroups(p.discovery.cgroups)
 """
 
-from services.metrics.errors import MetricExpired, MetricNotFound
-from services.metrics.metrics_list import METRICS, SCOPES, MetricInfo
-from services.metrics.provisioners import (
-    PROVISIONERS,
-    CgroupProvisioner,
-    CpuProvisioner,
-    DiskProvisioner,
-    MemoryProvisioner,
-    NetworkProvisioner,
-    PressureProvisioner,
-    Provisioner,
-    Roots,
-    Sample,
-)
-from services.metrics.store import MetricValue, PodRef, Store, StoredMetric
+import importlib
+
+# Names are imported when first used (PEP 562), so that importing any module of the package (the
+# wire module, messages.py, above all) does not load the kernel reader with it.
+_HOMES = {
+    "METRICS": "metrics_list", "SCOPES": "metrics_list", "MetricInfo": "metrics_list",
+    "PROVISIONERS": "provisioners", "CgroupProvisioner": "provisioners", "CpuProvisioner": "provisioners",
+    "DiskProvisioner": "provisioners", "MemoryProvisioner": "provisioners", "NetworkProvisioner": "provisioners",
+    "PressureProvisioner": "provisioners", "Provisioner": "provisioners", "Roots": "provisioners",
+    "Sample": "samples",
+    "MetricExpired": "errors", "MetricNotFound": "errors",
+    "MetricValue": "store", "PodRef": "store", "Store": "store", "StoredMetric": "store",
+}  # fmt: skip
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
+
 
 __all__ = [
     "METRICS",

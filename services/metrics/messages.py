@@ -18,7 +18,7 @@ from msgspec import UNSET, Meta, Struct, UnsetType, field
 
 from bus.subjects import DOTTED_NAME_REGEX, escape_token
 from services.metrics.metrics_list import SCOPES
-from services.metrics.provisioners import Ids
+from services.metrics.samples import Ids
 from services.metrics.store import AGGREGATORS, KINDS, PodRef, entity_key
 
 Scope = Literal[

@@ -24,7 +24,7 @@ from bus.errors import InvalidArgument
 from services.metrics.errors import MetricExpired, MetricNotFound
 from services.metrics.metrics_list import INT_IDS, SCOPES
 from services.metrics.parsers import parse_cpulist
-from services.metrics.provisioners import Ids, Sample
+from services.metrics.samples import Ids, Sample
 
 # Katalyst clamps a non-zero insurance period up to a minute.
 MIN_INSURANCE_SECONDS = 60.0

@@ -7,23 +7,16 @@ notifier registrations (Redis) and each answers reads from its own samples; one 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
-import math
-import os
-import re
-import socket
 import time
 from collections.abc import Callable, Sequence
 
-import msgspec
 from nats.aio.client import Client
 from redis.asyncio import Redis
 
 from bus.idempotency import IdempotencyStore
 from bus.service import Service
-from bus.subjects import NAME_CHARS, NAME_PATTERN
 from bus.tasks import cancel_and_wait
 from bus.telemetry import on_scrape
 from services.metrics.agent import Agent
@@ -32,26 +25,15 @@ from services.metrics.notifier import Notifier, Publishing, Registrations
 from services.metrics.provisioners import PROVISIONERS, CgroupProvisioner, Provisioner
 from services.metrics.store import Store
 from services.metrics.telemetry import RegistrationCount
+from services.settings import MetricsConfig
 
 NAME = "metrics"
-__all__ = ["NAME", "COMMANDS", "EVENTS", "STREAM", "add_arguments", "build", "MetricsWorker", "Options"]
+__all__ = ["NAME", "COMMANDS", "EVENTS", "STREAM", "build", "MetricsWorker"]
 
 log = logging.getLogger("berth.metrics")
 
-MIN_INTERVAL = 1.0
-PROVISIONER_NAMES = tuple(p.name for p in PROVISIONERS)
 
-
-class Options(msgspec.Struct, kw_only=True):
-    node: str
-    interval: float = 5.0
-    provisioner_intervals: dict[str, float] = {}  # provisioner name -> seconds, overrides `interval`
-    cgroup_paths: list[str] = []  # cgroups to sample besides the discovered ones
-    insurance_seconds: float = 0.0  # 0: no staleness check; else at least 60 (katalyst's rule)
-    notifier_lease: float = 30.0  # seconds a notifier registration lives unless renewed
-
-
-def make_provisioners(options: Options) -> list[Provisioner]:
+def make_provisioners(options: MetricsConfig) -> list[Provisioner]:
     def interval(cls: type[Provisioner]) -> float:
         return options.provisioner_intervals.get(cls.name, options.interval)
 
@@ -70,7 +52,7 @@ class MetricsWorker:
         nc: Client,
         redis: Redis,
         prefix: str,
-        options: Options,
+        options: MetricsConfig,
         *,
         provisioners: Sequence[Provisioner] | None = None,
         concurrency: int = 64,
@@ -112,88 +94,12 @@ def _report_crash(task: asyncio.Task) -> None:
         log.error("metrics background task died", exc_info=task.exception())
 
 
-# -- command line ---------------------------------------------------------------------------------
-
-
-def default_node() -> str:
-    """The host name's first label, with any character a subject token cannot hold made a '-'."""
-    return re.sub(f"[^{NAME_CHARS}]", "-", socket.gethostname().split(".")[0]) or "node"
-
-
-def _node(text: str) -> str:
-    if not NAME_PATTERN.match(text):
-        raise argparse.ArgumentTypeError(f"{text!r} must match [A-Za-z0-9_-]+ (it is a subject token)")
-    return text
-
-
-def _seconds(minimum: float, maximum: float = math.inf) -> Callable[[str], float]:
-    """An argparse type: a number of seconds within [minimum, maximum]."""
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-        if not minimum <= value <= maximum:  # also refuses NaN
-            raise argparse.ArgumentTypeError(f"{text} s is not within [{minimum:g}, {maximum:g}] s")
-        return value
-
-    return parse
-
-
-def _provisioner_interval(text: str) -> tuple[str, float]:
-    name, sep, seconds = text.partition("=")
-    if not sep or name not in PROVISIONER_NAMES:
-        names = ", ".join(PROVISIONER_NAMES)
-        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=SECONDS, NAME one of {names}")
-    return name, _seconds(MIN_INTERVAL)(seconds)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    env = os.environ.get
-    names = ", ".join(PROVISIONER_NAMES)
-    parser.add_argument(
-        "--node", type=_node, default=env("BERTH_NODE") or default_node(),
-        help="this node's name in subjects (env BERTH_NODE; default: the host name)",
-    )
-    parser.add_argument(
-        "--interval", type=_seconds(MIN_INTERVAL), default=float(env("BERTH_METRICS_INTERVAL", "5")),
-        help="seconds between rounds of each provisioner, at least 1 (env BERTH_METRICS_INTERVAL)",
-    )
-    parser.add_argument(
-        "--provisioner-interval", type=_provisioner_interval, action="append", default=[],
-        metavar="NAME=SECONDS", help=f"one provisioner's interval, repeatable ({names})",
-    )
-    parser.add_argument(
-        "--cgroup-path", action="append", default=[], metavar="PATH",
-        help="a cgroup to sample besides the discovered ones (relative to the hierarchy root), repeatable",
-    )
-    parser.add_argument(
-        "--insurance-seconds", type=_seconds(0), default=0.0,
-        help="reads of values older than this answer metric_expired (0: off; else at least 60)",
-    )
-    parser.add_argument(
-        "--notifier-lease", type=_seconds(1, 3600), default=30.0,
-        help="seconds a notifier registration lives unless renewed, when it asks for no lease",
-    )
-
-
-def options_from(args: argparse.Namespace) -> Options:
-    return Options(
-        node=args.node,
-        interval=args.interval,
-        provisioner_intervals=dict(args.provisioner_interval),
-        cgroup_paths=args.cgroup_path,
-        insurance_seconds=args.insurance_seconds,
-        notifier_lease=args.notifier_lease,
-    )
-
-
 async def build(ctx) -> Service:
-    options = options_from(ctx.args)
-    worker = MetricsWorker(ctx.nc, ctx.redis, ctx.prefix, options, concurrency=ctx.args.concurrency)
+    """`ctx.config`: the frozen `services.settings.MetricsConfig`."""
+    options = ctx.config
+    worker = MetricsWorker(ctx.nc, ctx.redis, ctx.prefix, options, concurrency=ctx.common.concurrency)
     worker.start()
     ctx.cleanups.append(worker.stop)
     count = RegistrationCount(worker.notifier.registrations, options.node)
-    ctx.cleanups.append(on_scrape("metrics registrations", count.refresh, every=ctx.args.metrics_refresh))
+    ctx.cleanups.append(on_scrape("metrics registrations", count.refresh, every=ctx.common.metrics_refresh))
     return worker.service

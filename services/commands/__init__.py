@@ -1,0 +1,40 @@
+"""Everyday commands of `berth`: `call`, `events`, `nodes` and `status`, a module each.
+
+Each one connects to NATS as a short-lived client (`--nats`, env `NATS_URL`; `user:password@` in
+the URL, or `--nats-creds FILE` as `berth up` writes them), under `--prefix` (env `BERTH_PREFIX`,
+default `berth`). What a command answers goes to standard output and nothing else does: messages
+about what went wrong go to standard error, and logging (also on standard error) is quiet unless
+`-v` (`-vv` for debug).
+
+Exit statuses, the same for every command:
+
+    0  done
+    1  the service refused the request: an error reply with a 4xx status (invalid_argument,
+       node_not_found, insufficient_capacity, ...)
+    2  usage: bad options, a payload that is not JSON, a malformed pattern or duration
+    3  nobody answered: no responders on the subject (no worker of that service is running under
+       this prefix), or no reply within --timeout
+    4  the service failed: an error reply with a 5xx status (internal, unavailable, ...)
+    5  NATS could not be reached, refused us (authorization, permissions) or was lost for good,
+       or JetStream could not replay
+
+`berth call` prints an error reply's body to standard output as JSON, with its status beside it
+(`{"status": 404, "error": {"code", "message", "details"}}`), and one line on standard error.
+Bytes in a reply or an event (MessagePack bin) are printed as base64 strings, as in the JSON
+Schemas `berth schema` writes (msgspec's JSON encoding).
+
+Shared by the four: `exits` (statuses, `CommandError`, running a command), `connection` (a
+short-lived NATS client whose failures become exit statuses) and `output` (JSON, tables).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from services.commands import call, events, nodes, status
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    """Add `call`, `events`, `nodes` and `status` to the `berth` command's subparsers."""
+    for command in (call, events, nodes, status):
+        command.add_parser(sub)

@@ -1,0 +1,274 @@
+"""`berth events`: events as JSON lines, live, and replayed first with `--since`.
+
+`berth events --since` replays from JetStream and then goes on live through the *same* consumer:
+for each stream that keeps subjects of the pattern (found by subject), one ordered consumer that
+starts at the given time, filtered to the pattern, delivers the stored events in stream order and
+then every new one as the stream stores it. There is no hand-over between a replay and a live
+subscription, so nothing is missed or seen twice at the boundary. Subjects of the pattern that no
+stream keeps come from a plain subscription, which skips every subject a stream delivers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import re
+import signal
+import sys
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import msgspec
+from nats.aio.client import Client
+from nats.errors import Error as NatsError
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js.api import ConsumerConfig, DeliverPolicy
+
+from bus.connection import subscriptions_in_place
+from services.commands.connection import Connection, describe
+from services.commands.exits import EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, CommandError, add_command
+from services.commands.output import decode_msgpack, emit, to_json
+
+log = logging.getLogger("berth.cli")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    parser = add_command(
+        sub,
+        "events",
+        events_command,
+        help="print events as JSON lines, live (and replayed with --since)",
+        description="Print every event on <prefix>.events.<pattern> as a JSON line {subject, event}; lines "
+        "delivered by a JetStream stream also carry {stream, seq}. With --since, events the streams "
+        "kept since then come first, then the live ones, with no gap and no duplicate. Ctrl-C stops.",
+    )
+    parser.add_argument(
+        "pattern",
+        nargs="?",
+        default=">",
+        help="NATS subject pattern below <prefix>.events. (default >): resource.n1.*, metrics.>",
+    )
+    parser.add_argument(
+        "--since",
+        metavar="DURATION",
+        help="replay from the streams first: 30s, 10m, 1h, 2d, 1h30m, or an ISO time",
+    )
+    parser.add_argument("--count", type=int, metavar="N", help="stop after N events")
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds for each JetStream API call")
+
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
+_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_since(text: str, now: datetime | None = None) -> datetime:
+    """The start time (UTC) of `--since`: a duration back from now (`10m`, `1h30m`, `45` seconds)
+    or an ISO time (`2026-01-02T03:04:05Z`; without a zone, UTC)."""
+    now = now or datetime.now(timezone.utc)
+    text = text.strip()
+    if re.fullmatch(r"\d+(?:\.\d+)?", text):
+        return now - timedelta(seconds=float(text))
+    if text and _DURATION.sub("", text) == "":
+        seconds = sum(float(amount) * _UNITS[unit] for amount, unit in _DURATION.findall(text))
+        return now - timedelta(seconds=seconds)
+    try:
+        moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise CommandError(
+            f"--since {text!r}: give a duration (30s, 10m, 1h, 2d, 1h30m) or an ISO time", EXIT_USAGE
+        ) from None
+    return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
+
+
+def check_pattern(pattern: str) -> str:
+    tokens = pattern.split(".")
+    if (
+        any(not token or any(char.isspace() for char in token) for token in tokens)
+        or ">" in tokens[:-1]
+        or any(token != ">" and ">" in token or token != "*" and "*" in token for token in tokens)
+    ):
+        raise CommandError(
+            f"pattern {pattern!r} is not a NATS subject pattern (tokens, * and a final >)", EXIT_USAGE
+        )
+    return pattern
+
+
+def subject_matches(pattern: str, subject: str) -> bool:
+    """Whether a NATS wildcard `pattern` matches the literal `subject`."""
+    wanted, tokens = pattern.split("."), subject.split(".")
+    for index, token in enumerate(wanted):
+        if token == ">":
+            return len(tokens) > index
+        if index >= len(tokens) or (token != "*" and token != tokens[index]):
+            return False
+    return len(wanted) == len(tokens)
+
+
+def intersect(first: str, second: str) -> str | None:
+    """The subjects two NATS patterns both match, as one pattern, or None when they share none."""
+    first_tokens, second_tokens = first.split("."), second.split(".")
+    out = []
+    for index in range(max(len(first_tokens), len(second_tokens))):
+        mine = first_tokens[index] if index < len(first_tokens) else None
+        theirs = second_tokens[index] if index < len(second_tokens) else None
+        if mine == ">" and theirs is not None:
+            return ".".join(out + second_tokens[index:])
+        if theirs == ">" and mine is not None:
+            return ".".join(out + first_tokens[index:])
+        if mine is None or theirs is None:
+            return None
+        if mine == "*" or mine == theirs:
+            out.append(theirs)
+        elif theirs == "*":
+            out.append(mine)
+        else:
+            return None
+    return ".".join(out)
+
+
+async def streams_for(nc: Client, subject: str, timeout: float) -> list[tuple[str, list[str]]]:
+    """(name, subjects) of every stream that keeps subjects `subject` matches."""
+    try:
+        msg = await nc.request(
+            "$JS.API.STREAM.NAMES", json.dumps({"subject": subject}).encode(), timeout=timeout
+        )
+    except NoRespondersError:
+        raise CommandError("cannot replay: this NATS server has no JetStream", EXIT_UNREACHABLE) from None
+    except NatsTimeout:
+        raise CommandError(
+            "cannot replay: JetStream did not answer (permissions?)", EXIT_UNREACHABLE
+        ) from None
+    answer = json.loads(msg.data)
+    if "error" in answer:
+        raise CommandError(
+            f"cannot replay: JetStream: {answer['error'].get('description')}", EXIT_UNREACHABLE
+        )
+    js = nc.jetstream(timeout=timeout)
+    found = []
+    for name in answer.get("streams") or []:
+        try:
+            info = await js.stream_info(name)
+        except (NatsError, NatsTimeout) as error:
+            raise CommandError(f"cannot replay: stream {name}: {describe(error)}", EXIT_UNREACHABLE) from None
+        found.append((name, list(info.config.subjects or [])))
+    return found
+
+
+class EventPrinter:
+    """Prints events as JSON lines until `count` is reached; `done` is set then (or on a closed pipe)."""
+
+    def __init__(self, count: int | None) -> None:
+        self.left = count
+        self.done = asyncio.Event()
+
+    def print(self, subject: str, data: bytes, **where: Any) -> None:
+        if self.done.is_set():
+            return
+        line: dict[str, Any] = {"subject": subject}
+        try:
+            line["event"] = decode_msgpack(data)
+        except msgspec.DecodeError:
+            line["data"] = data  # not MessagePack: its bytes, as base64
+        line.update(where)
+        try:
+            emit(to_json(line))
+        except BrokenPipeError:  # the reader went away (`| head`): stop, quietly
+            sys.stdout = open(os.devnull, "w")
+            self.done.set()
+            return
+        if self.left is not None:
+            self.left -= 1
+            if self.left <= 0:
+                self.done.set()
+
+
+async def events_command(args: argparse.Namespace) -> int:
+    pattern = check_pattern(args.pattern)
+    if args.count is not None and args.count < 1:
+        raise CommandError("--count must be at least 1", EXIT_USAGE)
+    start = parse_since(args.since) if args.since else None
+    subject = f"{args.prefix}.events.{pattern}"
+    printer = EventPrinter(args.count)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    subscriptions = []
+    kept: list[str] = []  # subjects the streams deliver: the live subscription skips them
+    connection = Connection(args)
+    async with connection as nc:
+        try:
+            if start is not None:
+                streams = await connection.unless_refused(streams_for(nc, subject, args.timeout))
+                if not streams:
+                    print(
+                        f"berth events: no stream keeps {subject}: live events only",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                js = nc.jetstream(timeout=args.timeout)
+                for name, stream_subjects in streams:
+                    filters = sorted(
+                        {
+                            kept_part
+                            for stream_subject in stream_subjects
+                            if (kept_part := intersect(subject, stream_subject))
+                        }
+                    )
+                    if not filters:
+                        continue
+                    config = ConsumerConfig(
+                        deliver_policy=DeliverPolicy.BY_START_TIME,
+                        opt_start_time=start,
+                        **(
+                            {"filter_subject": filters[0]}
+                            if len(filters) == 1
+                            else {"filter_subjects": filters}
+                        ),
+                    )
+
+                    async def deliver(msg, name=name) -> None:
+                        printer.print(msg.subject, msg.data, stream=name, seq=msg.metadata.sequence.stream)
+
+                    try:
+                        subscriptions.append(
+                            await connection.unless_refused(
+                                js.subscribe(
+                                    filters[0], stream=name, config=config, ordered_consumer=True, cb=deliver
+                                )
+                            )
+                        )
+                    except (NatsError, NatsTimeout) as error:
+                        raise CommandError(
+                            f"cannot replay from {name}: {describe(error)}", EXIT_UNREACHABLE
+                        ) from None
+                    # The consumer exists. Should the ordered consumer ever restart it (after a missed
+                    # heartbeat), it starts from the next sequence, where a start time is not allowed.
+                    config.opt_start_time = None
+                    kept += stream_subjects
+                    log.info("replaying %s from %s since %s", filters, name, start.isoformat())
+
+            async def live(msg) -> None:
+                if not any(subject_matches(stream_subject, msg.subject) for stream_subject in kept):
+                    printer.print(msg.subject, msg.data)
+
+            subscriptions.append(await nc.subscribe(subject, cb=live))
+            await connection.unless_refused(subscriptions_in_place(nc, args.timeout, as_client=True))
+            log.info("live on %s", subject)
+            waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(printer.done.wait())]
+            try:  # until Ctrl-C, --count, or the server refusing our subscriptions
+                await connection.unless_refused(asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED))
+            finally:
+                for waiter in waiters:
+                    waiter.cancel()
+        finally:
+            for subscription in subscriptions:
+                try:
+                    await subscription.unsubscribe()
+                except Exception as error:
+                    log.info("unsubscribing: %r", error)
+    return EXIT_OK

@@ -1,0 +1,65 @@
+"""Exit statuses of the everyday commands, the error that carries one, and running a command."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from typing import Awaitable, Callable
+
+from services.settings import add_client_flags
+
+EXIT_OK = 0
+EXIT_REFUSED = 1
+EXIT_USAGE = 2
+EXIT_NO_ANSWER = 3
+EXIT_FAILED = 4
+EXIT_UNREACHABLE = 5
+
+EXIT_STATUSES = """exit status: 0 done; 1 an error reply with a 4xx status (the request was refused);
+2 usage; 3 no responders or no reply in time; 4 an error reply with a 5xx status (the service
+failed); 5 NATS unreachable, refusing us (authorization, permissions) or lost, or JetStream
+unable to replay."""
+
+
+class CommandError(Exception):
+    """What the user is told on standard error, with the exit status."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def add_command(
+    sub: argparse._SubParsersAction,
+    name: str,
+    command: Callable[[argparse.Namespace], Awaitable[int]],
+    **texts: str,
+) -> argparse.ArgumentParser:
+    """A subparser for `command` (`texts`: its help and description), with the client's connection
+    options and the exit statuses in its help; the command runs as `_runner` says."""
+    parser = sub.add_parser(
+        name, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXIT_STATUSES, **texts
+    )
+    add_client_flags(parser)
+    parser.set_defaults(run=_runner(command))
+    return parser
+
+
+def _runner(command: Callable[[argparse.Namespace], Awaitable[int]]) -> Callable[..., int]:
+    def run(args: argparse.Namespace, extra: list[str]) -> int:
+        level = logging.ERROR if not args.verbose else logging.INFO if args.verbose == 1 else logging.DEBUG
+        logging.getLogger().setLevel(level)
+        for handler in logging.getLogger().handlers:  # whatever configured it, never standard output
+            if getattr(handler, "stream", None) is sys.stdout:
+                handler.setStream(sys.stderr)
+        try:
+            return asyncio.run(command(args))
+        except CommandError as error:
+            print(f"berth {args.command}: {error}", file=sys.stderr, flush=True)
+            return error.status
+        except KeyboardInterrupt:
+            return 130
+
+    return run
