@@ -14,6 +14,7 @@ from typing import Awaitable, Callable
 
 from bus.codec import encode
 from bus.events import EventBus
+from bus.tasks import cancel_and_wait
 from services.allocation.directory import NodeDirectory, matches
 from services.allocation.errors import no_node_matches, node_not_found
 from services.allocation.plugin_set import Keyed, PluginSet
@@ -137,7 +138,7 @@ class Fleet:
     async def unwatch(self) -> None:
         if self.watching:
             self.watching = False
-            self._sweeper.cancel()
+            await cancel_and_wait(self._sweeper)
             await self._subscription.unsubscribe()
 
     async def _sweep(self, interval: float, chores: Callable[[int], Awaitable[None]]) -> None:

@@ -13,6 +13,7 @@ from nats.errors import Error as NatsError
 from nats.errors import NoServersError
 
 from bus.connection import connect, nats_url
+from bus.tasks import cancel_and_wait
 from services.commands.exits import EXIT_UNREACHABLE, EXIT_USAGE, CommandError
 from services.credentials import read_creds_file
 
@@ -110,10 +111,9 @@ class Connection:
         try:
             await asyncio.wait({task, refused, lost}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            refused.cancel()
-            lost.cancel()
+            await cancel_and_wait(refused, lost)
         if not task.done():
-            task.cancel()
+            await cancel_and_wait(task)
             if self.refused.is_set():
                 raise CommandError(f"NATS refused: {self.denied()}", EXIT_UNREACHABLE)
             raise CommandError(f"lost the connection to NATS at {redact(self.url)}", EXIT_UNREACHABLE)

@@ -29,6 +29,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from bus.connection import subscriptions_in_place
+from bus.tasks import cancel_and_wait
 from services.commands.connection import Connection, describe
 from services.commands.exits import EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, CommandError, add_command
 from services.commands.output import decode_msgpack, emit, to_json
@@ -263,8 +264,7 @@ async def events_command(args: argparse.Namespace) -> int:
             try:  # until Ctrl-C, --count, or the server refusing our subscriptions
                 await connection.unless_refused(asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED))
             finally:
-                for waiter in waiters:
-                    waiter.cancel()
+                await cancel_and_wait(*waiters)
         finally:
             for subscription in subscriptions:
                 try:

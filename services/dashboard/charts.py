@@ -27,13 +27,17 @@ class AgentCharts:
         self.client: BusClient | None = None
         self.series: dict[str, dict[str, deque]] = {}
         self.watches: dict[str, asyncio.Task] = {}
+        self.retired: set[asyncio.Task] = set()  # cancelled watches, until they have ended (`stop` waits)
 
     def watch(self, agents: list[str]) -> None:
         """Watch exactly these agents (by node): new ones get series, gone ones lose theirs."""
         if agents == sorted(self.watches):
             return
         for node in [watched for watched in self.watches if watched not in agents]:
-            self.watches.pop(node).cancel()
+            retired = self.watches.pop(node)
+            retired.cancel()
+            self.retired.add(retired)
+            retired.add_done_callback(self.retired.discard)
             self.series.pop(node, None)
         for node in agents:
             if node not in self.watches:

@@ -36,6 +36,7 @@ from bus import discovery
 from bus.client import BusClient
 from bus.connection import connect, subscriptions_in_place
 from bus.errors import BusError
+from bus.tasks import cancel_and_wait
 from services.dashboard.charts import AgentCharts
 from services.dashboard.feed import Feed
 from services.dashboard.views import CHARTS, event_view, node_view, services_view, sse
@@ -136,10 +137,7 @@ class Live:
     async def stop(self) -> None:
         self._stopping = True
         self.close_feeds()
-        tasks = [*self.charts.watches.values(), *self._tasks]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(*self.charts.watches.values(), *self.charts.retired, *self._tasks)
         if self.nc is not None and not self.nc.is_closed:
             await self.nc.close()
 
