@@ -1,7 +1,7 @@
 """The broker's records and the pure rules over them (crm reference §1–2).
 
-Nothing here does I/O: the manager loads records, asks these functions what to change, and the
-store writes the change atomically.
+Nothing here does I/O: the resource commands load records, ask these functions (and
+`transitions`) what to change, and the store writes the change atomically.
 """
 
 from __future__ import annotations
@@ -136,18 +136,20 @@ def now() -> float:
     return time.time()
 
 
-def check_filter(f: InstanceFilter) -> None:
-    if f.least_instance > f.request_instance:
+def check_filter(instance_filter: InstanceFilter) -> None:
+    if instance_filter.least_instance > instance_filter.request_instance:
         raise InvalidArgument(
-            "filter.least_instance", f"must not exceed request_instance ({f.request_instance})"
+            "filter.least_instance",
+            f"must not exceed request_instance ({instance_filter.request_instance})",
         )
 
 
-def take_instances(f: InstanceFilter, available: int) -> int:
+def take_instances(instance_filter: InstanceFilter, available: int) -> int:
     """The instance filter: min(available, request) when available >= least (never 0)."""
-    if available < max(f.least_instance, 1):
-        raise errors.no_enough_resources(max(available, 0), max(f.least_instance, 1))
-    return min(available, f.request_instance)
+    least = max(instance_filter.least_instance, 1)
+    if available < least:
+        raise errors.no_enough_resources(max(available, 0), least)
+    return min(available, instance_filter.request_instance)
 
 
 def fits(broker: BrokerConfig, request: ResourceParam) -> bool:
