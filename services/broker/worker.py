@@ -17,14 +17,15 @@ from bus.telemetry import on_scrape
 from services.allocation.quantity import parse_size
 from services.broker.brokers import BrokerRegistry
 from services.broker.config import InstanceTypes, Timing
-from services.broker.endpoints import COMMANDS, EVENTS, STREAM, Endpoints
-from services.broker.manager import ResourceManager
+from services.broker.endpoints import COMMANDS, EVENTS, STREAM
+from services.broker.endpoints import BrokerEndpoints as Endpoints
 from services.broker.operators.allocation import AllocationOperator
 from services.broker.operators.base import Operator
 from services.broker.operators.process import ProcessOperator, ProcessTable
 from services.broker.pools import PoolKeeper
 from services.broker.publisher import Publisher
 from services.broker.replica import Replica
+from services.broker.resources import BrokerResources as ResourceManager
 from services.broker.store import BrokerStore
 from services.broker.telemetry import PoolSizes
 

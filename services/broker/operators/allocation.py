@@ -23,9 +23,10 @@ from bus.client import BusClient
 from bus.errors import BusError
 from services.allocation.messages import AllocateReply, ListNodesReply, NodeSummary
 from services.broker.config import InstanceTypes
-from services.broker.messages import ResourceParam, ServiceInfo
-from services.broker.operators.base import BlockCapacity, LaunchSpec, OperatorError
+from services.broker.messages import BlockDetail, ResourceParam, ServiceInfo
+from services.broker.operators.base import LaunchSpec, OperatorError
 from services.broker.operators.process import ProcessOperator
+from services.broker.views import unreserved
 
 PAGE = 1000
 
@@ -118,7 +119,7 @@ class AllocationOperator:
         nodes = await self._nodes({self.city_label: param.city, self.platform_label: param.platform})
         return await self._free([n.nodename for n in nodes], param.platform, param.city)
 
-    async def blocks(self) -> list[BlockCapacity]:
+    async def blocks(self) -> list[BlockDetail]:
         by_block: dict[tuple[str, str], list[NodeSummary]] = {}
         for node in await self._nodes({}):
             key = (node.labels.get(self.platform_label, ""), node.labels.get(self.city_label, ""))
@@ -143,8 +144,15 @@ class AllocationOperator:
                 )
             )
             blocks.append(
-                BlockCapacity(
-                    f"{platform}/{city}", free + used, used, free, cpu_total, cpu_used, mem_total, mem_used
+                unreserved(
+                    f"{platform}/{city}",
+                    free + used,
+                    used,
+                    free,
+                    cpu_total=cpu_total,
+                    cpu_used=cpu_used,
+                    mem_total=mem_total,
+                    mem_used=mem_used,
                 )
             )
         return blocks
