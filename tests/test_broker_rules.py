@@ -4,8 +4,17 @@
 from __future__ import annotations
 
 from services.broker import transitions, views
-from services.broker.messages import BlockDetail, ConstStrategy, ListResources, ResourceParam
-from services.broker.model import DELETING, DEPLOYING, INIT, RELEASED, RUNNING, BrokerConfig, Resource
+from services.broker.messages import BlockDetail, ConstStrategy, ListResources, ResourceParam, ResourceView
+from services.broker.model import (
+    DELETING,
+    DEPLOYING,
+    INIT,
+    RELEASED,
+    RUNNING,
+    BrokerConfig,
+    Resource,
+    new_record,
+)
 from services.broker.store import Changes, Keys
 
 KEYS = Keys("p")
@@ -14,8 +23,7 @@ BASE = "p:broker:{p}"
 
 
 def record(**fields) -> Resource:
-    defaults = dict(resource_id="r1", user="u", param=ResourceParam(image="img"), resource_block_key="local")
-    return Resource(**{**defaults, **fields})
+    return new_record("u", "r1", ResourceParam(image="img"), **{"resource_block_key": "local", **fields})
 
 
 def broker(**fields) -> BrokerConfig:
@@ -191,3 +199,12 @@ def test_resource_detail():
     detail = views.resource_detail(record(no_ready_instance=2, created_at=4.0))
     assert (detail.block, detail.image, detail.not_ready_instance) == ("local", "img", 2)
     assert detail.created_at == 4.0
+
+
+def test_a_record_is_its_view_plus_what_the_broker_recovers_with():
+    made = record(status=RUNNING, request_instance=2, created_at=4.0, launched=True, version=3)
+    view = made.view()
+    assert type(view) is ResourceView and set(view.__struct_fields__) < set(made.__struct_fields__)
+    assert (view.status, view.request_instance, view.resource_block_key) == (RUNNING, 2, "local")
+    fresh = new_record("u", "r2", ResourceParam())
+    assert (fresh.status, fresh.launched, fresh.version, fresh.broker_sold) == (INIT, False, 0, False)

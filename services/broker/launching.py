@@ -91,7 +91,7 @@ class Launching(Part):
             model.check_filter(instance_filter)
             self.check(param)
             # One Redis round trip: the claim script itself refuses a caller that is launched already.
-            caller = Resource(resource_id=resource_id, user=user, param=param)
+            caller = model.new_record(user, resource_id, param)
             sold = await self.registry.claim(caller, instance_filter)
             histogram = telemetry.APPLY_SOLD
             return sold

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import time
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -27,8 +28,12 @@ INIT, DEPLOYING, RUNNING, RELEASED, DELETING = "init", "deploying", "running", "
 LIVE = (INIT, DEPLOYING, RUNNING)
 
 
-class Resource(msgspec.Struct, kw_only=True):
-    """One resource record (crm's TableResource) plus the fields the broker needs to recover.
+S = TypeVar("S", bound=msgspec.Struct)
+
+
+class Resource(ResourceView, kw_only=True):
+    """One resource record: what `get-resource` shows of it (crm's TableResource, `ResourceView`)
+    plus the fields the broker needs to recover. `new_record` makes one.
 
     `launched`: the launch was accepted; the status stays `init` until the operator has it.
     `pending`: a launch or scale has not reached the operator yet (the `launch` timer's work).
@@ -37,22 +42,10 @@ class Resource(msgspec.Struct, kw_only=True):
     `version` is bumped by the store on every write (compare-and-set).
     """
 
-    resource_id: str
-    user: str
-    param: ResourceParam
-    status: str = INIT
-    resource_block_key: str = ""
-    request_instance: int = 0
-    no_ready_instance: int = 0
-    broker_resource_id: str = ""
-    broker_name: str = ""
-    broker_sold: bool = False
     created_at: float = 0.0
-    updated_at: float = 0.0
     launched: bool = False
     pending: bool = False
     deadline: float = 0.0
-    message: str = ""
     version: int = 0
 
     @property
@@ -64,21 +57,31 @@ class Resource(msgspec.Struct, kw_only=True):
         """A broker's own resource that has not been sold."""
         return bool(self.broker_name) and not self.broker_sold
 
+    def shown_as(self, struct: type[S], **others: Any) -> S:
+        """`struct` with the record's fields of the same names, and `others`."""
+        shared = {name: getattr(self, name) for name in struct.__struct_fields__ if name not in others}
+        return struct(**shared, **others)
+
     def view(self) -> ResourceView:
-        return ResourceView(
-            resource_id=self.resource_id,
-            user=self.user,
-            param=self.param,
-            status=self.status,
-            resource_block_key=self.resource_block_key,
-            request_instance=self.request_instance,
-            no_ready_instance=self.no_ready_instance,
-            broker_resource_id=self.broker_resource_id,
-            broker_name=self.broker_name,
-            broker_sold=self.broker_sold,
-            updated_at=self.updated_at,
-            message=self.message,
-        )
+        return self.shown_as(ResourceView)
+
+
+# What the view's fields of a record start at: nothing launched, reserved or sold.
+UNLAUNCHED: dict[str, Any] = {
+    "status": INIT,
+    "resource_block_key": "",
+    "request_instance": 0,
+    "no_ready_instance": 0,
+    "broker_resource_id": "",
+    "broker_name": "",
+    "broker_sold": False,
+    "updated_at": 0.0,
+}
+
+
+def new_record(user: str, resource_id: str, param: ResourceParam, **fields: Any) -> Resource:
+    """A record of `user`'s `resource_id`: `fields`, the others as `UNLAUNCHED`."""
+    return Resource(resource_id=resource_id, user=user, param=param, **{**UNLAUNCHED, **fields})
 
 
 class BrokerConfig(msgspec.Struct, kw_only=True):

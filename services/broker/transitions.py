@@ -8,14 +8,14 @@ from __future__ import annotations
 import msgspec
 
 from services.broker.messages import ResourceParam
-from services.broker.model import DELETING, DEPLOYING, RELEASED, RUNNING, BrokerConfig, Resource
+from services.broker.model import DELETING, DEPLOYING, RELEASED, RUNNING, BrokerConfig, Resource, new_record
 
 replace = msgspec.structs.replace
 
 
 def created(user: str, resource_id: str, param: ResourceParam, t: float) -> Resource:
     """An `init`ed record: known, not launched."""
-    return Resource(resource_id=resource_id, user=user, param=param, created_at=t, updated_at=t)
+    return new_record(user, resource_id, param, created_at=t, updated_at=t)
 
 
 def in_city(record: Resource, city: str | None) -> Resource:
@@ -49,10 +49,10 @@ def scaled(record: Resource, need: int, deadline: float) -> Resource:
 
 def pool_resource(broker: BrokerConfig, resource_id: str, block: str, t: float, deadline: float) -> Resource:
     """A new resource of `broker`'s pool (crm's Broker.Launch), to be accepted by `deadline`."""
-    return Resource(
-        resource_id=resource_id,
-        user=broker.user,
-        param=broker.param,
+    return new_record(
+        broker.user,
+        resource_id,
+        broker.param,
         broker_name=broker.name,
         created_at=t,
         updated_at=t,

@@ -46,16 +46,9 @@ def block_details(capacities: list[BlockDetail], reserved: dict[str, int]) -> li
 
 
 def resource_detail(record: Resource) -> ResourceDetail:
-    return ResourceDetail(
-        resource_id=record.resource_id,
-        user=record.user,
-        status=record.status,
-        broker_resource_id=record.broker_resource_id,
-        broker_name=record.broker_name,
-        broker_sold=record.broker_sold,
-        request_instance=record.request_instance,
+    return record.shown_as(
+        ResourceDetail,
         not_ready_instance=record.no_ready_instance,
         block=record.resource_block_key,
         image=record.param.image,
-        created_at=record.created_at,
     )
