@@ -4,7 +4,14 @@
 from __future__ import annotations
 
 from services.broker import transitions, views
-from services.broker.messages import BlockDetail, ConstStrategy, ListResources, ResourceParam, ResourceView
+from services.broker.messages import (
+    AddBroker,
+    BlockDetail,
+    ConstStrategy,
+    ListResources,
+    ResourceParam,
+    ResourceView,
+)
 from services.broker.model import (
     DELETING,
     DEPLOYING,
@@ -13,6 +20,7 @@ from services.broker.model import (
     RUNNING,
     BrokerConfig,
     Resource,
+    broker_config,
     new_record,
 )
 from services.broker.store import Changes, Keys
@@ -208,3 +216,20 @@ def test_a_record_is_its_view_plus_what_the_broker_recovers_with():
     assert (view.status, view.request_instance, view.resource_block_key) == (RUNNING, 2, "local")
     fresh = new_record("u", "r2", ResourceParam())
     assert (fresh.status, fresh.launched, fresh.version, fresh.broker_sold) == (INIT, False, 0, False)
+
+
+def test_a_broker_config_is_the_request_without_its_id_and_names_its_resources():
+    req = AddBroker(
+        user="u",
+        name="web",
+        strategy=ConstStrategy(num=2),
+        param=ResourceParam(image="img"),
+        fit_fields=["city", "image", "city"],
+        request_id="x",
+    )
+    config = broker_config(req)
+    assert type(config) is BrokerConfig and "request_id" not in config.__struct_fields__
+    assert (config.user, config.name, config.instance) == ("u", "web", 1)
+    assert config.strategy == ConstStrategy(num=2)
+    assert config.param == ResourceParam(image="img", broker_name="web")
+    assert config.fit_fields == ["city", "image"]

@@ -254,7 +254,10 @@ class Namespace(Struct):
 # -- broker commands --------------------------------------------------------------------------
 
 
-class AddBroker(Struct):
+class BrokerConfig(Struct):
+    """A broker: what `add-broker` asks for and the store keeps (crm's BrokerParam, with the fit
+    function and strategy as data). `model.broker_config` makes one from the request."""
+
     user: Token
     name: Token
     strategy: Strategy
@@ -263,6 +266,9 @@ class AddBroker(Struct):
     fit_fields: list[FitField] = field(default_factory=lambda: ["city", "worker_version"])
     release_loop: bool = False
     idle_keep_seconds: Seconds = 0.0
+
+
+class AddBroker(BrokerConfig):
     request_id: RequestId = ""
 
 

@@ -16,11 +16,11 @@ from bus.errors import InvalidArgument
 from services.broker import errors
 from services.broker.messages import (
     AddBroker,
+    BrokerConfig,
     InstanceFilter,
     ResourceParam,
     ResourceView,
     ServiceInfo,
-    Strategy,
 )
 
 INIT, DEPLOYING, RUNNING, RELEASED, DELETING = "init", "deploying", "running", "released", "deleting"
@@ -84,32 +84,17 @@ def new_record(user: str, resource_id: str, param: ResourceParam, **fields: Any)
     return Resource(resource_id=resource_id, user=user, param=param, **{**UNLAUNCHED, **fields})
 
 
-class BrokerConfig(msgspec.Struct, kw_only=True):
-    """What `add-broker` stores (crm's BrokerParam, with the fit function and strategy as data)."""
-
-    user: str
-    name: str
-    strategy: Strategy
-    param: ResourceParam
-    instance: int
-    fit_fields: list[str]
-    release_loop: bool
-    idle_keep_seconds: float
-
-    @classmethod
-    def from_request(cls, req: AddBroker) -> BrokerConfig:
-        # The broker's resources carry its name in their param, as crm's do.
-        param = msgspec.structs.replace(req.param, broker_name=req.name)
-        return cls(
-            user=req.user,
-            name=req.name,
-            strategy=req.strategy,
-            param=param,
-            instance=req.instance,
-            fit_fields=list(dict.fromkeys(req.fit_fields)),
-            release_loop=req.release_loop,
-            idle_keep_seconds=req.idle_keep_seconds,
-        )
+def broker_config(req: AddBroker) -> BrokerConfig:
+    """The broker `req` adds: its resources carry its name in their param, as crm's do, and each fit
+    field counts once."""
+    fields = {name: getattr(req, name) for name in BrokerConfig.__struct_fields__}
+    return BrokerConfig(
+        **{
+            **fields,
+            "param": msgspec.structs.replace(req.param, broker_name=req.name),
+            "fit_fields": list(dict.fromkeys(req.fit_fields)),
+        }
+    )
 
 
 class BrokerState(msgspec.Struct, kw_only=True):

@@ -43,7 +43,7 @@ class PoolKeeper:
     async def add(self, req: AddBroker) -> BrokerView:
         strategies.check(req.strategy)
         self.resources.launching.check(req.param)
-        config = BrokerConfig.from_request(req)
+        config = model.broker_config(req)
         await self.store.put_broker(config)
         return await self.view(config)
 
