@@ -141,10 +141,6 @@ class Apply(Struct):
     request_id: RequestId = ""
 
 
-class Done(Struct):
-    """An empty reply (`{}`)."""
-
-
 class LaunchReply(Struct):
     request_instance: int
     broker_resource_id: str = ""

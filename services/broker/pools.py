@@ -71,20 +71,13 @@ class PoolKeeper:
         counts = await self.store.pool_counts(config.user, config.name)
         state = await self.store.broker_state(config.user, config.name)
         return BrokerView(
-            user=config.user,
-            name=config.name,
-            strategy=config.strategy,
+            **{name: getattr(config, name) for name in BrokerConfig.__struct_fields__},
             target=await self._target(config),
             warming=counts["warming"],
             idle=counts["idle"],
             sold=counts["sold"],
             deleting=counts["deleting"],
             cooling_until=state.cooling_until,
-            instance=config.instance,
-            param=config.param,
-            fit_fields=config.fit_fields,
-            release_loop=config.release_loop,
-            idle_keep_seconds=config.idle_keep_seconds,
         )
 
     async def _target(self, config: BrokerConfig) -> int:
