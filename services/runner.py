@@ -29,7 +29,7 @@ from bus.connection import connect
 from bus.events import EventBus
 from bus.redis import connect_redis, ready
 from bus.telemetry import MetricsServer
-from services.settings import CommonConfig, ServiceConfig, parse_worker
+from services.settings import AnyServiceConfig, CommonConfig, parse_worker
 
 log = logging.getLogger("berth.runner")
 
@@ -39,7 +39,7 @@ class WorkerContext:
     """What `build(ctx)` gets: its frozen configs, the connections, and clean-ups to run at the end."""
 
     common: CommonConfig
-    config: ServiceConfig | None
+    config: AnyServiceConfig | None
     nc: Client
     redis: Redis
     events: EventBus
@@ -83,7 +83,7 @@ def load(module_name: str):
     return module
 
 
-async def run(module, common: CommonConfig, config: ServiceConfig | None) -> None:
+async def run(module, common: CommonConfig, config: AnyServiceConfig | None) -> None:
     metrics = None
     if common.metrics_port is not None:
         metrics = MetricsServer(common.metrics_addr, common.metrics_port)
@@ -99,7 +99,7 @@ async def run(module, common: CommonConfig, config: ServiceConfig | None) -> Non
             await metrics.close()
 
 
-async def _serve(module, common: CommonConfig, config: ServiceConfig | None, metrics: MetricsServer | None) -> None:
+async def _serve(module, common: CommonConfig, config: AnyServiceConfig | None, metrics: MetricsServer | None) -> None:
     nc = await connect(common.nats, name=f"{common.prefix}-{module.NAME}", **nats_options(common, module.NAME))
     redis = await ready(connect_redis(common.redis, max_connections=common.concurrency + 8))
     events = EventBus(nc, prefix=common.prefix)

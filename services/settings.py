@@ -7,10 +7,10 @@ no variable comes from its flag or its default; `BERTH_LOG_LEVEL` has no flag.
 
 The configs are frozen, in the style of nats.micro's `ServiceConfig`: a worker gets its
 `CommonConfig` (connections, prefix, request handling, Prometheus metrics, log level) and the
-config of its own service (`AllocationConfig`, `BrokerConfig`, `MetricsConfig`), built once when the
-process starts (`parse_worker`). `DashboardConfig` is `berth dashboard`'s. The `berth` command's
-connection options (`add_server_flags`, `add_client_flags`) and the rest of its environment
-(`log_level`, `state_dir`) are read here too.
+config of its own service (`AllocationServiceConfig`, `BrokerServiceConfig`, `MetricsServiceConfig`),
+built once when the process starts (`parse_worker`). `DashboardConfig` is `berth dashboard`'s. The
+`berth` command's connection options (`add_server_flags`, `add_client_flags`) and the rest of its
+environment (`log_level`, `state_dir`) are read here too.
 
 `env` is any mapping of variables (tests pass a dict); by default the process's environment.
 """
@@ -191,7 +191,7 @@ def _own_fields(cls: type, args: argparse.Namespace, skip: set[str] = frozenset(
 
 
 @dataclass(frozen=True, kw_only=True)
-class AllocationConfig:
+class AllocationServiceConfig:
     share_base: int = 100  # BERTH_SHARE_BASE
     max_share: int = -1  # BERTH_MAX_SHARE
     max_deploy_count: int = 10000  # BERTH_MAX_DEPLOY_COUNT
@@ -206,12 +206,12 @@ class AllocationConfig:
                             help="storage plugin's capacity for requests without volumes (env BERTH_MAX_DEPLOY_COUNT)")
 
     @classmethod
-    def from_flags(cls, args: argparse.Namespace) -> AllocationConfig:
+    def from_flags(cls, args: argparse.Namespace) -> AllocationServiceConfig:
         return cls(**_own_fields(cls, args))
 
 
 @dataclass(frozen=True, kw_only=True)
-class BrokerConfig:
+class BrokerServiceConfig:
     operator: str = "process"  # BERTH_BROKER_OPERATOR
     max_instances: int = 64  # BERTH_BROKER_MAX_INSTANCES
     namespace: str = ""  # BERTH_BROKER_NAMESPACE
@@ -261,7 +261,7 @@ class BrokerConfig:
                                 default=getattr(defaults, timing.name), help="seconds (see services/broker/config.py)")
 
     @classmethod
-    def from_flags(cls, args: argparse.Namespace) -> BrokerConfig:
+    def from_flags(cls, args: argparse.Namespace) -> BrokerServiceConfig:
         from services.allocation.quantity import parse_size
 
         timing = Timing(**_own_fields(Timing, args))
@@ -271,7 +271,7 @@ class BrokerConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class MetricsConfig:
+class MetricsServiceConfig:
     node: str  # BERTH_NODE, default: the host name
     interval: float = 5.0  # BERTH_METRICS_INTERVAL
     provisioner_intervals: dict[str, float] = field(default_factory=dict)  # name -> seconds, overrides `interval`
@@ -298,19 +298,19 @@ class MetricsConfig:
                             help="seconds a notifier registration lives unless renewed, when it asks for no lease")
 
     @classmethod
-    def from_flags(cls, args: argparse.Namespace) -> MetricsConfig:
+    def from_flags(cls, args: argparse.Namespace) -> MetricsServiceConfig:
         return cls(node=args.node, interval=args.interval, provisioner_intervals=dict(args.provisioner_interval),
                    cgroup_paths=args.cgroup_path, insurance_seconds=args.insurance_seconds,
                    notifier_lease=args.notifier_lease)
 
 
-ServiceConfig = AllocationConfig | BrokerConfig | MetricsConfig
+AnyServiceConfig = AllocationServiceConfig | BrokerServiceConfig | MetricsServiceConfig
 
 # Service name (a worker module's NAME) -> its config. A service module not listed has no options.
-SERVICE_CONFIGS: dict[str, type[AllocationConfig] | type[BrokerConfig] | type[MetricsConfig]] = {
-    "allocation": AllocationConfig,
-    "broker": BrokerConfig,
-    "metrics": MetricsConfig,
+SERVICE_CONFIGS: dict[str, type[AnyServiceConfig]] = {
+    "allocation": AllocationServiceConfig,
+    "broker": BrokerServiceConfig,
+    "metrics": MetricsServiceConfig,
 }
 
 
@@ -325,7 +325,7 @@ def worker_parser(service: str, env: Env | None = None) -> argparse.ArgumentPars
 
 def parse_worker(
     service: str, argv: list[str], env: Env | None = None
-) -> tuple[CommonConfig, ServiceConfig | None]:
+) -> tuple[CommonConfig, AnyServiceConfig | None]:
     """A worker's configs from its command line and environment (flag > env > default)."""
     env = _environ(env)
     args = worker_parser(service, env).parse_args(argv)

@@ -15,7 +15,7 @@ import pytest_asyncio
 from bus.errors import BusError
 from services.broker.config import Timing
 from services.broker.worker import make_broker
-from services.settings import BrokerConfig
+from services.settings import BrokerServiceConfig
 from tests.broker_helpers import FAST, eventually, kill_marked
 
 
@@ -84,14 +84,14 @@ def broker_processes(prefix):
 async def start_broker(serve, nc, redis, events, prefix, broker_processes):
     """Start in-process broker replicas: `await start_broker(max_instances=4, cooling_seconds=1)`.
 
-    Keyword arguments are `BrokerConfig` fields or `Timing` fields. The replicas are stopped at the
+    Keyword arguments are `BrokerServiceConfig` fields or `Timing` fields. The replicas are stopped at the
     end; the test must have released what it launched.
     """
     replicas = []
 
     async def start(**overrides: Any):
         timing = replace(FAST, **{k: v for k, v in overrides.items() if k in Timing.__dataclass_fields__})
-        settings = BrokerConfig(
+        settings = BrokerServiceConfig(
             stop_grace=1.0,
             timing=timing,
             **{k: v for k, v in overrides.items() if k not in Timing.__dataclass_fields__},

@@ -20,7 +20,7 @@ from services.metrics.client import MetricsClient
 from services.metrics.provisioners import Provisioner
 from services.metrics.store import PodRef
 from services.metrics.worker import MetricsWorker
-from services.settings import MetricsConfig
+from services.settings import MetricsServiceConfig
 from tests.bus_helpers import idempotency_keys, until
 
 NODE = "n1"
@@ -32,7 +32,7 @@ async def start_agent(nc, redis, prefix, serve):
     workers: list[MetricsWorker] = []
 
     async def start(provisioners=None, **options) -> MetricsWorker:
-        worker = MetricsWorker(nc, redis, prefix, MetricsConfig(node=NODE, **options), provisioners=provisioners)
+        worker = MetricsWorker(nc, redis, prefix, MetricsServiceConfig(node=NODE, **options), provisioners=provisioners)
         worker.start()
         workers.append(worker)
         await serve(worker.service)
@@ -165,7 +165,7 @@ async def test_put_then_get_and_list_in_every_scope(agent, metrics, scope, ids):
 async def test_put_without_time_is_stamped_now_and_a_ttl_makes_it_expire(nc, redis, prefix, serve, metrics):
     # The agent's store reads the test's clock: "now" and "later" are what the test says, not sleeps.
     now = time.time()
-    worker = MetricsWorker(nc, redis, prefix, MetricsConfig(node=NODE), provisioners=[], clock=lambda: now)
+    worker = MetricsWorker(nc, redis, prefix, MetricsServiceConfig(node=NODE), provisioners=[], clock=lambda: now)
     worker.start()
     try:
         await serve(worker.service)

@@ -20,7 +20,7 @@ import pytest
 from bus.errors import BusError
 from services.metrics.client import MetricsClient
 from services.metrics.worker import MetricsWorker
-from services.settings import MetricsConfig
+from services.settings import MetricsServiceConfig
 from tests.bus_helpers import EventLog, until
 
 NODE = "n1"
@@ -32,7 +32,7 @@ async def start_agent(nc, redis, prefix, serve):
     workers: list[MetricsWorker] = []
 
     async def start(**options) -> MetricsWorker:
-        worker = MetricsWorker(nc, redis, prefix, MetricsConfig(node=NODE, interval=INTERVAL, **options))
+        worker = MetricsWorker(nc, redis, prefix, MetricsServiceConfig(node=NODE, interval=INTERVAL, **options))
         worker.start()
         workers.append(worker)
         await serve(worker.service)

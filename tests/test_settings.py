@@ -12,11 +12,11 @@ import pytest
 
 from services.broker.config import Timing
 from services.settings import (
-    AllocationConfig,
-    BrokerConfig,
+    AllocationServiceConfig,
+    BrokerServiceConfig,
     CommonConfig,
     DashboardConfig,
-    MetricsConfig,
+    MetricsServiceConfig,
     add_client_flags,
     add_metrics_port_flag,
     add_server_flags,
@@ -36,7 +36,7 @@ def test_common_defaults_without_flags_or_environment():
         None,
         10.0,
     )
-    assert config == AllocationConfig()
+    assert config == AllocationServiceConfig()
 
 
 COMMON = [  # (flag, value, variable, its value, field, expected from the variable, expected from the flag)
@@ -124,7 +124,7 @@ def test_allocation_precedence(flag, variable, name, default):
 
 def test_broker_precedence_and_its_own_flags():
     _, config = parse_worker("broker", [], env={})
-    assert config == BrokerConfig() and config.mem_per_instance == 1 << 30 and config.timing == Timing()
+    assert config == BrokerServiceConfig() and config.mem_per_instance == 1 << 30 and config.timing == Timing()
     env = {
         "BERTH_BROKER_OPERATOR": "allocation",
         "BERTH_BROKER_MAX_INSTANCES": "5",
@@ -190,7 +190,7 @@ def test_metrics_precedence_and_validation():
         ],
         env={"BERTH_NODE": "env-node", "BERTH_METRICS_INTERVAL": "3"},
     )
-    assert config == MetricsConfig(
+    assert config == MetricsServiceConfig(
         node="flag-node",
         interval=2.0,
         provisioner_intervals={"cpu": 4.0},
@@ -223,8 +223,8 @@ def test_configs_are_frozen():
         (common, "prefix"),
         (config, "share_base"),
         (DashboardConfig(), "port"),
-        (BrokerConfig(), "operator"),
-        (MetricsConfig(node="n"), "interval"),
+        (BrokerServiceConfig(), "operator"),
+        (MetricsServiceConfig(node="n"), "interval"),
     ):
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(frozen, name, None)

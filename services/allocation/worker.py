@@ -51,7 +51,7 @@ def make_service(
 
 
 async def build(ctx) -> Service:
-    """`ctx.config`: the frozen `services.settings.AllocationConfig`."""
+    """`ctx.config`: the frozen `services.settings.AllocationServiceConfig`."""
     config = ctx.config
     plugins = make_plugins(config.share_base, config.max_share, config.max_deploy_count)
     manager = AllocationManager(NodeStore(ctx.redis, ctx.prefix), plugins, ctx.events)

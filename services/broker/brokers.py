@@ -9,12 +9,10 @@ happen in one Redis script, so two replicas never sell one resource twice.
 
 from __future__ import annotations
 
-import msgspec
-
 from bus.errors import BerthError
-from services.broker import errors, model, telemetry
+from services.broker import errors, model, telemetry, transitions
 from services.broker.messages import InstanceFilter
-from services.broker.model import RUNNING, BrokerConfig, Resource, now
+from services.broker.model import BrokerConfig, Resource, now
 from services.broker.publisher import Publisher
 from services.broker.store import BrokerStore
 
@@ -36,36 +34,26 @@ class BrokerRegistry:
         self._brokers = await self.store.brokers()
         self._version = version
 
-    async def claim(self, caller: Resource, f: InstanceFilter) -> Resource:
+    async def claim(self, caller: Resource, instance_filter: InstanceFilter) -> Resource:
         """Sell `caller` (new, released, or initialized and not launched) a ready resource of its
         user's brokers; its record becomes running, linked to that resource."""
         if self._version < 0:
             await self._reload()
         for _ in range(RELOADS):
-            sold = await self._claim(caller, f)
+            sold = await self._claim(caller, instance_filter)
             if sold is not None:
                 telemetry.WARM.inc()
                 return sold
             await self._reload()
         raise BerthError("the brokers keep changing; retry", code="busy", field="param")
 
-    async def _claim(self, caller: Resource, f: InstanceFilter) -> Resource | None:
+    async def _claim(self, caller: Resource, instance_filter: InstanceFilter) -> Resource | None:
         """The sold record, or None if the broker list was outdated."""
         fitting = [b for b in self._brokers if b.user == caller.user and model.fits(b, caller.param)]
         # crm calls the caller's filter with the broker's instance count: it must not refuse it.
-        eligible = [b for b in fitting if b.instance >= max(f.least_instance, 1)]
+        eligible = [b for b in fitting if b.instance >= max(instance_filter.least_instance, 1)]
         t = now()
-        sold = msgspec.structs.replace(
-            caller,
-            status=RUNNING,
-            launched=True,
-            resource_block_key="",
-            request_instance=0,
-            no_ready_instance=0,
-            deadline=0.0,
-            message="",
-            updated_at=t,
-        )
+        sold = transitions.sold(caller, t)
         claim = await self.store.claim(sold, eligible, self._version, t) if eligible else None
         if claim is None:
             if await self.store.brokers_version() != self._version:

@@ -1,14 +1,14 @@
 """The broker's transport: which command answers on which subject (`broker.<command>`), and how.
 
-Each handler only translates between the wire Structs and the manager or the pool keeper.
+Each handler only translates between the wire Structs and the resource commands or the pool keeper.
 """
 
 from __future__ import annotations
 
 from bus.events import StreamSpec
 from bus.service import Command
+from schemas.common import Empty
 from services.broker.config import InstanceTypes
-from services.broker.manager import ResourceManager
 from services.broker.messages import (
     AddBroker,
     Apply,
@@ -16,7 +16,6 @@ from services.broker.messages import (
     BrokerEvent,
     BrokerList,
     BrokerView,
-    Done,
     GetInstanceType,
     GetNamespace,
     GetResourceDetail,
@@ -40,14 +39,15 @@ from services.broker.messages import (
     ServiceInfo,
 )
 from services.broker.pools import PoolKeeper
+from services.broker.resources import BrokerResources
 
 COMMANDS = [
-    Command("broker.init", Init, Done, "init", idempotent=True),
+    Command("broker.init", Init, Empty, "init", idempotent=True),
     Command("broker.launch", Launch, LaunchReply, "launch", idempotent=True),
     Command("broker.scale", Scale, LaunchReply, "scale", idempotent=True),
     Command("broker.get-service-info", ResourceRef, ServiceInfo, "get_service_info"),
     Command("broker.is-service-preparing", ResourceRef, Preparing, "is_service_preparing"),
-    Command("broker.release", Release, Done, "release", idempotent=True),
+    Command("broker.release", Release, Empty, "release", idempotent=True),
     Command("broker.apply", Apply, ApplyReply, "apply", idempotent=True),
     Command("broker.add-broker", AddBroker, BrokerView, "add_broker", idempotent=True),
     Command("broker.remove-broker", RemoveBroker, RemovedBroker, "remove_broker", idempotent=True),
@@ -67,39 +67,44 @@ EVENTS = {
 STREAM = StreamSpec("events", ("broker.>",), max_age=24 * 3600, max_bytes=1 << 30)
 
 
-class Endpoints:
+class BrokerEndpoints:
     def __init__(
-        self, manager: ResourceManager, keeper: PoolKeeper, instance_types: InstanceTypes, namespace: str = ""
+        self,
+        resources: BrokerResources,
+        keeper: PoolKeeper,
+        instance_types: InstanceTypes,
+        namespace: str = "",
     ) -> None:
-        self.m = manager
+        self.resources = resources
         self.keeper = keeper
         self.instance_types = instance_types
         self.namespace = namespace
 
-    async def init(self, req: Init) -> Done:
-        await self.m.init(req.user, req.resource_id, req.param)
-        return Done()
+    async def init(self, req: Init) -> Empty:
+        await self.resources.launching.init(req.user, req.resource_id, req.param)
+        return Empty()
 
     async def launch(self, req: Launch) -> LaunchReply:
-        record = await self.m.launch(req.user, req.resource_id, req.city or None, req.filter)
+        launching = self.resources.launching
+        record = await launching.launch(req.user, req.resource_id, req.city or None, req.filter)
         return LaunchReply(record.request_instance, record.broker_resource_id)
 
     async def scale(self, req: Scale) -> LaunchReply:
-        record = await self.m.scale(req.user, req.resource_id, req.filter)
+        record = await self.resources.launching.scale(req.user, req.resource_id, req.filter)
         return LaunchReply(record.request_instance, record.broker_resource_id)
 
     async def get_service_info(self, req: ResourceRef) -> ServiceInfo:
-        return await self.m.service_info(req.user, req.resource_id)
+        return await self.resources.queries.service_info(req.user, req.resource_id)
 
     async def is_service_preparing(self, req: ResourceRef) -> Preparing:
-        return Preparing(await self.m.is_preparing(req.user, req.resource_id))
+        return Preparing(await self.resources.queries.is_preparing(req.user, req.resource_id))
 
-    async def release(self, req: Release) -> Done:
-        await self.m.release(req.user, req.resource_id)
-        return Done()
+    async def release(self, req: Release) -> Empty:
+        await self.resources.releasing.release(req.user, req.resource_id)
+        return Empty()
 
     async def apply(self, req: Apply) -> ApplyReply:
-        record = await self.m.apply(req.user, req.resource_id, req.param, req.filter)
+        record = await self.resources.launching.apply(req.user, req.resource_id, req.param, req.filter)
         return ApplyReply(record.broker_resource_id)
 
     async def add_broker(self, req: AddBroker) -> BrokerView:
@@ -118,10 +123,10 @@ class Endpoints:
         return Namespace(self.namespace or req.user)
 
     async def get_resource_detail(self, req: GetResourceDetail) -> ResourceDetailReply:
-        return await self.m.detail(req.offset, req.limit)
+        return await self.resources.queries.detail(req.offset, req.limit)
 
     async def list_resources(self, req: ListResources) -> ResourceList:
-        return await self.m.list_resources(req)
+        return await self.resources.queries.list_resources(req)
 
     async def get_resource(self, req: ResourceRef) -> ResourceView:
-        return (await self.m.get(req.user, req.resource_id)).view()
+        return (await self.resources.queries.get(req.user, req.resource_id)).view()

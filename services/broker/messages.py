@@ -141,10 +141,6 @@ class Apply(Struct):
     request_id: RequestId = ""
 
 
-class Done(Struct):
-    """An empty reply (`{}`)."""
-
-
 class LaunchReply(Struct):
     request_instance: int
     broker_resource_id: str = ""
@@ -254,7 +250,10 @@ class Namespace(Struct):
 # -- broker commands --------------------------------------------------------------------------
 
 
-class AddBroker(Struct):
+class BrokerConfig(Struct):
+    """A broker: what `add-broker` asks for and the store keeps (crm's BrokerParam, with the fit
+    function and strategy as data). `model.broker_config` makes one from the request."""
+
     user: Token
     name: Token
     strategy: Strategy
@@ -263,6 +262,9 @@ class AddBroker(Struct):
     fit_fields: list[FitField] = field(default_factory=lambda: ["city", "worker_version"])
     release_loop: bool = False
     idle_keep_seconds: Seconds = 0.0
+
+
+class AddBroker(BrokerConfig):
     request_id: RequestId = ""
 
 

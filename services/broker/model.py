@@ -1,13 +1,14 @@
 """The broker's records and the pure rules over them (crm reference §1–2).
 
-Nothing here does I/O: the manager loads records, asks these functions what to change, and the
-store writes the change atomically.
+Nothing here does I/O: the resource commands load records, ask these functions (and
+`transitions`) what to change, and the store writes the change atomically.
 """
 
 from __future__ import annotations
 
 import re
 import time
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -16,11 +17,11 @@ from bus.subjects import NAME_PATTERN as TOKEN
 from services.broker import errors
 from services.broker.messages import (
     AddBroker,
+    BrokerConfig,
     InstanceFilter,
     ResourceParam,
     ResourceView,
     ServiceInfo,
-    Strategy,
 )
 
 INIT, DEPLOYING, RUNNING, RELEASED, DELETING = "init", "deploying", "running", "released", "deleting"
@@ -28,8 +29,12 @@ INIT, DEPLOYING, RUNNING, RELEASED, DELETING = "init", "deploying", "running", "
 LIVE = (INIT, DEPLOYING, RUNNING)
 
 
-class Resource(msgspec.Struct, kw_only=True):
-    """One resource record (crm's TableResource) plus the fields the broker needs to recover.
+S = TypeVar("S", bound=msgspec.Struct)
+
+
+class Resource(ResourceView, kw_only=True):
+    """One resource record: what `get-resource` shows of it (crm's TableResource, `ResourceView`)
+    plus the fields the broker needs to recover. `new_record` makes one.
 
     `launched`: the launch was accepted; the status stays `init` until the operator has it.
     `pending`: a launch or scale has not reached the operator yet (the `launch` timer's work).
@@ -38,22 +43,10 @@ class Resource(msgspec.Struct, kw_only=True):
     `version` is bumped by the store on every write (compare-and-set).
     """
 
-    resource_id: str
-    user: str
-    param: ResourceParam
-    status: str = INIT
-    resource_block_key: str = ""
-    request_instance: int = 0
-    no_ready_instance: int = 0
-    broker_resource_id: str = ""
-    broker_name: str = ""
-    broker_sold: bool = False
     created_at: float = 0.0
-    updated_at: float = 0.0
     launched: bool = False
     pending: bool = False
     deadline: float = 0.0
-    message: str = ""
     version: int = 0
 
     @property
@@ -65,49 +58,44 @@ class Resource(msgspec.Struct, kw_only=True):
         """A broker's own resource that has not been sold."""
         return bool(self.broker_name) and not self.broker_sold
 
+    def shown_as(self, struct: type[S], **others: Any) -> S:
+        """`struct` with the record's fields of the same names, and `others`."""
+        shared = {name: getattr(self, name) for name in struct.__struct_fields__ if name not in others}
+        return struct(**shared, **others)
+
     def view(self) -> ResourceView:
-        return ResourceView(
-            resource_id=self.resource_id,
-            user=self.user,
-            param=self.param,
-            status=self.status,
-            resource_block_key=self.resource_block_key,
-            request_instance=self.request_instance,
-            no_ready_instance=self.no_ready_instance,
-            broker_resource_id=self.broker_resource_id,
-            broker_name=self.broker_name,
-            broker_sold=self.broker_sold,
-            updated_at=self.updated_at,
-            message=self.message,
-        )
+        return self.shown_as(ResourceView)
 
 
-class BrokerConfig(msgspec.Struct, kw_only=True):
-    """What `add-broker` stores (crm's BrokerParam, with the fit function and strategy as data)."""
+# What the view's fields of a record start at: nothing launched, reserved or sold.
+UNLAUNCHED: dict[str, Any] = {
+    "status": INIT,
+    "resource_block_key": "",
+    "request_instance": 0,
+    "no_ready_instance": 0,
+    "broker_resource_id": "",
+    "broker_name": "",
+    "broker_sold": False,
+    "updated_at": 0.0,
+}
 
-    user: str
-    name: str
-    strategy: Strategy
-    param: ResourceParam
-    instance: int
-    fit_fields: list[str]
-    release_loop: bool
-    idle_keep_seconds: float
 
-    @classmethod
-    def from_request(cls, req: AddBroker) -> BrokerConfig:
-        # The broker's resources carry its name in their param, as crm's do.
-        param = msgspec.structs.replace(req.param, broker_name=req.name)
-        return cls(
-            user=req.user,
-            name=req.name,
-            strategy=req.strategy,
-            param=param,
-            instance=req.instance,
-            fit_fields=list(dict.fromkeys(req.fit_fields)),
-            release_loop=req.release_loop,
-            idle_keep_seconds=req.idle_keep_seconds,
-        )
+def new_record(user: str, resource_id: str, param: ResourceParam, **fields: Any) -> Resource:
+    """A record of `user`'s `resource_id`: `fields`, the others as `UNLAUNCHED`."""
+    return Resource(resource_id=resource_id, user=user, param=param, **{**UNLAUNCHED, **fields})
+
+
+def broker_config(req: AddBroker) -> BrokerConfig:
+    """The broker `req` adds: its resources carry its name in their param, as crm's do, and each fit
+    field counts once."""
+    fields = {name: getattr(req, name) for name in BrokerConfig.__struct_fields__}
+    return BrokerConfig(
+        **{
+            **fields,
+            "param": msgspec.structs.replace(req.param, broker_name=req.name),
+            "fit_fields": list(dict.fromkeys(req.fit_fields)),
+        }
+    )
 
 
 class BrokerState(msgspec.Struct, kw_only=True):
@@ -136,18 +124,20 @@ def now() -> float:
     return time.time()
 
 
-def check_filter(f: InstanceFilter) -> None:
-    if f.least_instance > f.request_instance:
+def check_filter(instance_filter: InstanceFilter) -> None:
+    if instance_filter.least_instance > instance_filter.request_instance:
         raise InvalidArgument(
-            "filter.least_instance", f"must not exceed request_instance ({f.request_instance})"
+            "filter.least_instance",
+            f"must not exceed request_instance ({instance_filter.request_instance})",
         )
 
 
-def take_instances(f: InstanceFilter, available: int) -> int:
+def take_instances(instance_filter: InstanceFilter, available: int) -> int:
     """The instance filter: min(available, request) when available >= least (never 0)."""
-    if available < max(f.least_instance, 1):
-        raise errors.no_enough_resources(max(available, 0), max(f.least_instance, 1))
-    return min(available, f.request_instance)
+    least = max(instance_filter.least_instance, 1)
+    if available < least:
+        raise errors.no_enough_resources(max(available, 0), least)
+    return min(available, instance_filter.request_instance)
 
 
 def fits(broker: BrokerConfig, request: ResourceParam) -> bool:

@@ -23,27 +23,27 @@ import msgspec
 
 from bus.errors import BerthError
 from services.broker import errors, model, strategies
-from services.broker.manager import ResourceManager
 from services.broker.messages import AddBroker, BrokerView
 from services.broker.model import INIT, RUNNING, BrokerConfig, BrokerState, Resource, now
-from services.broker.store import Stale, srem, zadd
+from services.broker.resources import BrokerResources
+from services.broker.store import Stale
 
 log = logging.getLogger("berth.broker.pool")
 
 
 class PoolKeeper:
-    def __init__(self, manager: ResourceManager) -> None:
-        self.manager = manager
-        self.store = manager.store
-        self.timing = manager.timing
-        self.publish = manager.publish
+    def __init__(self, resources: BrokerResources) -> None:
+        self.resources = resources
+        self.store = resources.store
+        self.timing = resources.timing
+        self.publish = resources.publish
 
     # -- commands ----------------------------------------------------------------------------------
 
     async def add(self, req: AddBroker) -> BrokerView:
         strategies.check(req.strategy)
-        self.manager.check(req.param)
-        config = BrokerConfig.from_request(req)
+        self.resources.launching.check(req.param)
+        config = model.broker_config(req)
         await self.store.put_broker(config)
         return await self.view(config)
 
@@ -61,7 +61,7 @@ class PoolKeeper:
         if not await self.store.remove_broker(user, name) and not unsold:
             raise errors.broker_not_found(user, name)
         records = await self.store.load_many((user, rid) for rid in unsold)
-        await asyncio.gather(*(self.manager.release_record(r) for r in records if r is not None))
+        await asyncio.gather(*(self.resources.releasing.release_record(r) for r in records if r is not None))
         return sorted(unsold)
 
     async def views(self, user: str | None) -> list[BrokerView]:
@@ -71,20 +71,13 @@ class PoolKeeper:
         counts = await self.store.pool_counts(config.user, config.name)
         state = await self.store.broker_state(config.user, config.name)
         return BrokerView(
-            user=config.user,
-            name=config.name,
-            strategy=config.strategy,
+            **{name: getattr(config, name) for name in BrokerConfig.__struct_fields__},
             target=await self._target(config),
             warming=counts["warming"],
             idle=counts["idle"],
             sold=counts["sold"],
             deleting=counts["deleting"],
             cooling_until=state.cooling_until,
-            instance=config.instance,
-            param=config.param,
-            fit_fields=config.fit_fields,
-            release_loop=config.release_loop,
-            idle_keep_seconds=config.idle_keep_seconds,
         )
 
     async def _target(self, config: BrokerConfig) -> int:
@@ -108,7 +101,7 @@ class PoolKeeper:
     async def _judge(self, broker: BrokerConfig, state: BrokerState, record: Resource) -> None:
         """Accept a warming resource into the idle pool, reject it, or let it warm a little longer."""
         if record.status != INIT:
-            record, info = await self.manager.refresh(record)
+            record, info = await self.resources.tracking.refresh(record)
             if record.status == RUNNING:
                 if model.ready_enough(broker.instance, info.current_instances):
                     await self._accept(broker, record)
@@ -120,16 +113,8 @@ class PoolKeeper:
             await self._reject(broker, state, record, f"not ready within {self.timing.ready_timeout:g} s")
 
     async def _accept(self, broker: BrokerConfig, record: Resource) -> None:
-        t = now()
         try:
-            await self.store.commit(
-                msgspec.structs.replace(record, updated_at=t),
-                record.version,
-                [
-                    srem(self.store.keys.pool(broker.user, broker.name, "warming"), record.resource_id),
-                    zadd(self.store.keys.pool(broker.user, broker.name, "idle"), t, record.resource_id),
-                ],
-            )
+            await self.store.accept_idle(msgspec.structs.replace(record, updated_at=now()))
         except Stale:
             return  # changed meanwhile (released); the next tick sees it as it is now
         await self.publish.pool(broker.user, broker.name, "ready", record.resource_id)
@@ -153,7 +138,7 @@ class PoolKeeper:
     async def _release(self, record: Resource) -> bool:
         """Release a pool resource unless `apply` sold it meanwhile; failures are the release loop's."""
         try:
-            return await self.manager.release_record(record, if_unchanged=True)
+            return await self.resources.releasing.release_record(record, if_unchanged=True)
         except BerthError as error:
             log.warning("release of %s failed: %s", record.resource_id, error)
             return False
@@ -169,7 +154,7 @@ class PoolKeeper:
     async def _drop_dead_idle(self, broker: BrokerConfig) -> None:
         """An idle resource that no longer passes the readiness gate (its processes died) goes."""
         idle = [rid for rid, _ in await self._idle(broker)]
-        counts = await self.manager.operator.running_instances(broker.user, idle) if idle else []
+        counts = await self.resources.operator.running_instances(broker.user, idle) if idle else []
         for resource_id, running in zip(idle, counts):
             if not model.ready_enough(broker.instance, running):
                 log.warning(
@@ -203,7 +188,7 @@ class PoolKeeper:
     async def _launch(self, broker: BrokerConfig, state: BrokerState, count: int) -> None:
         for _ in range(count):
             try:
-                await self.manager.launch_for_broker(broker)
+                await self.resources.launching.launch_for_broker(broker)
             except BerthError as error:
                 if error.code == "broker_not_enough_resources":
                     return  # capacity comes back by itself: retry next tick, no cooling (crm)

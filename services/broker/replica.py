@@ -17,9 +17,9 @@ import socket
 import uuid
 
 from services.broker.config import Timing
-from services.broker.manager import ResourceManager
 from services.broker.model import now
 from services.broker.pools import PoolKeeper
+from services.broker.resources import BrokerResources
 
 log = logging.getLogger("berth.broker.replica")
 
@@ -30,11 +30,11 @@ def replica_id() -> str:
 
 
 class Replica:
-    def __init__(self, manager: ResourceManager, keeper: PoolKeeper, timing: Timing) -> None:
+    def __init__(self, resources: BrokerResources, keeper: PoolKeeper, timing: Timing) -> None:
         self.id = replica_id()
-        self.manager = manager
+        self.resources = resources
         self.keeper = keeper
-        self.store = manager.store
+        self.store = resources.store
         self.timing = timing
         self._loops: list[asyncio.Task] = []
         self._held: set[tuple[str, str]] = set()
@@ -51,7 +51,7 @@ class Replica:
         for task in self._loops:
             task.cancel()
         await asyncio.gather(*self._loops, return_exceptions=True)
-        await self.manager.close()
+        await self.resources.close()
         for user, name in self._held:
             await self.store.drop_lease(user, name, self.id)
         self._held.clear()
@@ -69,7 +69,7 @@ class Replica:
     async def run_timers(self) -> None:
         due = await self.store.claim_timers(now(), self.timing.claim_seconds)
         results = await asyncio.gather(
-            *(self.manager.on_timer(*timer) for timer in due), return_exceptions=True
+            *(self.resources.on_timer(*timer) for timer in due), return_exceptions=True
         )
         for timer, result in zip(due, results):
             if isinstance(result, Exception):

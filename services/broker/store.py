@@ -41,13 +41,14 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable
+from functools import cached_property
 from typing import Any
 
 import msgspec
 from redis.asyncio import Redis
 
 from services.broker.messages import ResourceParam
-from services.broker.model import BrokerConfig, BrokerState, Resource
+from services.broker.model import RUNNING, BrokerConfig, BrokerState, Resource
 
 RELEASED_TTL = 24 * 3600
 POOL_PARTS = ("warming", "idle", "sold", "deleting")
@@ -273,6 +274,93 @@ def index_member(user: str, resource_id: str) -> str:
     return f"{user}/{resource_id}"
 
 
+class Changes:
+    """The index changes that go with each step of a record's life, as ops for `BrokerStore.commit`.
+
+    Pure (it only names keys): the steps of `BrokerStore` commit them with the record.
+    """
+
+    def __init__(self, keys: Keys) -> None:
+        self.keys = keys
+
+    def _timer(self, kind: str, record: Resource) -> str:
+        return timer_member(kind, record.user, record.resource_id)
+
+    def _pool(self, record: Resource, part: str) -> str:
+        return self.keys.pool(record.user, record.broker_name, part)
+
+    def indexed(self, record: Resource) -> list[Op]:
+        """A new record enters the index (list-resources), at its creation time."""
+        return [zadd(self.keys.index, record.created_at, index_member(record.user, record.resource_id))]
+
+    def launch(self, record: Resource, need: int, free: int, due: float) -> list[Op]:
+        """Reserve `need` instances of the record's block (refused beyond `free` reserved in all),
+        and set the `launch` timer at `due`."""
+        block = record.resource_block_key
+        return [
+            fits(self.keys.blocks, block, need, free),
+            hincrby(self.keys.blocks, block, need),
+            zadd(self.keys.timers, due, self._timer("launch", record)),
+        ]
+
+    def pool_entry(self, record: Resource) -> list[Op]:
+        """A broker's new resource: the broker must still exist; the resource warms in its pool."""
+        return [
+            exists(self.keys.broker(record.user, record.broker_name)),
+            sadd(self._pool(record, "warming"), record.resource_id),
+            *self.indexed(record),
+        ]
+
+    def deploying(self, record: Resource, trace_at: float) -> list[Op]:
+        """The operator has the launch: the `launch` timer goes, and a `trace` timer follows the
+        deployment from `trace_at` (a pool resource is followed by its broker's pool loop instead)."""
+        ops = [zrem(self.keys.timers, self._timer("launch", record))]
+        if not record.in_pool:
+            ops.append(zadd(self.keys.timers, trace_at, self._timer("trace", record)))
+        return ops
+
+    def observed(self, before: Resource, after: Resource) -> list[Op]:
+        """Instances that became ready return their reservation; a running record needs no trace."""
+        ops: list[Op] = []
+        ready = before.no_ready_instance - after.no_ready_instance
+        if ready:
+            ops.append(hincrby(self.keys.blocks, before.resource_block_key, -ready))
+        if after.status == RUNNING:
+            ops.append(zrem(self.keys.timers, self._timer("trace", before)))
+        return ops
+
+    def release_begun(self, record: Resource, due: float) -> list[Op]:
+        """A `release` timer at `due` (in case we die), and a pool resource moves to `deleting`."""
+        ops = [zadd(self.keys.timers, due, self._timer("release", record))]
+        if record.in_pool:
+            ops += self._pool_exit(record)
+            ops.append(sadd(self._pool(record, "deleting"), record.resource_id))
+        return ops
+
+    def released(self, record: Resource) -> list[Op]:
+        """Everything that still refers to `record` goes: its timers, its reservation, its pool."""
+        ops = [zrem(self.keys.timers, self._timer(kind, record)) for kind in ("launch", "trace", "release")]
+        if record.no_ready_instance:
+            ops.append(hincrby(self.keys.blocks, record.resource_block_key, -record.no_ready_instance))
+        if record.broker_name:
+            ops += self._pool_exit(record)
+            ops += [srem(self._pool(record, part), record.resource_id) for part in ("sold", "deleting")]
+        return ops
+
+    def accepted(self, record: Resource, since: float) -> list[Op]:
+        """A warming pool resource passed the readiness gate: it is idle (ready) since `since`."""
+        return [
+            srem(self._pool(record, "warming"), record.resource_id),
+            zadd(self._pool(record, "idle"), since, record.resource_id),
+        ]
+
+    def _pool_exit(self, record: Resource) -> list[Op]:
+        return [
+            srem(self._pool(record, "warming"), record.resource_id),
+            zrem(self._pool(record, "idle"), record.resource_id),
+        ]
+
+
 class BrokerStore:
     def __init__(self, redis: Redis, prefix: str) -> None:
         self.redis = redis
@@ -425,6 +513,46 @@ class BrokerStore:
         """Update a broker's timers, unless the broker was removed meanwhile."""
         flat = [text for field, value in fields.items() for text in (field, repr(float(value)))]
         await self._set_if_exists(keys=[self.keys.broker(user, name)], args=flat)
+
+    # -- record steps: a record written with the index changes that go with it (see `Changes`) ----
+    # Each writes `record` if it is still at the version it was read at (`record.version`), and
+    # returns it as written; `Stale` says why not.
+
+    @cached_property
+    def changes(self) -> Changes:
+        return Changes(self.keys)
+
+    async def create(self, record: Resource, expected: int) -> Resource:
+        """A new record (`expected`: the version of the released record it replaces, or 0)."""
+        return await self.commit(record, expected, self.changes.indexed(record))
+
+    async def reserve_launch(self, record: Resource, need: int, free: int, due: float) -> Resource:
+        """A launch or scale: `need` instances of the block reserved, the `launch` timer at `due`."""
+        return await self.commit(record, record.version, self.changes.launch(record, need, free, due))
+
+    async def reserve_pool_launch(self, record: Resource, need: int, free: int, due: float) -> Resource:
+        """A broker's new resource: reserved as a launch, and in its broker's pool (warming) and the
+        index. `Stale("missing")`: the broker is gone."""
+        ops = [*self.changes.launch(record, need, free, due), *self.changes.pool_entry(record)]
+        return await self.commit(record, 0, ops)
+
+    async def mark_deploying(self, record: Resource, trace_at: float) -> Resource:
+        return await self.commit(record, record.version, self.changes.deploying(record, trace_at))
+
+    async def observe(self, before: Resource, after: Resource) -> Resource:
+        """`after`: `before` as the operator's report changed it."""
+        return await self.commit(after, before.version, self.changes.observed(before, after))
+
+    async def begin_release(self, deleting: Resource, due: float) -> Resource:
+        return await self.commit(deleting, deleting.version, self.changes.release_begun(deleting, due))
+
+    async def mark_released(self, before: Resource, released: Resource) -> Resource:
+        """The record as released, kept readable for `RELEASED_TTL`."""
+        return await self.commit(released, before.version, self.changes.released(before), ttl=RELEASED_TTL)
+
+    async def accept_idle(self, record: Resource) -> Resource:
+        """A warming pool resource joins the idle pool, ready since `record.updated_at`."""
+        return await self.commit(record, record.version, self.changes.accepted(record, record.updated_at))
 
     # -- pools ---------------------------------------------------------------------------------
 

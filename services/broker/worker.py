@@ -12,24 +12,24 @@ from bus.service import Service
 from bus.telemetry import on_scrape
 from services.broker.brokers import BrokerRegistry
 from services.broker.config import InstanceTypes
-from services.broker.endpoints import COMMANDS, EVENTS, STREAM, Endpoints
-from services.broker.manager import ResourceManager
+from services.broker.endpoints import COMMANDS, EVENTS, STREAM, BrokerEndpoints
 from services.broker.operators.allocation import AllocationOperator
 from services.broker.operators.base import Operator
 from services.broker.operators.process import ProcessOperator, ProcessTable
 from services.broker.pools import PoolKeeper
 from services.broker.publisher import Publisher
 from services.broker.replica import Replica
+from services.broker.resources import BrokerResources
 from services.broker.store import BrokerStore
 from services.broker.telemetry import PoolSizes
-from services.settings import BrokerConfig
+from services.settings import BrokerServiceConfig
 
 NAME = "broker"
 __all__ = ["COMMANDS", "EVENTS", "NAME", "STREAM", "build", "make_broker"]
 
 
 def make_operator(
-    settings: BrokerConfig, redis: Redis, nc: Client, prefix: str, types: InstanceTypes
+    settings: BrokerServiceConfig, redis: Redis, nc: Client, prefix: str, types: InstanceTypes
 ) -> Operator:
     processes = ProcessOperator(
         ProcessTable(redis, prefix),
@@ -53,15 +53,15 @@ def make_operator(
 
 
 def make_broker(
-    settings: BrokerConfig, *, redis: Redis, nc: Client, events: EventBus, prefix: str, concurrency: int = 64
+    settings: BrokerServiceConfig, *, redis: Redis, nc: Client, events: EventBus, prefix: str, concurrency: int = 64
 ) -> tuple[Service, Replica]:
     """The service (not started) and its background work (not started)."""
     types = InstanceTypes.parse(settings.cpu_per_instance, settings.mem_per_instance, settings.instance_types)
     store = BrokerStore(redis, prefix)
     publisher = Publisher(events)
     operator = make_operator(settings, redis, nc, prefix, types)
-    manager = ResourceManager(store, operator, BrokerRegistry(store, publisher), publisher, settings.timing)
-    keeper = PoolKeeper(manager)
+    resources = BrokerResources(store, operator, BrokerRegistry(store, publisher), publisher, settings.timing)
+    keeper = PoolKeeper(resources)
     service = Service(
         f"{prefix}-broker",
         prefix=prefix,
@@ -69,12 +69,12 @@ def make_broker(
         idempotency=IdempotencyStore(redis, prefix=prefix),
         description="resources on an operator and warm pools of them (crm broker)",
     )
-    service.bind(COMMANDS, Endpoints(manager, keeper, types, settings.namespace))
-    return service, Replica(manager, keeper, settings.timing)
+    service.bind(COMMANDS, BrokerEndpoints(resources, keeper, types, settings.namespace))
+    return service, Replica(resources, keeper, settings.timing)
 
 
 async def build(ctx) -> Service:
-    """`ctx.config`: the frozen `services.settings.BrokerConfig`."""
+    """`ctx.config`: the frozen `services.settings.BrokerServiceConfig`."""
     service, replica = make_broker(
         ctx.config,
         redis=ctx.redis,

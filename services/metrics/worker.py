@@ -25,7 +25,7 @@ from services.metrics.notifier import Notifier, Publishing, Registrations
 from services.metrics.provisioners import PROVISIONERS, CgroupProvisioner, Provisioner
 from services.metrics.store import Store
 from services.metrics.telemetry import RegistrationCount
-from services.settings import MetricsConfig
+from services.settings import MetricsServiceConfig
 
 NAME = "metrics"
 __all__ = ["NAME", "COMMANDS", "EVENTS", "STREAM", "build", "MetricsWorker"]
@@ -33,7 +33,7 @@ __all__ = ["NAME", "COMMANDS", "EVENTS", "STREAM", "build", "MetricsWorker"]
 log = logging.getLogger("berth.metrics")
 
 
-def make_provisioners(options: MetricsConfig) -> list[Provisioner]:
+def make_provisioners(options: MetricsServiceConfig) -> list[Provisioner]:
     def interval(cls: type[Provisioner]) -> float:
         return options.provisioner_intervals.get(cls.name, options.interval)
 
@@ -52,7 +52,7 @@ class MetricsWorker:
         nc: Client,
         redis: Redis,
         prefix: str,
-        options: MetricsConfig,
+        options: MetricsServiceConfig,
         *,
         provisioners: Sequence[Provisioner] | None = None,
         concurrency: int = 64,
@@ -95,7 +95,7 @@ def _report_crash(task: asyncio.Task) -> None:
 
 
 async def build(ctx) -> Service:
-    """`ctx.config`: the frozen `services.settings.MetricsConfig`."""
+    """`ctx.config`: the frozen `services.settings.MetricsServiceConfig`."""
     options = ctx.config
     worker = MetricsWorker(ctx.nc, ctx.redis, ctx.prefix, options, concurrency=ctx.common.concurrency)
     worker.start()

@@ -15,6 +15,7 @@ placement back instead of a second one.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -23,9 +24,10 @@ from bus.client import BusClient
 from bus.errors import BusError
 from services.allocation.messages import AllocateReply, ListNodesReply, NodeSummary
 from services.broker.config import InstanceTypes
-from services.broker.messages import ResourceParam, ServiceInfo
-from services.broker.operators.base import BlockCapacity, LaunchSpec, OperatorError
+from services.broker.messages import BlockDetail, ResourceParam, ServiceInfo
+from services.broker.operators.base import LaunchSpec, OperatorError
 from services.broker.operators.process import ProcessOperator
+from services.broker.views import unreserved
 
 PAGE = 1000
 
@@ -42,6 +44,22 @@ def workload_id(user: str, resource_id: str, index: int) -> str:
         return name
     digest = hashlib.blake2b(resource_id.encode(), digest_size=16).hexdigest()
     return f"broker/{user}/{digest}/{index}"
+
+
+@dataclass(frozen=True)
+class BlockLabels:
+    """The node labels that hold a capacity block's city and platform."""
+
+    city: str = "city"
+    platform: str = "platform"
+
+    def selector(self, param: ResourceParam) -> dict[str, str]:
+        """The labels of the nodes of `param`'s block."""
+        return {self.city: param.city, self.platform: param.platform}
+
+    def block_of(self, node: NodeSummary) -> tuple[str, str]:
+        """(platform, city) of the block `node` belongs to."""
+        return node.labels.get(self.platform, ""), node.labels.get(self.city, "")
 
 
 def bound_cpus(engine_params: dict[str, Any]) -> list[int]:
@@ -65,8 +83,7 @@ class AllocationOperator:
         self.processes = processes
         self.client = client
         self.types = types
-        self.city_label = city_label
-        self.platform_label = platform_label
+        self.labels = BlockLabels(city_label, platform_label)
         self.bind_cpus = bind_cpus
         self.placement = placement
         self.redis = processes.table.redis
@@ -115,14 +132,13 @@ class AllocationOperator:
         return int(reply["total"])
 
     async def free_instances(self, param: ResourceParam) -> int:
-        nodes = await self._nodes({self.city_label: param.city, self.platform_label: param.platform})
+        nodes = await self._nodes(self.labels.selector(param))
         return await self._free([n.nodename for n in nodes], param.platform, param.city)
 
-    async def blocks(self) -> list[BlockCapacity]:
+    async def blocks(self) -> list[BlockDetail]:
         by_block: dict[tuple[str, str], list[NodeSummary]] = {}
         for node in await self._nodes({}):
-            key = (node.labels.get(self.platform_label, ""), node.labels.get(self.city_label, ""))
-            by_block.setdefault(key, []).append(node)
+            by_block.setdefault(self.labels.block_of(node), []).append(node)
         blocks = []
         for (platform, city), nodes in sorted(by_block.items()):
             cpumem = [((n.capacity.get("cpumem") or {}), (n.usage.get("cpumem") or {})) for n in nodes]
@@ -143,8 +159,15 @@ class AllocationOperator:
                 )
             )
             blocks.append(
-                BlockCapacity(
-                    f"{platform}/{city}", free + used, used, free, cpu_total, cpu_used, mem_total, mem_used
+                unreserved(
+                    f"{platform}/{city}",
+                    free + used,
+                    used,
+                    free,
+                    cpu_total=cpu_total,
+                    cpu_used=cpu_used,
+                    mem_total=mem_total,
+                    mem_used=mem_used,
                 )
             )
         return blocks
@@ -160,11 +183,11 @@ class AllocationOperator:
 
     async def _allocate(self, spec: LaunchSpec, indexes: list[int]) -> dict[int, Placement]:
         param = spec.param
-        nodes = await self._nodes({self.city_label: param.city, self.platform_label: param.platform})
+        selector = self.labels.selector(param)
+        nodes = await self._nodes(selector)
         if not nodes:
             raise OperatorError(
-                f"no node has labels {self.city_label}={param.city!r}, "
-                f"{self.platform_label}={param.platform!r}"
+                "no node has labels " + ", ".join(f"{label}={value!r}" for label, value in selector.items())
             )
         ids = [workload_id(spec.user, spec.resource_id, i) for i in indexes]
         digest = hashlib.blake2b("\0".join(ids).encode(), digest_size=16).hexdigest()

@@ -1,6 +1,6 @@
 """The operator interface: where a resource's instances actually run.
 
-The manager only talks to this interface, so a new platform (Kubernetes, say) is one more class:
+The broker only talks to this interface, so a new platform (Kubernetes, say) is one more class:
 validate a param, say which capacity block it draws from and how much is free there, launch (or
 scale: `launch` makes `spec.instances` instances exist, whatever already runs), report status,
 count the instances still running, release.
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from services.broker.messages import ResourceParam, ServiceInfo
+from services.broker.messages import BlockDetail, ResourceParam, ServiceInfo
 
 
 class OperatorError(Exception):
@@ -26,20 +26,6 @@ class LaunchSpec:
     instances: int
 
 
-@dataclass(frozen=True)
-class BlockCapacity:
-    """What a capacity block holds, in instances (and in CPU and memory where the operator knows)."""
-
-    block: str
-    total: int
-    used: int
-    free: int
-    cpu_total: float = 0.0
-    cpu_used: float = 0.0
-    mem_total: int = 0
-    mem_used: int = 0
-
-
 class Operator(Protocol):
     name: str
 
@@ -52,7 +38,8 @@ class Operator(Protocol):
     async def free_instances(self, param: ResourceParam) -> int:
         """Instances of `param`'s block the platform can still start (before reservations)."""
 
-    async def blocks(self) -> list[BlockCapacity]: ...
+    async def blocks(self) -> list[BlockDetail]:
+        """Every capacity block as the operator sees it, nothing reserved (`views.unreserved`)."""
 
     async def launch(self, spec: LaunchSpec) -> None:
         """Make `spec.instances` instances exist; idempotent (a retry adopts what already runs)."""

@@ -28,10 +28,11 @@ import msgspec
 from redis.asyncio import Redis
 
 from bus.errors import InvalidArgument
-from services.broker.messages import Endpoint, ResourceParam, ServiceInfo
+from services.broker.messages import BlockDetail, Endpoint, ResourceParam, ServiceInfo
 from services.broker.operators import procfs
-from services.broker.operators.base import BlockCapacity, LaunchSpec, OperatorError
+from services.broker.operators.base import LaunchSpec, OperatorError
 from services.broker.store import key_base
+from services.broker.views import unreserved
 from services.servers import free_port
 
 BLOCK = "local"
@@ -186,9 +187,9 @@ class ProcessOperator:
     async def free_instances(self, param: ResourceParam) -> int:
         return max(0, self.max_instances - await self.table.count())
 
-    async def blocks(self) -> list[BlockCapacity]:
+    async def blocks(self) -> list[BlockDetail]:
         used = await self.table.count()
-        return [BlockCapacity(BLOCK, self.max_instances, used, max(0, self.max_instances - used))]
+        return [unreserved(BLOCK, self.max_instances, used, max(0, self.max_instances - used))]
 
     def marker(self, user: str, resource_id: str, index: int | str = "") -> str:
         return f"{self.prefix}/{user}/{resource_id}/{index}"

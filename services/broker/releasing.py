@@ -1,0 +1,119 @@
+"""Releasing resources (crm reference §1, Release; §2.9, the release pool).
+
+A release is begun and finished in two writes: the record is marked `deleting` (out of its pool,
+with a `release` timer in case this replica dies), the operator releases its instances, and the
+record is marked `released` (kept readable for 24 h). A release the operator refused is retried by
+the `release` timer.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from bus.errors import BerthError
+from services.broker import errors, transitions
+from services.broker.context import RETRIES, Part
+from services.broker.model import DELETING, RELEASED, Resource, now
+from services.broker.operators.base import OperatorError
+from services.broker.store import Stale
+
+log = logging.getLogger("berth.broker")
+
+
+class Releasing(Part):
+    async def release(self, user: str, resource_id: str) -> None:
+        """Release a resource; a sold one takes its broker resource along (that one first)."""
+        record = await self.store.load(user, resource_id)
+        if record is None or record.status == RELEASED:
+            raise errors.resource_not_found(resource_id)
+        if record.broker_resource_id:
+            target = await self.store.load(user, record.broker_resource_id)
+            if target is not None and target.status != RELEASED:
+                await self.release_record(target)
+        await self.release_record(record)
+
+    async def release_record(self, record: Resource, *, if_unchanged: bool = False) -> bool:
+        """Begin and finish releasing `record`. With `if_unchanged`, give up (False) if the record
+        changed since it was read (a pool loop must not release what `apply` just sold)."""
+        begun = await self._begin(record, if_unchanged)
+        if begun is None:
+            return False
+        await self._finish(begun)
+        return True
+
+    async def finish_release(self, user: str, resource_id: str) -> None:
+        """The `release` timer: a release begun by a replica that died, or one the operator refused."""
+        record = await self.store.load(user, resource_id)
+        if record is None or record.status != DELETING:
+            await self.store.drop_timer("release", user, resource_id)
+            return
+        try:
+            await self._finish(record)
+        except BerthError:
+            pass  # rescheduled or left deleting by _failed
+
+    async def _reloaded(self, record: Resource) -> Resource | None:
+        """`record` as it is now, or None once it is gone or released."""
+        reloaded = await self.store.load(record.user, record.resource_id)
+        return None if reloaded is None or reloaded.status == RELEASED else reloaded
+
+    async def _begin(self, record: Resource, if_unchanged: bool) -> Resource | None:
+        """Take the record out of its pool and mark it deleting, with a `release` timer in case we die."""
+        for _ in range(RETRIES):
+            if record.status == DELETING:
+                return record
+            try:
+                deleting = await self.store.begin_release(
+                    transitions.deleting(record, now()), now() + self.timing.claim_seconds
+                )
+            except Stale:
+                reloaded = None if if_unchanged else await self._reloaded(record)
+                if reloaded is None:
+                    return None
+                record = reloaded
+                continue
+            await self.publish.status(deleting)
+            return deleting
+        raise BerthError(
+            f"resource {record.resource_id} keeps changing; release it again",
+            code="busy",
+            field="resource_id",
+        )
+
+    async def _finish(self, record: Resource) -> None:
+        """Release the platform's side, then mark the record released (kept readable for 24 h)."""
+        if transitions.operator_holds(record):
+            try:
+                await self.operator.release(record.user, record.resource_id, record.request_instance)
+            except (OperatorError, BerthError) as error:
+                await self._failed(record, error)
+                raise BerthError(
+                    f"release of {record.resource_id} failed: {error}; it will be retried",
+                    code="internal",
+                    field="resource_id",
+                ) from None
+        for _ in range(RETRIES):
+            try:
+                released = await self.store.mark_released(record, transitions.released(record, now()))
+            except Stale:
+                reloaded = await self._reloaded(record)
+                if reloaded is None:
+                    return
+                record = reloaded
+                continue
+            await self.publish.status(released)
+            if record.broker_name:
+                await self.publish.pool(record.user, record.broker_name, "released", record.resource_id)
+            return
+
+    async def _failed(self, record: Resource, error: Exception) -> None:
+        """Retry every `release_retry_seconds` where crm's release pool would (see
+        `transitions.release_retried`), else drop the timer."""
+        log.warning("release of %s/%s failed: %s", record.user, record.resource_id, error)
+        broker = await self.store.broker(record.user, record.broker_name) if record.broker_name else None
+        if transitions.release_retried(broker):
+            await self.store.schedule(
+                "release", record.user, record.resource_id, now() + self.timing.release_retry_seconds
+            )
+        else:
+            await self.store.drop_timer("release", record.user, record.resource_id)
