@@ -16,6 +16,7 @@ import os
 import socket
 import uuid
 
+from bus.tasks import cancel_and_wait
 from services.broker.config import Timing
 from services.broker.model import now
 from services.broker.pools import PoolKeeper
@@ -48,9 +49,7 @@ class Replica:
         ]
 
     async def stop(self) -> None:
-        for task in self._loops:
-            task.cancel()
-        await asyncio.gather(*self._loops, return_exceptions=True)
+        await cancel_and_wait(*self._loops)
         await self.resources.close()
         for user, name in self._held:
             await self.store.drop_lease(user, name, self.id)
