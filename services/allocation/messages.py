@@ -12,7 +12,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta, Struct
 
-from bus.subjects import NodeName
+from bus.subjects import END, NodeName
 from schemas.common import Event
 
 Raw = dict[str, Any]
@@ -202,7 +202,7 @@ class Allocate(Struct, omit_defaults=True):
     nodename: NodeName | None = None
     nodenames: list[NodeName] | None = None
     labels: Labels | None = None
-    strategy: Annotated[str, Meta(pattern="^(spread|pack|each)$")] = "spread"
+    strategy: Annotated[str, Meta(pattern=f"^(spread|pack|each){END}")] = "spread"
     workload_resource_request: Raw | None = None
     workload_ids: list[WorkloadId] | None = None
     request_id: RequestId = ""

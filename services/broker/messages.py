@@ -11,11 +11,12 @@ from typing import Annotated, Literal
 
 from msgspec import UNSET, Meta, Struct, UnsetType, field
 
+from bus.subjects import END
 from bus.subjects import ShortName as Token
 from schemas.common import Event
 
 # Any printable text: ids go into subjects escaped, and into launched processes' environment.
-ResourceId = Annotated[str, Meta(pattern=r"^[^\x00-\x1f\x7f]+$", min_length=1, max_length=256)]
+ResourceId = Annotated[str, Meta(pattern=rf"^[^\x00-\x1f\x7f]+{END}", min_length=1, max_length=256)]
 RequestId = Annotated[str, Meta(max_length=200)]
 Instances = Annotated[int, Meta(ge=1, le=10_000)]
 Seconds = Annotated[float, Meta(ge=0, le=30 * 24 * 3600)]

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from msgspec import UNSET, Meta, Struct, UnsetType, field
 
-from bus.subjects import DOTTED_NAME_REGEX, escape_token
+from bus.subjects import DOTTED_NAME_REGEX, END, escape_token
 from services.metrics.metrics_list import SCOPES
 from services.metrics.samples import Ids
 from services.metrics.store import AGGREGATORS, KINDS, PodRef, entity_key
@@ -34,7 +34,7 @@ assert set(Aggregator.__args__) == set(AGGREGATORS)
 Metric = Annotated[str, Meta(pattern=DOTTED_NAME_REGEX, max_length=255)]
 Index = Annotated[int, Meta(ge=0, le=1_000_000)]
 Id = Annotated[str, Meta(min_length=1, max_length=4096)]
-NotifierKey = Annotated[str, Meta(pattern=r"^[0-9a-f]{32}$")]
+NotifierKey = Annotated[str, Meta(pattern=rf"^[0-9a-f]{{32}}{END}")]
 LeaseSeconds = Annotated[float, Meta(ge=1, le=3600)]
 RequestId = Annotated[str, Meta(min_length=1, max_length=200)]
 

@@ -446,6 +446,8 @@ REFUSALS = [
       lambda h: {"nodename": h.node, "nodenames": [h.node], "deploy_count": 1}, INVALID, "nodename"),
     R("strategy-unknown", M + "allocate",
       lambda h: {"nodenames": [h.node], "strategy": "random", "deploy_count": 1}, INVALID, "strategy"),
+    R("strategy-trailing-newline", M + "allocate",
+      lambda h: {"nodenames": [h.node], "strategy": "pack\n", "deploy_count": 1}, INVALID, "strategy"),
     R("workload_ids-count", M + "allocate",
       lambda h: {**deploy(h.node, {}), "workload_ids": ["w-a", "w-b"]}, INVALID, "workload_ids"),
     R("release-empty", M + "release", lambda h: {"workload_ids": []}, INVALID, "workload_ids"),

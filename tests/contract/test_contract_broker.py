@@ -228,6 +228,7 @@ INVALID: list[tuple[str, str, Callable[[str], Any], str]] = [
     ("null-user", "get-resource", lambda u: {"user": None, "resource_id": "r"}, "user"),
     ("int-resource-id", "init", lambda u: {"user": u, "resource_id": 7, "param": param()}, "resource_id"),
     ("missing-resource-id", "get-resource", lambda u: {"user": u}, "resource_id"),
+    ("resource-id-trailing-newline", "get-resource", lambda u: {"user": u, "resource_id": "r\n"}, "resource_id"),
     ("missing-param", "init", lambda u: {"user": u, "resource_id": "r"}, "param"),
     ("empty-image", "init", lambda u: {"user": u, "resource_id": "r", "param": param("")}, "param.image"),
     ("missing-filter", "launch", lambda u: {"user": u, "resource_id": "r"}, "filter"),

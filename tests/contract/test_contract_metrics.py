@@ -407,6 +407,11 @@ async def test_notifier_not_found(ctx):
     assert_error(reply, 404, "notifier_not_found", "key")
 
 
+async def test_notifier_key_with_a_trailing_newline_is_invalid(ctx):
+    reply = await ctx.call("renew-notifier", {"key": "0" * 32 + "\n"})
+    assert_error(reply, 400, "invalid_argument", "key")
+
+
 async def test_internal_error_is_500(ctx):
     # §8: "500 `internal`" (a registration that Redis cannot read as one).
     key = await ctx.register("node", metric_name(), lease_seconds=60)
