@@ -16,15 +16,16 @@
 -- ARGV[5] seconds the record lives after the write (0: no expiry is set).
 -- ARGV[6] n, then n items: field, value, ... to set on the record.
 -- then m, then m record fields to delete ('update').
--- then g, then g items of guards; then ops up to the end. Each is a name, the key's position in
--- KEYS, then its arguments:
+-- then the steps, up to the end: each a name, the position in KEYS of its key, then its arguments.
+-- Guards are checked first, all of them, in order; then the ops are applied, in order:
 --   guards  exists k | hexists k field | hnotexists k field | hempty k | fits k field add limit
 --           (fits: the counter field, 0 if absent, plus add must not exceed limit)
 --   ops     hset k field value | hdel k field | hcount k field n (add n; a counter that falls to 0
 --           or below is removed) | sadd k member | srem k member | zadd k score member |
 --           zrem k member | del k
+--   both    hadd k field value (a guard, the field must not exist yet, and an op that sets it)
 -- Returns {'ok', the new version}, {'version', the current version} or, for the first guard that
--- failed, {its name, its field (hexists, hnotexists, fits), key (exists) or length (hempty)}.
+-- failed, {its name, its field (hexists, hnotexists, fits, hadd), key (exists) or length (hempty)}.
 local record, version_field, tombstone, mode = KEYS[1], ARGV[1], ARGV[2], ARGV[4]
 if mode ~= 'update' and mode ~= 'replace' and mode ~= 'tombstone' then
   return redis.error_reply('cas: unknown mode ' .. tostring(mode))
@@ -43,48 +44,46 @@ local function section()
 end
 local set_first, set_last = section()
 local unset_first, unset_last = section()
-local guard_first, guard_last = section()
+local steps = i
 
-local j = guard_first
-while j <= guard_last do
+-- How many ARGV items each step takes, its name included.
+local size = {exists = 2, hexists = 3, hnotexists = 3, hempty = 2, fits = 5, hset = 4, hdel = 3, hcount = 4,
+              sadd = 3, srem = 3, zadd = 4, zrem = 3, del = 2, hadd = 4}
+
+local j = steps
+while j <= #ARGV do
   local name, key = ARGV[j], KEYS[tonumber(ARGV[j + 1])]
-  if name == 'hnotexists' then
+  if not size[name] then return redis.error_reply('cas: unknown step ' .. tostring(name)) end
+  if name == 'hadd' or name == 'hnotexists' then
     if redis.call('HEXISTS', key, ARGV[j + 2]) == 1 then return {name, ARGV[j + 2]} end
-    j = j + 3
   elseif name == 'hexists' then
     if redis.call('HEXISTS', key, ARGV[j + 2]) == 0 then return {name, ARGV[j + 2]} end
-    j = j + 3
   elseif name == 'fits' then
     local held = tonumber(redis.call('HGET', key, ARGV[j + 2]) or '0')
     if held + tonumber(ARGV[j + 3]) > tonumber(ARGV[j + 4]) then return {name, ARGV[j + 2]} end
-    j = j + 5
   elseif name == 'exists' then
     if redis.call('EXISTS', key) == 0 then return {name, key} end
-    j = j + 2
   elseif name == 'hempty' then
     local held = redis.call('HLEN', key)
     if held > 0 then return {name, tostring(held)} end
-    j = j + 2
-  else
-    return redis.error_reply('cas: unknown guard ' .. tostring(name))
   end
+  j = j + size[name]
 end
 
-while i <= #ARGV do
-  local name, key = ARGV[i], KEYS[tonumber(ARGV[i + 1])]
-  if name == 'hset' then redis.call('HSET', key, ARGV[i + 2], ARGV[i + 3]); i = i + 4
-  elseif name == 'hdel' then redis.call('HDEL', key, ARGV[i + 2]); i = i + 3
-  elseif name == 'sadd' then redis.call('SADD', key, ARGV[i + 2]); i = i + 3
-  elseif name == 'srem' then redis.call('SREM', key, ARGV[i + 2]); i = i + 3
-  elseif name == 'zadd' then redis.call('ZADD', key, ARGV[i + 2], ARGV[i + 3]); i = i + 4
-  elseif name == 'zrem' then redis.call('ZREM', key, ARGV[i + 2]); i = i + 3
+j = steps
+while j <= #ARGV do
+  local name, key = ARGV[j], KEYS[tonumber(ARGV[j + 1])]
+  if name == 'hset' or name == 'hadd' then redis.call('HSET', key, ARGV[j + 2], ARGV[j + 3])
+  elseif name == 'hdel' then redis.call('HDEL', key, ARGV[j + 2])
+  elseif name == 'sadd' then redis.call('SADD', key, ARGV[j + 2])
+  elseif name == 'srem' then redis.call('SREM', key, ARGV[j + 2])
+  elseif name == 'zadd' then redis.call('ZADD', key, ARGV[j + 2], ARGV[j + 3])
+  elseif name == 'zrem' then redis.call('ZREM', key, ARGV[j + 2])
   elseif name == 'hcount' then
-    if redis.call('HINCRBY', key, ARGV[i + 2], ARGV[i + 3]) <= 0 then redis.call('HDEL', key, ARGV[i + 2]) end
-    i = i + 4
-  elseif name == 'del' then redis.call('DEL', key); i = i + 2
-  else
-    return redis.error_reply('cas: unknown op ' .. tostring(name))
+    if redis.call('HINCRBY', key, ARGV[j + 2], ARGV[j + 3]) <= 0 then redis.call('HDEL', key, ARGV[j + 2]) end
+  elseif name == 'del' then redis.call('DEL', key)
   end
+  j = j + size[name]
 end
 
 local after = counted + 1

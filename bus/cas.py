@@ -13,6 +13,7 @@ either. No WATCH loops.
 Steps are guards (checked first, in order, whatever their place) and ops (applied in order):
   guards  exists(k), hexists(k, field), hnotexists(k, field), hempty(k), fits(k, field, add, limit)
   ops     hset, hdel, hcount (a counter removed at zero or below), sadd, srem, zadd, zrem, delete(k)
+  both    hadd(k, field, value): the field must not exist yet, and is set
 Every key must be in the record's Redis Cluster hash slot (the caller's keys share a hash tag).
 
 A record may have a tombstone field: a record holding it does not exist (reads as version 0) but
@@ -37,8 +38,8 @@ REPLACE = "replace"  # the record becomes exactly the fields given
 TOMBSTONE = "tombstone"  # only the version and the tombstone field remain
 
 _MODES = frozenset({UPDATE, REPLACE, TOMBSTONE})
-_GUARDS = frozenset({"exists", "hexists", "hnotexists", "hempty", "fits"})
-_OPS = frozenset({"hset", "hdel", "hcount", "sadd", "srem", "zadd", "zrem", "del"})
+_STEPS = frozenset({"exists", "hexists", "hnotexists", "hempty", "fits", "hadd",
+                    "hset", "hdel", "hcount", "sadd", "srem", "zadd", "zrem", "del"})
 
 
 # -- guards: checked before anything is written ------------------------------------------------
@@ -70,6 +71,11 @@ def fits(key: str, field: str, add: int, limit: int) -> Step:
 
 
 # -- ops: applied in order once every guard passed ---------------------------------------------
+
+
+def hadd(key: str, field: str, value: Any) -> Step:
+    """Guard and op: the hash must not hold the field yet; then it is set."""
+    return ("hadd", key, field, value)
 
 
 def hset(key: str, field: str, value: Any) -> Step:
@@ -136,23 +142,11 @@ class VersionedHash:
         self.batch = batch
         self._script = scripts.register(redis, "bus", "cas")
 
-    async def commit(
-        self,
-        key: str,
-        expected: int,
-        steps: Iterable[Step] = (),
-        *,
-        fields: Sequence[Any] = (),
-        unset: Sequence[str] = (),
-        mode: str = UPDATE,
-        ttl: int = 0,
-    ) -> int:
+    async def commit(self, key: str, expected: int, steps: Iterable[Step] = (), **write: Any) -> int:
         """Write the record at `key` if it is at version `expected` (0: it must not exist) and
-        every guard of `steps` holds, with the ops of `steps`. `fields` are field, value, ... pairs
-        flattened; `unset` fields to delete (UPDATE); `ttl` seconds the record lives after the
-        write (0: no expiry set). The new version, or `Conflict`."""
-        answer = await self.send(key, expected, steps, fields=fields, unset=unset, mode=mode, ttl=ttl)
-        return self.outcome(answer)
+        every guard of `steps` holds, with the ops of `steps` (`write`: see `send`). The new
+        version, or `Conflict`."""
+        return self.outcome(await self.send(key, expected, steps, **write))
 
     def send(
         self,
@@ -165,31 +159,29 @@ class VersionedHash:
         mode: str = UPDATE,
         ttl: int = 0,
     ) -> Awaitable[Any]:
-        """`commit`, in two halves: this sends it (in a batch, queued now: after the commands
-        queued before it) and returns its raw answer, for `outcome`."""
+        """`commit` in two halves: this sends it (in a batch: queued now, after the commands queued
+        before it) and returns its raw answer, for `outcome`. `fields` are the record's field,
+        value, ... pairs, flattened; `unset` fields to delete (UPDATE); `mode` UPDATE, REPLACE or
+        TOMBSTONE; `ttl` seconds the record lives after the write (0: no expiry is set)."""
         if mode not in _MODES:
             raise ValueError(f"not a compare-and-set mode: {mode!r}")
         if mode == TOMBSTONE and not self.tombstone_field:
             raise ValueError("a tombstone needs a tombstone field")
         keys = [key]
         position = {key: 1}
-        guards: list[Any] = []
-        ops: list[Any] = []
+        flat: list[Any] = []
         for step in steps:
             name, target = step[0], step[1]
+            if name not in _STEPS:
+                raise ValueError(f"not a compare-and-set step: {step!r}")
             at = position.get(target)
             if at is None:
                 keys.append(target)
                 at = position[target] = len(keys)
-            if name in _GUARDS:
-                guards += (name, at, *step[2:])
-            elif name in _OPS:
-                ops += (name, at, *step[2:])
-            else:
-                raise ValueError(f"not a compare-and-set step: {step!r}")
+            flat += (name, at, *step[2:])
         args = [
             self.version_field, self.tombstone_field, expected, mode, ttl,
-            len(fields), *fields, len(unset), *unset, len(guards), *guards, *ops,
+            len(fields), *fields, len(unset), *unset, *flat,
         ]
         if self.batch is not None:
             return self.batch.script(self._script, keys, args)

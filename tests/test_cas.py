@@ -161,3 +161,14 @@ async def test_commits_in_a_shared_batch_keep_their_own_outcomes(redis, prefix, 
             outcomes.append(conflict.reason)
     assert outcomes == [1, "version", "version", "version", "version"]
     assert await redis.smembers(keys.pool) == {b"0"}
+
+
+async def test_hadd_is_a_guard_and_an_op(redis, prefix, keys):
+    records = cas.VersionedHash(redis)
+    assert await records.commit(keys.record, 0, [cas.hadd(keys.ledger, "w1", "x")]) == 1
+    assert await redis.hgetall(keys.ledger) == {b"w1": b"x"}
+    before = await snapshot(redis, prefix)
+    with pytest.raises(cas.Conflict) as refused:  # the hadd of w2 comes first, and is not applied
+        await records.commit(keys.record, 1, [cas.hadd(keys.ledger, "w2", "y"), cas.hadd(keys.ledger, "w1", "z")])
+    assert (refused.value.reason, refused.value.subject) == ("hadd", "w1")
+    assert await snapshot(redis, prefix) == before

@@ -44,7 +44,9 @@ TOMBSTONE_SECONDS = 7 * 24 * 3600
 # entries it depends on as guards. The record and its ledger are read together by
 # read_with_ledger.lua beside this module.
 
-_LEDGER_CONFLICTS = {"hnotexists": "ledger_exists", "hexists": "ledger_missing", "hempty": "not_empty"}
+_LEDGER_CONFLICTS = {
+    "hadd": "ledger_exists", "hnotexists": "ledger_exists", "hexists": "ledger_missing", "hempty": "not_empty",
+}
 
 
 class PluginState(msgspec.Struct, array_like=True):
@@ -198,17 +200,20 @@ class NodeStore:
     async def commit(self, node: str, version: int, change: Change) -> int:
         """Write `change` if the record is still at `version` (0: must not exist). Returns the new version."""
         record, ledger = self.record_key(node), self.ledger_key(node)
-        steps = [cas.hnotexists(ledger, wid) for wid in change.ledger_add]
-        steps += [cas.hexists(ledger, wid) for wid in change.ledger_remove]
-        steps += [cas.hexists(ledger, wid) for wid in change.ledger_replace]
+        # Guards in the order of their reports: additions, removals, replacements; writes: additions,
+        # replacements, removals.
+        removed = [cas.hexists(ledger, wid) for wid in change.ledger_remove]
+        replaced = [cas.hexists(ledger, wid) for wid in change.ledger_replace]
         if change.delete:
+            steps = [cas.hnotexists(ledger, wid) for wid in change.ledger_add] + removed + replaced
             if change.delete == "delete_if_empty":
                 steps.append(cas.hempty(ledger))
             steps.append(cas.delete(ledger))
             fields: list[Any] = []
             mode, ttl = cas.TOMBSTONE, TOMBSTONE_SECONDS
         else:
-            steps += [cas.hset(ledger, wid, _encode(res)) for wid, res in change.ledger_add.items()]
+            steps = [cas.hadd(ledger, wid, _encode(res)) for wid, res in change.ledger_add.items()]
+            steps += removed + replaced
             steps += [cas.hset(ledger, wid, _encode(res)) for wid, res in change.ledger_replace.items()]
             steps += [cas.hdel(ledger, wid) for wid in change.ledger_remove]
             fields = [x for name, state in change.plugins.items() for x in (PLUGIN_FIELD + name, state)]
