@@ -11,7 +11,14 @@ handler can tell a takeover from a first run and give back what a dead run left 
 Internal errors, an unreachable store (`unavailable`) and refusals of malformed input (400) are
 not kept, so a retry can succeed. A request id reused with a different payload is refused rather
 than answered with someone else's reply. Every Redis step is one script on one key (Redis Cluster
-safe), sent in the worker's shared pipeline (`bus.redis.Pipelined`).
+safe), sent in the worker's shared pipeline (`bus.redis.Pipelined`); the scripts are the
+`idempotency_*.lua` files beside this module.
+
+The claim is a lease, but not a `bus.lease` one, on purpose: it lives inside the hash that keeps
+the answer for 24 h (a `bus.lease` lease ends with its key's TTL, which would take the kept answer
+with it), its end is a field timed by the server's clock, and the same step checks the payload's
+digest and counts the runs. Expressing that with the generic lease would take a second key per
+request and a second script call per step.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from typing import Awaitable, Callable
 import msgspec
 from redis.asyncio import Redis
 
+from bus import scripts
 from bus.errors import BerthError, InvalidArgument
 from bus.redis import Pipelined
 
@@ -62,51 +70,8 @@ class Claim:
 current_claim: contextvars.ContextVar[Claim | None] = contextvars.ContextVar("berth_claim", default=None)
 
 # A claim is a hash: d (payload digest), t (holder's token), u (lease end, ms of server time),
-# a (runs so far), r (the kept answer). ARGV: digest, token, lease ms, ttl s.
-# Answers: {'claimed', attempt} | {'done', answer} | {'busy', ms left} | {'mismatch', ''}.
-_CLAIM = """
-local now = redis.call('TIME')
-now = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
-local held = redis.call('HMGET', KEYS[1], 'd', 'r', 'u', 'a')
-if not held[1] then
-  redis.call('HSET', KEYS[1], 'd', ARGV[1], 't', ARGV[2], 'u', now + tonumber(ARGV[3]), 'a', 0)
-  redis.call('EXPIRE', KEYS[1], ARGV[4])
-  return {'claimed', '0'}
-end
-if held[1] ~= ARGV[1] then return {'mismatch', ''} end
-if held[2] then return {'done', held[2]} end
-local left = tonumber(held[3] or '0') - now
-if left > 0 then return {'busy', tostring(left)} end
-local attempt = tonumber(held[4] or '0') + 1
-redis.call('HSET', KEYS[1], 't', ARGV[2], 'u', now + tonumber(ARGV[3]), 'a', attempt)
-return {'claimed', tostring(attempt)}
-"""
-
-# Keep the answer if we still hold the claim. ARGV: token, answer, ttl s.
-_KEEP = """
-if redis.call('HGET', KEYS[1], 't') ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[1], 'r', ARGV[2])
-redis.call('HDEL', KEYS[1], 't', 'u')
-redis.call('EXPIRE', KEYS[1], ARGV[3])
-return 1
-"""
-
-# Extend our lease. ARGV: token, lease ms.
-_RENEW = """
-if redis.call('HGET', KEYS[1], 't') ~= ARGV[1] then return 0 end
-local now = redis.call('TIME')
-redis.call('HSET', KEYS[1], 'u', tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) + tonumber(ARGV[2]))
-return 1
-"""
-
-# Give the claim up. ARGV: token, 'forget' (the run did nothing: the id is free) or 'expire' (the
-# next retry takes it over as a new attempt, and cleans up after this one).
-_RELEASE = """
-if redis.call('HGET', KEYS[1], 't') ~= ARGV[1] then return 0 end
-if ARGV[2] == 'forget' and redis.call('HGET', KEYS[1], 'a') == '0' then return redis.call('DEL', KEYS[1]) end
-redis.call('HSET', KEYS[1], 'u', 0)
-return 1
-"""
+# a (runs so far), r (the kept answer). Its scripts are idempotency_*.lua beside this module; the
+# claim is not a `bus.lease` lease (idempotency_claim.lua says why).
 
 
 class IdempotencyStore:
@@ -127,10 +92,10 @@ class IdempotencyStore:
         self.wait = wait
         self.poll = poll
         self.batch = Pipelined.of(redis)
-        self._claim = redis.register_script(_CLAIM)
-        self._keep = redis.register_script(_KEEP)
-        self._renew = redis.register_script(_RENEW)
-        self._release = redis.register_script(_RELEASE)
+        self._claim = scripts.register(redis, "bus", "idempotency_claim")
+        self._keep = scripts.register(redis, "bus", "idempotency_keep")
+        self._renew = scripts.register(redis, "bus", "idempotency_renew")
+        self._release = scripts.register(redis, "bus", "idempotency_release")
         self._held: dict[str, str] = {}  # claims this process holds now: key -> token
         self._renewal: asyncio.TimerHandle | None = None
 

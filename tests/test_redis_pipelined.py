@@ -54,6 +54,23 @@ async def test_scripts_run_once_each_even_after_the_server_lost_them(redis, pref
     assert await redis.get(key) == b"6"
 
 
+async def test_a_script_is_loaded_by_its_first_batch_only(redis, prefix):
+    batch = Pipelined(redis)
+    key = f"{prefix}:checked"
+    script = redis.register_script("return redis.call('INCR', KEYS[1]) -- checked once")
+
+    async def checks() -> int:
+        return (await redis.info("commandstats")).get("cmdstat_script|exists", {}).get("calls", 0)
+
+    first = await checks()
+    assert await batch.script(script, [key], []) == 1
+    loaded = await checks()
+    assert loaded > first  # redis-py's pipeline made sure the server had it
+    for count in range(2, 5):
+        assert await batch.script(script, [key], []) == count
+    assert await checks() == loaded  # later batches send plain EVALSHA
+
+
 async def test_a_failed_connection_fails_every_command_of_the_batch():
     client = connect_redis(f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
     batch = Pipelined(client)

@@ -32,6 +32,7 @@ from typing import Any
 import msgspec
 from redis.asyncio import Redis
 
+from bus import cas, scripts
 from bus.redis import Pipelined
 
 Raw = dict[str, Any]
@@ -39,59 +40,13 @@ Raw = dict[str, Any]
 PLUGIN_FIELD = "p:"
 TOMBSTONE_SECONDS = 7 * 24 * 3600
 
-_COMMIT = """
-local stored = redis.call('HMGET', KEYS[1], 'v', 'gone')
-local version = stored[1] or '0'
-if stored[2] then version = '0' end  -- a removed node's tombstone: the node does not exist
-if version ~= ARGV[1] then return {'version', version} end
-local i = 2
-local function take()
-  local n = tonumber(ARGV[i]); local first = i + 1; i = first + n
-  return first, i - 1
-end
-local set_first, set_last = take()
-local del_first, del_last = take()
-local add_first, add_last = take()
-local rm_first, rm_last = take()
-local put_first, put_last = take()
-local mode = ARGV[i]
-for j = add_first, add_last, 2 do
-  if redis.call('HEXISTS', KEYS[2], ARGV[j]) == 1 then return {'ledger_exists', ARGV[j]} end
-end
-for j = rm_first, rm_last do
-  if redis.call('HEXISTS', KEYS[2], ARGV[j]) == 0 then return {'ledger_missing', ARGV[j]} end
-end
-for j = put_first, put_last, 2 do
-  if redis.call('HEXISTS', KEYS[2], ARGV[j]) == 0 then return {'ledger_missing', ARGV[j]} end
-end
-if mode == 'delete_if_empty' or mode == 'delete' then
-  local held = redis.call('HLEN', KEYS[2])
-  if mode == 'delete_if_empty' and held > 0 then return {'not_empty', tostring(held)} end
-  local after = tonumber(stored[1] or '0') + 1
-  redis.call('DEL', KEYS[1], KEYS[2])
-  redis.call('HSET', KEYS[1], 'v', after, 'gone', 1)
-  redis.call('EXPIRE', KEYS[1], ARGV[i + 1])
-  return {'ok', tostring(after)}
-end
-if stored[2] then  -- the node comes back: its versions go on from where its tombstone left them
-  redis.call('HDEL', KEYS[1], 'gone')
-  redis.call('PERSIST', KEYS[1])
-end
-for j = set_first, set_last, 2 do redis.call('HSET', KEYS[1], ARGV[j], ARGV[j + 1]) end
-for j = del_first, del_last do redis.call('HDEL', KEYS[1], ARGV[j]) end
-for j = add_first, add_last, 2 do redis.call('HSET', KEYS[2], ARGV[j], ARGV[j + 1]) end
-for j = put_first, put_last, 2 do redis.call('HSET', KEYS[2], ARGV[j], ARGV[j + 1]) end
-for j = rm_first, rm_last do redis.call('HDEL', KEYS[2], ARGV[j]) end
-return {'ok', tostring(redis.call('HINCRBY', KEYS[1], 'v', 1))}
-"""
+# The commit is a `bus.cas` compare-and-set: version field `v`, tombstone field `gone`, the ledger
+# entries it depends on as guards. The record and its ledger are read together by
+# read_with_ledger.lua beside this module.
 
-
-# The record and its ledger in one step (all of the ledger, or the ids given in ARGV).
-_READ_WITH_LEDGER = """
-local ledger
-if #ARGV == 0 then ledger = redis.call('HGETALL', KEYS[2]) else ledger = redis.call('HMGET', KEYS[2], unpack(ARGV)) end
-return {redis.call('HGETALL', KEYS[1]), ledger}
-"""
+_LEDGER_CONFLICTS = {
+    "hadd": "ledger_exists", "hnotexists": "ledger_exists", "hexists": "ledger_missing", "hempty": "not_empty",
+}
 
 
 class PluginState(msgspec.Struct, array_like=True):
@@ -173,8 +128,8 @@ class NodeStore:
         self.workloads_key = f"{self.base}:workloads"
         self.intents_key = f"{self.base}:intents"
         self.batch = Pipelined.of(redis)
-        self._commit = redis.register_script(_COMMIT)
-        self._read_with_ledger = redis.register_script(_READ_WITH_LEDGER)
+        self._records = cas.VersionedHash(redis, version_field="v", tombstone_field="gone", batch=self.batch)
+        self._read_with_ledger = scripts.register(redis, "services.allocation", "read_with_ledger")
 
     def record_key(self, node: str) -> str:
         return f"{self.base}:{{node:{node}}}:node"
@@ -248,33 +203,41 @@ class NodeStore:
 
     async def commit(self, node: str, version: int, change: Change) -> int:
         """Write `change` if the record is still at `version` (0: must not exist). Returns the new version."""
-        args: list[Any] = [str(version)]
-
-        def section(items: list[Any]) -> None:
-            args.append(len(items))
-            args.extend(items)
-
-        section([x for name, state in change.plugins.items() for x in (PLUGIN_FIELD + name, state)]
-                + (["labels", _encode(change.labels)] if change.labels is not None else []))
-        section([PLUGIN_FIELD + name for name in change.remove_plugins])
-        section([x for wid, res in change.ledger_add.items() for x in (wid, _encode(res))])
-        section(list(change.ledger_remove))
-        section([x for wid, res in change.ledger_replace.items() for x in (wid, _encode(res))])
-        args += [change.delete or "write", TOMBSTONE_SECONDS]
-        keys = [self.record_key(node), self.ledger_key(node)]
-        if change.index:
-            # The index entries go first, in the same batch: a crash between the two leaves index
-            # entries without ledger entries, which readers skip.
-            indexed = self.batch.execute_command("HSET", self.workloads_key, *_pairs(change.index))
-            _, (status, detail) = await asyncio.gather(indexed, self.batch.script(self._commit, keys, args))
+        record, ledger = self.record_key(node), self.ledger_key(node)
+        # Guards in the order of their reports: additions, removals, replacements; writes: additions,
+        # replacements, removals.
+        removed = [cas.hexists(ledger, wid) for wid in change.ledger_remove]
+        replaced = [cas.hexists(ledger, wid) for wid in change.ledger_replace]
+        if change.delete:
+            steps = [cas.hnotexists(ledger, wid) for wid in change.ledger_add] + removed + replaced
+            if change.delete == "delete_if_empty":
+                steps.append(cas.hempty(ledger))
+            steps.append(cas.delete(ledger))
+            fields: list[Any] = []
+            mode, ttl = cas.TOMBSTONE, TOMBSTONE_SECONDS
         else:
-            status, detail = await self.batch.script(self._commit, keys, args)
-        status, detail = status.decode(), detail.decode()
-        if status == "ok":
-            return int(detail)
-        if status == "version":
-            raise StaleVersion(node)
-        raise LedgerConflict(status, detail)
+            steps = [cas.hadd(ledger, wid, _encode(res)) for wid, res in change.ledger_add.items()]
+            steps += removed + replaced
+            steps += [cas.hset(ledger, wid, _encode(res)) for wid, res in change.ledger_replace.items()]
+            steps += [cas.hdel(ledger, wid) for wid in change.ledger_remove]
+            fields = [x for name, state in change.plugins.items() for x in (PLUGIN_FIELD + name, state)]
+            if change.labels is not None:
+                fields += ["labels", _encode(change.labels)]
+            mode, ttl = cas.UPDATE, 0
+        unset = [PLUGIN_FIELD + name for name in change.remove_plugins]
+        # The index entries go first, in the same batch: a crash between the two leaves index
+        # entries without ledger entries, which readers skip.
+        indexed = None
+        if change.index:
+            indexed = self.batch.execute_command("HSET", self.workloads_key, *_pairs(change.index))
+        sent = self._records.send(record, version, steps, fields=fields, unset=unset, mode=mode, ttl=ttl)
+        answer = (await asyncio.gather(indexed, sent))[1] if indexed is not None else await sent
+        try:
+            return self._records.outcome(answer)
+        except cas.Conflict as conflict:
+            if conflict.reason == "version":
+                raise StaleVersion(node) from None
+            raise LedgerConflict(_LEDGER_CONFLICTS[conflict.reason], conflict.subject) from None
 
     # -- intents: multi-node allocations a crashed worker may have left half done ------------------
 

@@ -47,106 +47,20 @@ from typing import Any
 import msgspec
 from redis.asyncio import Redis
 
+from bus import cas, scripts
+from bus.lease import Leases
 from services.broker.messages import ResourceParam
 from services.broker.model import RUNNING, BrokerConfig, BrokerState, Resource
 
 RELEASED_TTL = 24 * 3600
 POOL_PARTS = ("warming", "idle", "sold", "deleting")
 
-Op = tuple  # ("sadd", key, member), ("zadd", key, score, member), ... see `_COMMIT`
+Op = cas.Step  # an index change or guard that goes with a record write: see the functions below
 
-_COMMIT = """
--- KEYS[1] the record, KEYS[2..] the keys the ops name by position.
--- ARGV[1] the version read (0: the record must not exist), ARGV[2] ttl seconds (0: none),
--- ARGV[3] msgpack list of ops, ARGV[4..] the record's fields and values.
-local current = tonumber(redis.call('HGET', KEYS[1], 'version') or '0')
-if current ~= tonumber(ARGV[1]) then return {0, 'version'} end
-local ops = cmsgpack.unpack(ARGV[3])
--- Guards first, so that a failed guard changes nothing.
-for _, op in ipairs(ops) do
-  local key = KEYS[op[2]]
-  if op[1] == 'fits' then
-    local held = tonumber(redis.call('HGET', key, op[3]) or '0')
-    if held + tonumber(op[4]) > tonumber(op[5]) then return {0, 'capacity'} end
-  end
-  if op[1] == 'exists' and redis.call('EXISTS', key) == 0 then return {0, 'missing'} end
-end
-for _, op in ipairs(ops) do
-  local key = KEYS[op[2]]
-  if op[1] == 'sadd' then redis.call('SADD', key, op[3])
-  elseif op[1] == 'srem' then redis.call('SREM', key, op[3])
-  elseif op[1] == 'zadd' then redis.call('ZADD', key, op[3], op[4])
-  elseif op[1] == 'zrem' then redis.call('ZREM', key, op[3])
-  elseif op[1] == 'hincrby' then
-    if redis.call('HINCRBY', key, op[3], op[4]) <= 0 then redis.call('HDEL', key, op[3]) end
-  end
-end
-redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], 'version', current + 1, unpack(ARGV, 4))
-if tonumber(ARGV[2]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[2]) end
-return {1, current + 1}
-"""
-
-_CLAIM = """
--- KEYS[1] the caller's record, KEYS[2] the index, KEYS[3] the brokers' version, then per
--- candidate broker (in the user's order): its idle zset, sold set and demand zset.
--- ARGV[1] the brokers' version the candidates were chosen at, ARGV[2] now, ARGV[3] key prefix of
--- the user's records, ARGV[4] the caller's index member, ARGV[5] a demand member,
--- ARGV[6..] the caller record's fields (broker_resource_id and created_at are filled in here).
-if (redis.call('GET', KEYS[3]) or '0') ~= ARGV[1] then return {-2} end
--- The caller may be new, released, or initialized and not launched; nothing else.
-local status = redis.call('HGET', KEYS[1], 'status')
-local live = status and status ~= 'released'
-if live and (status ~= 'init' or redis.call('HGET', KEYS[1], 'launched') == '1') then return {-1, status} end
-local version = tonumber(redis.call('HGET', KEYS[1], 'version') or '0')
-local created = ARGV[2]
-if live then created = redis.call('HGET', KEYS[1], 'created_at') end
-for b = 0, (#KEYS - 3) / 3 - 1 do
-  local idle, sold, demand = KEYS[4 + 3 * b], KEYS[5 + 3 * b], KEYS[6 + 3 * b]
-  redis.call('ZADD', demand, ARGV[2], ARGV[5])
-  while true do
-    local oldest = redis.call('ZPOPMIN', idle)
-    if #oldest == 0 then break end
-    local id = oldest[1]
-    local key = ARGV[3] .. id
-    -- Pool membership and records change together, so this holds; checked all the same.
-    if redis.call('HGET', key, 'status') == 'running' and redis.call('HGET', key, 'broker_sold') == '0' then
-      redis.call('HSET', key, 'broker_sold', '1', 'updated_at', ARGV[2])
-      redis.call('HINCRBY', key, 'version', 1)
-      redis.call('SADD', sold, id)
-      redis.call('DEL', KEYS[1])
-      redis.call('HSET', KEYS[1], 'version', version + 1, 'broker_resource_id', id, 'created_at', created,
-                 unpack(ARGV, 6))
-      redis.call('ZADD', KEYS[2], 'NX', created, ARGV[4])
-      return {b + 1, id, version + 1, created}
-    end
-  end
-end
-return {0}
-"""
-
-_CLAIM_TIMERS = """
--- Timers due by ARGV[1] are claimed by pushing them to ARGV[2]: if the claimer dies, they fall due again.
-local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[3]))
-for _, member in ipairs(due) do redis.call('ZADD', KEYS[1], ARGV[2], member) end
-return due
-"""
-
-_SET_IF_EXISTS = """
-if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], unpack(ARGV)) end
-"""
-
-_HOLD_LEASE = """
-local holder = redis.call('GET', KEYS[1])
-if holder and holder ~= ARGV[1] then return 0 end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-return 1
-"""
-
-_DROP_LEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
+# The record writes are `bus.cas` compare-and-sets (field `version`, no tombstone). The scripts of
+# this module are .lua files beside it: apply_claim.lua (the `apply` claim: it picks the resource
+# inside Redis, so it is its own script), claim_timers.lua and set_if_exists.lua; the pool loop's
+# lease is a `bus.lease` lease.
 
 
 class Claim(msgspec.Struct):
@@ -160,6 +74,9 @@ class Claim(msgspec.Struct):
     stale: bool = False
 
 
+_STALE_REASONS = {"version": "version", "fits": "capacity", "exists": "missing"}
+
+
 class Stale(Exception):
     """A write was refused: `reason` is `version` (the record changed), `capacity` or `missing`."""
 
@@ -171,35 +88,11 @@ class Stale(Exception):
 # -- ops (index changes that go with a record write) ------------------------------------------
 
 
-def sadd(key: str, member: str) -> Op:
-    return ("sadd", key, member)
-
-
-def srem(key: str, member: str) -> Op:
-    return ("srem", key, member)
-
-
-def zadd(key: str, score: float, member: str) -> Op:
-    return ("zadd", key, repr(float(score)), member)
-
-
-def zrem(key: str, member: str) -> Op:
-    return ("zrem", key, member)
-
-
-def hincrby(key: str, field: str, amount: int) -> Op:
-    """Add to a counter; a counter that falls to zero or below is removed."""
-    return ("hincrby", key, field, str(amount))
-
-
-def fits(key: str, field: str, add: int, limit: int) -> Op:
-    """Guard: the counter plus `add` must not exceed `limit`."""
-    return ("fits", key, field, str(add), str(limit))
-
-
-def exists(key: str) -> Op:
-    """Guard: the key must exist."""
-    return ("exists", key)
+# `bus.cas` steps: sadd(key, member), srem(key, member), zadd(key, score, member), zrem(key, member),
+# hincrby(key, field, amount) (a counter that falls to zero or below is removed); guards
+# fits(key, field, add, limit) (the counter plus `add` must not exceed `limit`) and exists(key).
+sadd, srem, zadd, zrem, fits, exists = cas.sadd, cas.srem, cas.zadd, cas.zrem, cas.fits, cas.exists
+hincrby = cas.hcount
 
 
 # -- record encoding ---------------------------------------------------------------------------
@@ -365,12 +258,11 @@ class BrokerStore:
     def __init__(self, redis: Redis, prefix: str) -> None:
         self.redis = redis
         self.keys = Keys(prefix)
-        self._commit = redis.register_script(_COMMIT)
-        self._claim = redis.register_script(_CLAIM)
-        self._claim_timers = redis.register_script(_CLAIM_TIMERS)
-        self._set_if_exists = redis.register_script(_SET_IF_EXISTS)
-        self._hold_lease = redis.register_script(_HOLD_LEASE)
-        self._drop_lease = redis.register_script(_DROP_LEASE)
+        self._records = cas.VersionedHash(redis, version_field="version")
+        self._claim = scripts.register(redis, "services.broker", "apply_claim")
+        self._claim_timers = scripts.register(redis, "services.broker", "claim_timers")
+        self._set_if_exists = scripts.register(redis, "services.broker", "set_if_exists")
+        self._leases = Leases(redis)
 
     # -- records -------------------------------------------------------------------------------
 
@@ -391,18 +283,13 @@ class BrokerStore:
         self, record: Resource, expected: int, ops: Iterable[Op] = (), *, ttl: int = 0
     ) -> Resource:
         """Write `record` if it is still at version `expected`, with `ops`; the record as written."""
-        keys = [self.keys.record(record.user, record.resource_id)]
-        encoded = []
-        for op in ops:
-            if op[1] not in keys:
-                keys.append(op[1])
-            encoded.append([op[0], keys.index(op[1]) + 1, *op[2:]])
-        result = await self._commit(
-            keys=keys, args=[expected, ttl, msgspec.msgpack.encode(encoded), *encode_fields(record)]
-        )
-        if result[0] == 0:
-            raise Stale(result[1].decode())
-        return msgspec.structs.replace(record, version=int(result[1]))
+        key = self.keys.record(record.user, record.resource_id)
+        try:
+            fields = encode_fields(record)
+            version = await self._records.commit(key, expected, ops, fields=fields, mode=cas.REPLACE, ttl=ttl)
+        except cas.Conflict as conflict:
+            raise Stale(_STALE_REASONS[conflict.reason]) from None
+        return msgspec.structs.replace(record, version=version)
 
     async def claim(
         self, caller: Resource, brokers: list[BrokerConfig], brokers_version: int, now: float
@@ -586,9 +473,7 @@ class BrokerStore:
 
     async def hold_lease(self, user: str, name: str, holder: str, ttl: float) -> bool:
         """Take or renew the lease on a broker's pool loop; False while another replica holds it."""
-        return bool(
-            await self._hold_lease(keys=[self.keys.lease(user, name)], args=[holder, int(ttl * 1000)])
-        )
+        return await self._leases.hold(self.keys.lease(user, name), holder, ttl)
 
     async def drop_lease(self, user: str, name: str, holder: str) -> None:
-        await self._drop_lease(keys=[self.keys.lease(user, name)], args=[holder])
+        await self._leases.release(self.keys.lease(user, name), holder)

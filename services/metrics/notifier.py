@@ -38,8 +38,10 @@ import msgspec
 from nats.aio.client import Client
 from redis.asyncio import Redis
 
+from bus import scripts
 from bus.codec import encode
 from bus.errors import BerthError
+from bus.lease import Leases
 from services.metrics import telemetry
 from services.metrics.messages import Lease, MetricEvent, MetricRef, event_subject
 from services.metrics.store import Store
@@ -50,41 +52,8 @@ SYNC_SECONDS = 1.0  # how often the publisher lease, the registrations and the r
 PUBLISHER_LEASE_SECONDS = 3.0  # a publisher that stops syncing is replaced this long after
 SENT_RECORD_SECONDS = 24 * 3600  # the record of a node that is gone disappears after this
 
-# The live registrations and their remaining lease (ms); those that expired leave the index.
-_LIVE = """
-local live = {}
-for _, key in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  local ttl = redis.call('PTTL', ARGV[1] .. key)
-  if ttl > 0 then
-    live[#live + 1] = key
-    live[#live + 1] = ttl
-  else
-    redis.call('SREM', KEYS[1], key)
-  end
-end
-return live
-"""
-
-# Extend a registration by its own lease; false if it has ended.
-_RENEW = """
-local lease_ms = redis.call('HGET', KEYS[1], 'lease_ms')
-if not lease_ms then return false end
-redis.call('PEXPIRE', KEYS[1], lease_ms)
-return lease_ms
-"""
-
-# Take the publisher lease if it is free, or extend it if we hold it.
-_HOLD = """
-local holder = redis.call('GET', KEYS[1])
-if holder and holder ~= ARGV[1] then return 0 end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-return 1
-"""
-
-_RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
+# Scripts: notifier_live.lua and notifier_renew.lua beside this module; the publisher lease is a
+# `bus.lease` lease.
 
 
 def node_base(prefix: str, node: str) -> str:
@@ -108,8 +77,8 @@ class Registrations:
         self.redis = redis
         self.base = node_base(prefix, node)  # one hash tag: Redis-Cluster-safe scripts
         self.index = f"{self.base}:notifiers"
-        self._live = redis.register_script(_LIVE)
-        self._renew = redis.register_script(_RENEW)
+        self._live = scripts.register(redis, "services.metrics", "notifier_live")
+        self._renew = scripts.register(redis, "services.metrics", "notifier_renew")
 
     def _key(self, key: str) -> str:
         return f"{self.base}:notifier:{key}"
@@ -162,16 +131,14 @@ class Publishing:
         self.sent_key = f"{node_base(prefix, node)}:sent"
         self.holder = uuid.uuid4().hex
         self.seconds = seconds
-        self._hold = redis.register_script(_HOLD)
-        self._release = redis.register_script(_RELEASE)
+        self._leases = Leases(redis)
 
     async def hold(self) -> bool:
         """Take or extend the lease; True if this agent holds it now."""
-        lease_ms = int(self.seconds * 1000)
-        return bool(await self._hold(keys=[self.lease_key], args=[self.holder, lease_ms]))
+        return await self._leases.hold(self.lease_key, self.holder, self.seconds)
 
     async def release(self) -> None:
-        await self._release(keys=[self.lease_key], args=[self.holder])
+        await self._leases.release(self.lease_key, self.holder)
 
     async def last_sent(self) -> dict[str, float]:
         record = await self.redis.hgetall(self.sent_key)

@@ -1,0 +1,196 @@
+"""Compare-and-set of versioned records in Redis, with the guards and index changes that go with them.
+
+A record is a hash with a version field. A write names the version it was computed from; one
+script (`cas.lua` beside this module) checks that version and every guard, and only then applies
+the ops and writes the record with its version bumped, all at once. A caller whose version is
+stale (`Conflict.reason == "version"`) reloads and computes again; a failed guard changes nothing
+either. No WATCH loops.
+
+    records = VersionedHash(redis, version_field="version")
+    version = await records.commit(key, read_version, [fits(blocks, "b1", 2, 8), sadd(pool, "r1")],
+                                   fields=["status", "running"], mode=REPLACE)
+
+Steps are guards (checked first, in order, whatever their place) and ops (applied in order):
+  guards  exists(k), hexists(k, field), hnotexists(k, field), hempty(k), fits(k, field, add, limit)
+  ops     hset, hdel, hcount (a counter removed at zero or below), sadd, srem, zadd, zrem, delete(k)
+  both    hadd(k, field, value): the field must not exist yet, and is set
+Every key must be in the record's Redis Cluster hash slot (the caller's keys share a hash tag).
+
+A record may have a tombstone field: a record holding it does not exist (reads as version 0) but
+keeps its version, so that a record removed (`mode=TOMBSTONE`) and written again counts on from
+where it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Iterable, Sequence
+from typing import Any
+
+from redis.asyncio import Redis, RedisCluster
+
+from bus import scripts
+from bus.redis import Pipelined
+
+Step = tuple  # (name, key, *args): made by the functions below
+
+UPDATE = "update"  # set, then delete, the fields given; a tombstone comes back to life
+REPLACE = "replace"  # the record becomes exactly the fields given
+TOMBSTONE = "tombstone"  # only the version and the tombstone field remain
+
+_MODES = frozenset({UPDATE, REPLACE, TOMBSTONE})
+_STEPS = frozenset({"exists", "hexists", "hnotexists", "hempty", "fits", "hadd",
+                    "hset", "hdel", "hcount", "sadd", "srem", "zadd", "zrem", "del"})
+
+
+# -- guards: checked before anything is written ------------------------------------------------
+
+
+def exists(key: str) -> Step:
+    """The key must exist."""
+    return ("exists", key)
+
+
+def hexists(key: str, field: str) -> Step:
+    """The hash must hold the field."""
+    return ("hexists", key, field)
+
+
+def hnotexists(key: str, field: str) -> Step:
+    """The hash must not hold the field."""
+    return ("hnotexists", key, field)
+
+
+def hempty(key: str) -> Step:
+    """The hash must have no field (or not exist)."""
+    return ("hempty", key)
+
+
+def fits(key: str, field: str, add: int, limit: int) -> Step:
+    """The counter (0 if absent) plus `add` must not exceed `limit`."""
+    return ("fits", key, field, str(add), str(limit))
+
+
+# -- ops: applied in order once every guard passed ---------------------------------------------
+
+
+def hadd(key: str, field: str, value: Any) -> Step:
+    """Guard and op: the hash must not hold the field yet; then it is set."""
+    return ("hadd", key, field, value)
+
+
+def hset(key: str, field: str, value: Any) -> Step:
+    return ("hset", key, field, value)
+
+
+def hdel(key: str, field: str) -> Step:
+    return ("hdel", key, field)
+
+
+def hcount(key: str, field: str, amount: int) -> Step:
+    """Add to a counter; a counter that falls to zero or below is removed."""
+    return ("hcount", key, field, str(amount))
+
+
+def sadd(key: str, member: str) -> Step:
+    return ("sadd", key, member)
+
+
+def srem(key: str, member: str) -> Step:
+    return ("srem", key, member)
+
+
+def zadd(key: str, score: float, member: str) -> Step:
+    return ("zadd", key, repr(float(score)), member)
+
+
+def zrem(key: str, member: str) -> Step:
+    return ("zrem", key, member)
+
+
+def delete(key: str) -> Step:
+    return ("del", key)
+
+
+class Conflict(Exception):
+    """A write was refused and nothing changed. `reason`: "version" (the record is not at the
+    version given; `subject` is its version) or the name of the first guard that failed
+    (`subject`: its field, for `exists` its key, for `hempty` the hash's length)."""
+
+    def __init__(self, reason: str, subject: str) -> None:
+        super().__init__(f"{reason}: {subject}")
+        self.reason = reason
+        self.subject = subject
+
+
+class VersionedHash:
+    """Records kept as hashes with a version field (and, optionally, a tombstone field).
+
+    With `batch`, commits go in that shared pipeline (`bus.redis.Pipelined`), queued when `send`
+    is called; otherwise each is its own script call.
+    """
+
+    def __init__(
+        self,
+        redis: Redis | RedisCluster,
+        *,
+        version_field: str = "version",
+        tombstone_field: str = "",
+        batch: Pipelined | None = None,
+    ) -> None:
+        self.version_field = version_field
+        self.tombstone_field = tombstone_field
+        self.batch = batch
+        self._script = scripts.register(redis, "bus", "cas")
+
+    async def commit(self, key: str, expected: int, steps: Iterable[Step] = (), **write: Any) -> int:
+        """Write the record at `key` if it is at version `expected` (0: it must not exist) and
+        every guard of `steps` holds, with the ops of `steps` (`write`: see `send`). The new
+        version, or `Conflict`."""
+        return self.outcome(await self.send(key, expected, steps, **write))
+
+    def send(
+        self,
+        key: str,
+        expected: int,
+        steps: Iterable[Step] = (),
+        *,
+        fields: Sequence[Any] = (),
+        unset: Sequence[str] = (),
+        mode: str = UPDATE,
+        ttl: int = 0,
+    ) -> Awaitable[Any]:
+        """`commit` in two halves: this sends it (in a batch: queued now, after the commands queued
+        before it) and returns its raw answer, for `outcome`. `fields` are the record's field,
+        value, ... pairs, flattened; `unset` fields to delete (UPDATE); `mode` UPDATE, REPLACE or
+        TOMBSTONE; `ttl` seconds the record lives after the write (0: no expiry is set)."""
+        if mode not in _MODES:
+            raise ValueError(f"not a compare-and-set mode: {mode!r}")
+        if mode == TOMBSTONE and not self.tombstone_field:
+            raise ValueError("a tombstone needs a tombstone field")
+        keys = [key]
+        position = {key: 1}
+        flat: list[Any] = []
+        for step in steps:
+            name, target = step[0], step[1]
+            if name not in _STEPS:
+                raise ValueError(f"not a compare-and-set step: {step!r}")
+            at = position.get(target)
+            if at is None:
+                keys.append(target)
+                at = position[target] = len(keys)
+            flat += (name, at, *step[2:])
+        args = [
+            self.version_field, self.tombstone_field, expected, mode, ttl,
+            len(fields), *fields, len(unset), *unset, *flat,
+        ]
+        if self.batch is not None:
+            return self.batch.script(self._script, keys, args)
+        return self._script(keys=keys, args=args)
+
+    @staticmethod
+    def outcome(answer: Any) -> int:
+        """The new version a `send` answer reports, or its `Conflict`."""
+        status, detail = answer
+        if status == b"ok":
+            return int(detail)
+        raise Conflict(status.decode(), detail.decode())

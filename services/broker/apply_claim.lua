@@ -1,0 +1,42 @@
+-- The `apply` claim (services/broker/store.py, BrokerStore.claim): give the caller the oldest idle
+-- resource of the first candidate broker that has one, in one step. Its own script, not a
+-- `bus.cas` compare-and-set: it picks the resource inside Redis, and the records it rewrites are
+-- named by the ids it pops (keys it cannot declare in advance; on a Redis Cluster this works only
+-- because every broker key shares the declared keys' slot).
+-- KEYS[1] the caller's record, KEYS[2] the index, KEYS[3] the brokers' version, then per
+-- candidate broker (in the user's order): its idle zset, sold set and demand zset.
+-- ARGV[1] the brokers' version the candidates were chosen at, ARGV[2] now, ARGV[3] key prefix of
+-- the user's records, ARGV[4] the caller's index member, ARGV[5] a demand member,
+-- ARGV[6..] the caller record's fields (broker_resource_id and created_at are filled in here).
+-- Returns {-2} (stale brokers' version), {-1, status} (the caller is launched already), {0} (every
+-- candidate's pool is empty) or {position from 1, resource id, caller's new version, created_at}.
+if (redis.call('GET', KEYS[3]) or '0') ~= ARGV[1] then return {-2} end
+-- The caller may be new, released, or initialized and not launched; nothing else.
+local status = redis.call('HGET', KEYS[1], 'status')
+local live = status and status ~= 'released'
+if live and (status ~= 'init' or redis.call('HGET', KEYS[1], 'launched') == '1') then return {-1, status} end
+local version = tonumber(redis.call('HGET', KEYS[1], 'version') or '0')
+local created = ARGV[2]
+if live then created = redis.call('HGET', KEYS[1], 'created_at') end
+for b = 0, (#KEYS - 3) / 3 - 1 do
+  local idle, sold, demand = KEYS[4 + 3 * b], KEYS[5 + 3 * b], KEYS[6 + 3 * b]
+  redis.call('ZADD', demand, ARGV[2], ARGV[5])
+  while true do
+    local oldest = redis.call('ZPOPMIN', idle)
+    if #oldest == 0 then break end
+    local id = oldest[1]
+    local key = ARGV[3] .. id
+    -- Pool membership and records change together, so this holds; checked all the same.
+    if redis.call('HGET', key, 'status') == 'running' and redis.call('HGET', key, 'broker_sold') == '0' then
+      redis.call('HSET', key, 'broker_sold', '1', 'updated_at', ARGV[2])
+      redis.call('HINCRBY', key, 'version', 1)
+      redis.call('SADD', sold, id)
+      redis.call('DEL', KEYS[1])
+      redis.call('HSET', KEYS[1], 'version', version + 1, 'broker_resource_id', id, 'created_at', created,
+                 unpack(ARGV, 6))
+      redis.call('ZADD', KEYS[2], 'NX', created, ARGV[4])
+      return {b + 1, id, version + 1, created}
+    end
+  end
+end
+return {0}
