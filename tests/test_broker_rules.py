@@ -58,7 +58,7 @@ def test_a_new_record_enters_the_index_at_its_creation_time():
 def test_a_launch_reserves_within_the_free_instances_and_sets_its_timer():
     assert CHANGES.launch(record(), 2, 7, 100.0) == [
         ("fits", f"{BASE}:blocks", "local", "2", "7"),
-        ("hincrby", f"{BASE}:blocks", "local", "2"),
+        ("hcount", f"{BASE}:blocks", "local", "2"),
         ("zadd", f"{BASE}:timers", "100.0", "launch|u|r1"),
     ]
 
@@ -83,10 +83,10 @@ def test_deploying_drops_the_launch_timer_and_traces_unless_in_a_pool():
 def test_observing_returns_ready_reservations_and_ends_the_trace_once_running():
     before = record(status=DEPLOYING, no_ready_instance=3)
     assert CHANGES.observed(before, record(status=DEPLOYING, no_ready_instance=1)) == [
-        ("hincrby", f"{BASE}:blocks", "local", "-2")
+        ("hcount", f"{BASE}:blocks", "local", "-2")
     ]
     assert CHANGES.observed(before, record(status=RUNNING, no_ready_instance=0)) == [
-        ("hincrby", f"{BASE}:blocks", "local", "-3"),
+        ("hcount", f"{BASE}:blocks", "local", "-3"),
         ("zrem", f"{BASE}:timers", "trace|u|r1"),
     ]
     assert CHANGES.observed(before, before) == []
@@ -108,7 +108,7 @@ def test_released_drops_timers_reservation_and_every_pool_membership():
     assert CHANGES.released(record()) == timers
     assert CHANGES.released(record(broker_name="web", broker_sold=True, no_ready_instance=2)) == [
         *timers,
-        ("hincrby", f"{BASE}:blocks", "local", "-2"),
+        ("hcount", f"{BASE}:blocks", "local", "-2"),
         ("srem", f"{BASE}:pool:u:web:warming", "r1"),
         ("zrem", f"{BASE}:pool:u:web:idle", "r1"),
         ("srem", f"{BASE}:pool:u:web:sold", "r1"),

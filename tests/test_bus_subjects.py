@@ -29,14 +29,14 @@ def test_name_types_keep_their_length_limits(kind, longest):
 
 def test_every_service_uses_the_one_definition():
     from schemas import asyncapi
-    from services import runner
+    from services import settings
     from services.allocation import messages as allocation
     from services.broker import messages as broker
     from services.broker import model
 
     assert allocation.NodeName is NodeName
     assert broker.Token is ShortName
-    assert model.TOKEN is NAME_PATTERN and runner.PREFIX_PATTERN is NAME_PATTERN
+    assert model.TOKEN is NAME_PATTERN and settings.NAME_PATTERN is NAME_PATTERN
     assert asyncapi.KEY is NAME_PATTERN
 
 

@@ -88,11 +88,8 @@ class Stale(Exception):
 # -- ops (index changes that go with a record write) ------------------------------------------
 
 
-# `bus.cas` steps: sadd(key, member), srem(key, member), zadd(key, score, member), zrem(key, member),
-# hincrby(key, field, amount) (a counter that falls to zero or below is removed); guards
-# fits(key, field, add, limit) (the counter plus `add` must not exceed `limit`) and exists(key).
-sadd, srem, zadd, zrem, fits, exists = cas.sadd, cas.srem, cas.zadd, cas.zrem, cas.fits, cas.exists
-hincrby = cas.hcount
+# The steps are `bus.cas`'s: sadd, srem, zadd, zrem, hcount (a counter that falls to zero or below
+# is removed), and the guards fits (the counter plus `add` must not exceed `limit`) and exists.
 
 
 # -- record encoding ---------------------------------------------------------------------------
@@ -184,32 +181,32 @@ class Changes:
 
     def indexed(self, record: Resource) -> list[Op]:
         """A new record enters the index (list-resources), at its creation time."""
-        return [zadd(self.keys.index, record.created_at, index_member(record.user, record.resource_id))]
+        return [cas.zadd(self.keys.index, record.created_at, index_member(record.user, record.resource_id))]
 
     def launch(self, record: Resource, need: int, free: int, due: float) -> list[Op]:
         """Reserve `need` instances of the record's block (refused beyond `free` reserved in all),
         and set the `launch` timer at `due`."""
         block = record.resource_block_key
         return [
-            fits(self.keys.blocks, block, need, free),
-            hincrby(self.keys.blocks, block, need),
-            zadd(self.keys.timers, due, self._timer("launch", record)),
+            cas.fits(self.keys.blocks, block, need, free),
+            cas.hcount(self.keys.blocks, block, need),
+            cas.zadd(self.keys.timers, due, self._timer("launch", record)),
         ]
 
     def pool_entry(self, record: Resource) -> list[Op]:
         """A broker's new resource: the broker must still exist; the resource warms in its pool."""
         return [
-            exists(self.keys.broker(record.user, record.broker_name)),
-            sadd(self._pool(record, "warming"), record.resource_id),
+            cas.exists(self.keys.broker(record.user, record.broker_name)),
+            cas.sadd(self._pool(record, "warming"), record.resource_id),
             *self.indexed(record),
         ]
 
     def deploying(self, record: Resource, trace_at: float) -> list[Op]:
         """The operator has the launch: the `launch` timer goes, and a `trace` timer follows the
         deployment from `trace_at` (a pool resource is followed by its broker's pool loop instead)."""
-        ops = [zrem(self.keys.timers, self._timer("launch", record))]
+        ops = [cas.zrem(self.keys.timers, self._timer("launch", record))]
         if not record.in_pool:
-            ops.append(zadd(self.keys.timers, trace_at, self._timer("trace", record)))
+            ops.append(cas.zadd(self.keys.timers, trace_at, self._timer("trace", record)))
         return ops
 
     def observed(self, before: Resource, after: Resource) -> list[Op]:
@@ -217,40 +214,40 @@ class Changes:
         ops: list[Op] = []
         ready = before.no_ready_instance - after.no_ready_instance
         if ready:
-            ops.append(hincrby(self.keys.blocks, before.resource_block_key, -ready))
+            ops.append(cas.hcount(self.keys.blocks, before.resource_block_key, -ready))
         if after.status == RUNNING:
-            ops.append(zrem(self.keys.timers, self._timer("trace", before)))
+            ops.append(cas.zrem(self.keys.timers, self._timer("trace", before)))
         return ops
 
     def release_begun(self, record: Resource, due: float) -> list[Op]:
         """A `release` timer at `due` (in case we die), and a pool resource moves to `deleting`."""
-        ops = [zadd(self.keys.timers, due, self._timer("release", record))]
+        ops = [cas.zadd(self.keys.timers, due, self._timer("release", record))]
         if record.in_pool:
             ops += self._pool_exit(record)
-            ops.append(sadd(self._pool(record, "deleting"), record.resource_id))
+            ops.append(cas.sadd(self._pool(record, "deleting"), record.resource_id))
         return ops
 
     def released(self, record: Resource) -> list[Op]:
         """Everything that still refers to `record` goes: its timers, its reservation, its pool."""
-        ops = [zrem(self.keys.timers, self._timer(kind, record)) for kind in ("launch", "trace", "release")]
+        ops = [cas.zrem(self.keys.timers, self._timer(kind, record)) for kind in ("launch", "trace", "release")]
         if record.no_ready_instance:
-            ops.append(hincrby(self.keys.blocks, record.resource_block_key, -record.no_ready_instance))
+            ops.append(cas.hcount(self.keys.blocks, record.resource_block_key, -record.no_ready_instance))
         if record.broker_name:
             ops += self._pool_exit(record)
-            ops += [srem(self._pool(record, part), record.resource_id) for part in ("sold", "deleting")]
+            ops += [cas.srem(self._pool(record, part), record.resource_id) for part in ("sold", "deleting")]
         return ops
 
     def accepted(self, record: Resource, since: float) -> list[Op]:
         """A warming pool resource passed the readiness gate: it is idle (ready) since `since`."""
         return [
-            srem(self._pool(record, "warming"), record.resource_id),
-            zadd(self._pool(record, "idle"), since, record.resource_id),
+            cas.srem(self._pool(record, "warming"), record.resource_id),
+            cas.zadd(self._pool(record, "idle"), since, record.resource_id),
         ]
 
     def _pool_exit(self, record: Resource) -> list[Op]:
         return [
-            srem(self._pool(record, "warming"), record.resource_id),
-            zrem(self._pool(record, "idle"), record.resource_id),
+            cas.srem(self._pool(record, "warming"), record.resource_id),
+            cas.zrem(self._pool(record, "idle"), record.resource_id),
         ]
 
 
