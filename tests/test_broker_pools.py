@@ -332,6 +332,34 @@ async def test_remove_broker_keeps_sold_resources(start_broker, broker_call, pre
     assert not marked(prefix)
 
 
+async def test_remove_broker_releases_a_launch_committed_just_before_the_broker_went(
+    start_broker, broker_call, prefix
+):
+    """A pool loop (of any replica) may launch into a broker's pool until the broker is gone; the
+    removal must release that resource too (it was left running, with no pool loop to release it,
+    when the pool was read before the broker went)."""
+    _, replica = await start_broker()
+    b = broker_call
+    await b("add-broker", const_broker(U, "racing", 1))
+    await b.wait_idle(U, "racing", 1)
+    store, config = replica.store, await replica.store.broker(U, "racing")
+    remove_broker, launched = store.remove_broker, []
+
+    async def launch_then_remove(user: str, name: str) -> bool:
+        # Another replica's pool loop wins the race: its launch commits while the broker still exists.
+        launched.append((await replica.resources.launching.launch_for_broker(config)).resource_id)
+        return await remove_broker(user, name)
+
+    store.remove_broker = launch_then_remove
+    removed = await b("remove-broker", {"user": U, "name": "racing"})
+    assert launched and launched[0] in removed["released"]
+
+    async def none_left():
+        return not marked(prefix)
+
+    await eventually(none_left)
+
+
 async def test_sold_resource_scales_through_its_caller(start_broker, broker_call, prefix):
     await start_broker()
     b = broker_call

@@ -50,19 +50,30 @@ class PoolKeeper:
     async def remove(self, user: str, name: str) -> list[str]:
         """Remove a broker and release its unsold resources (sold ones stay with their callers).
 
-        The pool is read before the broker goes, and a broker already gone whose pool still holds
+        The pool is read before the broker goes (a pool that cannot be read fails the removal
+        before anything changed) and again after: a pool loop (of any replica) may launch into it
+        until the broker is gone, and no later (`reserve_pool_launch` requires the broker), so the
+        second read sees what such a launch added in between, which would otherwise be left
+        running with no pool loop to release it. A broker already gone whose pool still holds
         resources is finished off: a removal interrupted half way (a crash, an error) completes
         when it is asked again, instead of leaving resources no pool loop will ever release."""
-        unsold = [
-            rid
-            for part in ("warming", "idle", "deleting")
-            for rid in await self.store.members(user, name, part)
-        ]
-        if not await self.store.remove_broker(user, name) and not unsold:
+        before = await self._unsold(user, name)
+        removed = await self.store.remove_broker(user, name)
+        unsold = sorted(before | await self._unsold(user, name))
+        if not removed and not unsold:
             raise errors.broker_not_found(user, name)
         records = await self.store.load_many((user, rid) for rid in unsold)
         await asyncio.gather(*(self.resources.releasing.release_record(r) for r in records if r is not None))
-        return sorted(unsold)
+        return unsold
+
+    async def _unsold(self, user: str, name: str) -> set[str]:
+        """The ids in a broker's warming, idle and deleting parts, read in the order a resource moves
+        through them, so that one moving meanwhile is still seen."""
+        return {
+            rid
+            for part in ("warming", "idle", "deleting")
+            for rid in await self.store.members(user, name, part)
+        }
 
     async def views(self, user: str | None) -> list[BrokerView]:
         return [await self.view(config) for config in await self.store.brokers(user)]
