@@ -1,9 +1,10 @@
 """The broker's pure pieces, without servers: the index changes that go with each record step
-(`store.Changes`), the record transitions and decisions (`transitions`), and the query views."""
+(`layout.Changes`), the record transitions and decisions (`transitions`), and the query views."""
 
 from __future__ import annotations
 
 from services.broker import transitions, views
+from services.broker.layout import Changes, Keys
 from services.broker.messages import (
     AddBroker,
     BlockDetail,
@@ -23,7 +24,6 @@ from services.broker.model import (
     broker_config,
     new_record,
 )
-from services.broker.store import Changes, Keys
 
 KEYS = Keys("p")
 CHANGES = Changes(KEYS)

@@ -28,7 +28,7 @@ from redis.exceptions import RedisError
 from bus.client import BusClient
 from bus.errors import BusError
 from bus.redis import connect_redis
-from services.broker.store import key_base
+from services.broker.layout import key_base
 from services.metrics.notifier import node_base
 from services.servers import ServerCluster, ServerProcess, start_redis_cluster
 from tests.broker_fixtures import Broker

@@ -28,10 +28,10 @@ import msgspec
 from redis.asyncio import Redis
 
 from bus.errors import InvalidArgument
+from services.broker.layout import key_base
 from services.broker.messages import BlockDetail, Endpoint, ResourceParam, ServiceInfo
 from services.broker.operators import procfs
 from services.broker.operators.base import LaunchSpec, OperatorError
-from services.broker.store import key_base
 from services.broker.views import unreserved
 from services.servers import free_port
 
