@@ -25,6 +25,8 @@ from urllib.parse import unquote, urlsplit
 
 from redis.asyncio import BlockingConnectionPool, Redis, RedisCluster
 from redis.asyncio.cluster import ClusterNode
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
@@ -46,7 +48,13 @@ def connect_redis(url: str | None = None, *, max_connections: int = 64, timeout:
 
 
 def connect_cluster(url: str, *, max_connections: int = 64) -> RedisCluster:
-    """`redis+cluster://[user:password@]host:port,host:port,...`: any of the nodes is enough to start."""
+    """`redis+cluster://[user:password@]host:port,host:port,...`: any of the nodes is enough to start.
+
+    No retries on a connection error: redis-py's cluster pipeline would send its whole batch again
+    after one node failed, so a commit that a healthy node had run ran twice (the second found its
+    own workload ids taken and left them behind). The error goes to the caller instead, who
+    answers `unavailable`, and the client retries with its `request_id`. Redirections (MOVED, ASK)
+    are followed as before: they are not retries."""
     parts = urlsplit("redis://" + url.removeprefix(CLUSTER_SCHEME).split(",", 1)[0])
     hosts = url.removeprefix(CLUSTER_SCHEME).rsplit("@", 1)[-1].split("/", 1)[0].split(",")
     nodes = [ClusterNode(host.rsplit(":", 1)[0], int(host.rsplit(":", 1)[1])) for host in hosts]
@@ -56,6 +64,7 @@ def connect_cluster(url: str, *, max_connections: int = 64) -> RedisCluster:
         password=unquote(parts.password) if parts.password else None,
         max_connections=max_connections,
         health_check_interval=30,
+        retry=Retry(NoBackoff(), 0),
     )
 
 
