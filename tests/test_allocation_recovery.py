@@ -85,3 +85,23 @@ async def test_retry_of_an_unanswered_allocate_places_once(call, redis, prefix):
     assert info["diffs"] == []
     # And that answer is kept: a further retry replays it.
     assert await call("allocate", request) == again
+
+@pytest.mark.parametrize("selection", [{"nodename": "f1"}, {"nodenames": ["f1", "f2"]}], ids=["node", "nodes"])
+async def test_a_retry_whose_claim_was_lost_gives_back_its_own_placement_on_a_full_node(
+    call, redis, prefix, selection
+):
+    # A Redis failover can lose a claim's last writes (replication is asynchronous) while the
+    # node's ledger, in another slot, keeps the placement. The retry then runs as the first run
+    # again, and the only room left is the room that very run took.
+    for node in ("f1", "f2"):
+        await call("add-node", {"nodename": node, "resource": {"cpumem": {"cpu": 1, "memory": "8G"}}})
+    await call("allocate", {"nodename": "f2", "deploy_count": 1, "workload_resource_request": BOUND})  # f2 full
+    request = {**selection, "deploy_count": 1, "workload_resource_request": BOUND, "request_id": "lost-1"}
+    first = await call("allocate", request)
+    [claim] = [k async for k in redis.scan_iter(match=f"{prefix}:idem:*")]
+    await redis.delete(claim)
+    again = await call("allocate", request)
+    assert again == first  # the same run's ids, placed once: nothing left behind, nothing refused
+    held = await call("get-allocations", {"nodename": "f1"})
+    assert [a["workload_id"] for a in held["allocations"]] == [a["workload_id"] for a in first["allocations"]]
+    assert await used_cpus(call, "f1") == 1

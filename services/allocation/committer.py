@@ -161,18 +161,22 @@ class Committer:
                 log.warning("allocate %s never finished: releasing its %d instances", intent, len(ids))
                 await self.release(ids)
 
-    async def forget_runs(self, request_id: str, attempt: int, count: int) -> None:
+    async def forget_runs(
+        self, request_id: str, attempt: int, count: int, nodes: list[str] | None = None
+    ) -> int:
         """Release what earlier runs of this very request placed without answering (their worker
-        died, and this run took their claim over). Their ids derive from the request id and the
-        run, so they are ours; no caller ever saw them."""
+        died, and this run took their claim over); how many. Their ids derive from the request id
+        and the run, so they are ours; no caller ever saw them. `nodes`: where they can be (default:
+        every node)."""
         earlier = [wid for run in range(attempt) for wid in workload_ids(count, None, request_id, run)]
         if len(await self.store.locate(earlier)) < len(earlier):
             # Not all were placed, or some lost their index entry with a Redis failover: look in the
-            # ledgers (a takeover is rare; this reads every node's ledger for these ids once).
-            await self.store.repair_index(await self.fleet.all_nodes(), earlier)
+            # ledgers (this reads the nodes' ledgers for these ids once).
+            await self.store.repair_index(nodes if nodes is not None else await self.fleet.all_nodes(), earlier)
         released = await self.release(earlier)
         if released:
             log.info("request %s: released %d instances an unanswered run had placed", request_id, len(released))
+        return len(released)
 
 
 class NodeFilledUp(Exception):

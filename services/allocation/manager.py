@@ -294,34 +294,60 @@ class AllocationManager:
         """
         run = current_claim.get()
         attempt = run.attempt if run is not None and run.request_id == request_id else 0
-        if attempt and given_ids is None:
-            each = len(await self.fleet.members(nodes)) if strategy == "each" else 1
-            await self.committer.forget_runs(request_id, attempt, count * each)
+        own_ids = given_ids is None and bool(request_id)  # ids derived from this request and its runs
+        if attempt and own_ids:
+            await self.committer.forget_runs(request_id, attempt, await self._instances(nodes, strategy, count))
         cleared = False
+
+        async def lost_run_given_back(error: BerthError) -> bool:
+            nonlocal cleared
+            if not own_ids or cleared:
+                return False
+            cleared = await self._forget_lost_runs(error, request_id, attempt, nodes, strategy, count)
+            return cleared
+
         views = self.fleet.views
         for replan in range(replans):
-            plan, reservation = await self._plan(nodes, strategy, count, requests)
-            ids = workload_ids(sum(plan.values()), given_ids, request_id, attempt)
+            reservation = Reservation.none()
             try:
+                plan, reservation = await self._plan(nodes, strategy, count, requests)
+                ids = workload_ids(sum(plan.values()), given_ids, request_id, attempt)
                 return await self.committer.place(plan, ids, requests, reservation)
             except BerthError as error:
-                if error.code != "workload_exists" or given_ids is not None or not request_id or cleared:
+                if not await lost_run_given_back(error):
                     raise
-                # An id derived from this very request is held already: an earlier run of it placed
-                # it and its claim was lost (a Redis failover lost the claim's last writes). Give
-                # back what every run of it placed, once, and place again.
-                log.warning("request %s: an earlier run's placement had lost its claim; releasing it", request_id)
-                await self.committer.forget_runs(request_id, attempt + 1, len(ids))
-                cleared = True
             except NodeFilledUp as filled:
                 views.invalidate(filled.node)  # its record changed under the view: read it afresh
                 views.contend(filled.node)
                 if nodes.single or replan == replans - 1:
-                    raise filled.error from None
-                log.debug("node %s filled up during allocate; planning again", filled.node)
+                    if not await lost_run_given_back(filled.error):
+                        raise filled.error from None
+                else:
+                    log.debug("node %s filled up during allocate; planning again", filled.node)
             finally:
                 reservation.settle_all()
         raise AssertionError("unreachable")
+
+    async def _instances(self, nodes: Selection, strategy: str, count: int) -> int:
+        """How many instances an allocate places in all (`each`: `count` on every selected node)."""
+        return count * len(await self.fleet.members(nodes)) if strategy == "each" else count
+
+    async def _forget_lost_runs(
+        self, error: BerthError, request_id: str, attempt: int, nodes: Selection, strategy: str, count: int
+    ) -> bool:
+        """Whether to plan again, once, because `error` may come from this very request's own
+        earlier run: its claim was lost (a Redis failover lost the claim's last writes), so this run
+        has that run's number and finds its ids taken (`workload_exists`) or the room it took gone
+        (a capacity refusal: then the selected nodes' ledgers are searched, as the index may have
+        lost its entries in the same failover). That run's placement is given back first."""
+        capacity = error.code in ("insufficient_capacity", "insufficient_resource")
+        if error.code != "workload_exists" and not capacity:
+            return False
+        instances = await self._instances(nodes, strategy, count)
+        where = await self.fleet.members(nodes) if capacity else None
+        if await self.committer.forget_runs(request_id, attempt + 1, instances, where):
+            log.warning("request %s: an earlier run's placement had lost its claim; released it", request_id)
+        return True
 
     async def _plan(
         self, nodes: Selection, strategy: str, count: int, requests: Keyed
