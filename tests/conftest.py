@@ -132,6 +132,31 @@ async def serve(nc):
         await service.drain(timeout=5)
 
 
+@pytest_asyncio.fixture
+async def serve_allocation(serve, prefix, redis, events):
+    """Serve the allocation service in this process: `await serve_allocation()` -> its manager,
+    following the node events (`watch=False`: not; `sweep_interval`; other keywords go to
+    `make_service`). Unwatched at the end, before the service drains."""
+    from bus.idempotency import IdempotencyStore
+    from services.allocation.manager import AllocationManager
+    from services.allocation.store import NodeStore
+    from services.allocation.worker import make_plugins, make_service
+
+    watching = []
+
+    async def start(*, watch: bool = True, sweep_interval: float = 5.0, **service_options):
+        manager = AllocationManager(NodeStore(redis, prefix), make_plugins(), events)
+        if watch:
+            await manager.watch(sweep_interval=sweep_interval)
+            watching.append(manager)
+        await serve(make_service(manager, prefix, IdempotencyStore(redis, prefix=prefix), **service_options))
+        return manager
+
+    yield start
+    for manager in watching:
+        await manager.unwatch()
+
+
 class Worker:
     """A worker process started with `python -m services.runner`."""
 

@@ -8,22 +8,14 @@ import asyncio
 import pytest
 
 from bus.errors import BusError
-from bus.idempotency import IdempotencyStore
-from services.allocation.manager import AllocationManager
-from services.allocation.store import NodeStore
-from services.allocation.worker import make_plugins, make_service
 
 GiB = 1 << 30
 ONE_CORE = {"cpumem": {"cpu-bind": True, "cpu-request": 1, "memory-request": GiB}}
 
 
 @pytest.fixture
-async def manager(serve, prefix, redis, events):
-    manager = AllocationManager(NodeStore(redis, prefix), make_plugins(), events)
-    await manager.watch()
-    await serve(make_service(manager, prefix, IdempotencyStore(redis, prefix=prefix)))
-    yield manager
-    await manager.unwatch()
+async def manager(serve_allocation):
+    return await serve_allocation()
 
 
 @pytest.fixture

@@ -8,10 +8,6 @@ import msgpack
 import pytest
 
 from bus.errors import BusError, NoResponders
-from bus.idempotency import IdempotencyStore
-from services.allocation.manager import AllocationManager
-from services.allocation.store import NodeStore
-from services.allocation.worker import make_plugins, make_service
 from tests.bus_helpers import EventLog, idempotency_keys
 
 GiB = 1 << 30
@@ -20,12 +16,8 @@ UNBOUND = {"cpumem": {"cpu-request": 0.5, "memory-request": GiB}}
 
 
 @pytest.fixture
-async def alloc(serve, prefix, redis, events):
-    manager = AllocationManager(NodeStore(redis, prefix), make_plugins(), events)
-    await manager.watch()
-    await serve(make_service(manager, prefix, IdempotencyStore(redis, prefix=prefix)))
-    yield manager
-    await manager.unwatch()
+async def alloc(serve_allocation):
+    return await serve_allocation()
 
 
 @pytest.fixture

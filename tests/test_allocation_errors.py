@@ -5,10 +5,6 @@ from __future__ import annotations
 import pytest
 
 from bus.errors import BusError
-from bus.idempotency import IdempotencyStore
-from services.allocation.manager import AllocationManager
-from services.allocation.store import NodeStore
-from services.allocation.worker import make_plugins, make_service
 from tests.bus_helpers import EventLog, idempotency_keys
 
 GiB = 1 << 30
@@ -20,17 +16,14 @@ NODE = {
 
 
 @pytest.fixture
-async def call(serve, prefix, redis, events, client):
-    manager = AllocationManager(NodeStore(redis, prefix), make_plugins(), events)
-    await manager.watch()
-    await serve(make_service(manager, prefix, IdempotencyStore(redis, prefix=prefix)))
+async def call(serve_allocation, client):
+    await serve_allocation()
 
     async def call(command: str, payload: dict) -> dict:
         return await client.request(f"resource.{command}", payload, dict)
 
     await call("add-node", {"nodename": "e0", "resource": NODE})
-    yield call
-    await manager.unwatch()
+    return call
 
 
 def deploy(request: dict, count: int = 1) -> dict:

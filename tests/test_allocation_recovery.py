@@ -6,10 +6,6 @@ import time
 
 import pytest
 
-from bus.idempotency import IdempotencyStore
-from services.allocation.manager import AllocationManager
-from services.allocation.store import NodeStore
-from services.allocation.worker import make_plugins, make_service
 from tests.bus_helpers import until
 
 GiB = 1 << 30
@@ -17,12 +13,8 @@ BOUND = {"cpumem": {"cpu-bind": True, "cpu-request": 1, "memory-request": GiB}}
 
 
 @pytest.fixture
-async def manager(serve, prefix, redis, events):
-    manager = AllocationManager(NodeStore(redis, prefix), make_plugins(), events)
-    await manager.watch(sweep_interval=0.2)
-    await serve(make_service(manager, prefix, IdempotencyStore(redis, prefix=prefix)))
-    yield manager
-    await manager.unwatch()
+async def manager(serve_allocation):
+    return await serve_allocation(sweep_interval=0.2)
 
 
 @pytest.fixture

@@ -9,26 +9,19 @@ import asyncio
 import pytest
 
 from bus.errors import BusError
-from bus.idempotency import IdempotencyStore
-from services.allocation.manager import AllocationManager
-from services.allocation.store import NodeStore
-from services.allocation.worker import make_plugins, make_service
 
 GiB = 1 << 30
 ONE_CORE = {"cpumem": {"cpu-bind": True, "cpu-request": 1, "memory-request": GiB}}
 
 
 @pytest.fixture
-async def call(serve, prefix, redis, events, client):
-    manager = AllocationManager(NodeStore(redis, prefix), make_plugins(), events)
-    await manager.watch()
-    await serve(make_service(manager, prefix, IdempotencyStore(redis, prefix=prefix)))
+async def call(serve_allocation, client):
+    await serve_allocation()
 
     async def call(command: str, payload: dict) -> dict:
         return await client.request(f"resource.{command}", payload, dict)
 
-    yield call
-    await manager.unwatch()
+    return call
 
 
 async def add(call, node: str, labels: dict, cpu: int = 2) -> None:
@@ -168,11 +161,10 @@ async def call_error(call, command: str, payload: dict) -> BusError:
     return caught.value
 
 
-async def test_list_nodes_pages_never_exceed_the_max_payload(serve, prefix, redis, events, client):
+async def test_list_nodes_pages_never_exceed_the_max_payload(serve_allocation, client):
     """No reply may exceed the server's max payload: a page of big nodes holds fewer than `limit`,
     and `next_offset` leads through every node exactly once."""
-    manager = AllocationManager(NodeStore(redis, prefix), make_plugins(), events)
-    await serve(make_service(manager, prefix, IdempotencyStore(redis, prefix=prefix), max_payload=16 * 1024))
+    await serve_allocation(watch=False, max_payload=16 * 1024)
     names = [f"big{i:02d}" for i in range(30)]
     for name in names:
         await client.request("resource.add-node", {"nodename": name, "resource": {"cpumem": {"cpu": 128, "memory": "8G"}}}, dict)
