@@ -49,6 +49,32 @@ async def allocate_many(client, count: int, in_flight: int, on_reply=None) -> tu
     return placed, failures
 
 
+async def allocate_until_answered(
+    client, nodes: list[str], request_id: str, retries: list[str], *, retried: set[str],
+    connection_may_move: bool = False,
+) -> dict | str:
+    """The answer to one spread allocate on `nodes` (its reply, or its error code), sending it again
+    with the same `request_id` while the error is one of `retried` (each retry noted in `retries`).
+    `connection_may_move`: the client's own connection is moving to another server, so an error
+    of the client itself is retried too."""
+    payload = {
+        "nodenames": nodes, "strategy": "spread", "deploy_count": 1, "workload_resource_request": REQUEST,
+        "request_id": request_id,
+    }
+    while True:
+        try:
+            return await client.request("resource.allocate", payload, dict, timeout=3)
+        except BusError as error:
+            if error.code not in retried:
+                return error.code
+            retries.append(error.code)
+        except Exception as error:
+            if not connection_may_move:
+                raise
+            retries.append(type(error).__name__)
+        await asyncio.sleep(0.05)
+
+
 async def check_invariants(client, nodes: list[str] = NODES) -> int:
     """No core or memory over-committed, usage equal to the ledger; returns the ledger's size."""
     held = 0

@@ -10,8 +10,7 @@ import signal
 
 import pytest
 
-from bus.errors import BusError
-from tests.test_allocation_concurrency import REQUEST, check_invariants
+from tests.test_allocation_concurrency import allocate_until_answered, check_invariants
 
 NODES = [f"k{i}" for i in range(8)]
 CORES = 8
@@ -21,20 +20,6 @@ KILLS = 4
 RETRIED = {"timeout", "no_responders", "busy"}  # no answer yet: send the same request again
 
 
-async def allocate_until_answered(client, request_id: str, retries: list[str]) -> dict | str:
-    """The answer to one allocate (its reply, or its error code), retrying with the same id."""
-    payload = {
-        "nodenames": NODES, "strategy": "spread", "deploy_count": 1, "workload_resource_request": REQUEST,
-        "request_id": request_id,
-    }
-    while True:
-        try:
-            return await client.request("resource.allocate", payload, dict, timeout=3)
-        except BusError as error:
-            if error.code not in RETRIED:
-                return error.code
-            retries.append(error.code)
-            await asyncio.sleep(0.05)
 
 
 @pytest.mark.slow
@@ -58,7 +43,7 @@ async def test_killed_workers_leave_no_orphans_when_every_request_is_retried(spa
 
     async def one(index: int) -> None:
         async with slots:
-            answers[f"req-{index}"] = await allocate_until_answered(client, f"req-{index}", retries)
+            answers[f"req-{index}"] = await allocate_until_answered(client, NODES, f"req-{index}", retries, retried=RETRIED)
         if len(answers) % (REQUESTS // (KILLS + 1)) == 0 and killed < KILLS:
             await kill_one()
 

@@ -16,10 +16,9 @@ import pytest
 
 from bus.client import BusClient
 from bus.connection import connect
-from bus.errors import BusError
 from services.servers import start_nats_cluster, start_redis_cluster
 from tests.conftest import clean_namespace, new_prefix, start_worker, stop_workers
-from tests.test_allocation_concurrency import REQUEST, check_invariants
+from tests.test_allocation_concurrency import allocate_until_answered, check_invariants
 
 NODES = [f"f{i}" for i in range(8)]
 CORES = 8
@@ -44,21 +43,6 @@ def redis_cluster6(tmp_path_factory):
     cluster.stop()
 
 
-async def allocate_until_answered(client: BusClient, request_id: str, retries: list[str]) -> dict | str:
-    payload = {
-        "nodenames": NODES, "strategy": "spread", "deploy_count": 1, "workload_resource_request": REQUEST,
-        "request_id": request_id,
-    }
-    while True:
-        try:
-            return await client.request("resource.allocate", payload, dict, timeout=3)
-        except BusError as error:
-            if error.code not in RETRIED:
-                return error.code
-            retries.append(error.code)
-        except Exception as error:  # the client's own connection is moving to another server
-            retries.append(type(error).__name__)
-        await asyncio.sleep(0.05)
 
 
 async def load_with_a_fault(client: BusClient, fault) -> tuple[dict[str, dict | str], list[str]]:
@@ -70,7 +54,9 @@ async def load_with_a_fault(client: BusClient, fault) -> tuple[dict[str, dict | 
 
     async def one(index: int) -> None:
         async with slots:
-            answers[f"req-{index}"] = await allocate_until_answered(client, f"req-{index}", retries)
+            answers[f"req-{index}"] = await allocate_until_answered(
+                client, NODES, f"req-{index}", retries, retried=RETRIED, connection_may_move=True
+            )
         if len(answers) >= REQUESTS // 3 and not struck.is_set():
             struck.set()
             await fault()
