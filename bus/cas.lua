@@ -24,8 +24,14 @@
 --           or below is removed) | sadd k member | srem k member | zadd k score member |
 --           zrem k member | del k
 --   both    hadd k field value (a guard, the field must not exist yet, and an op that sets it)
+--           once k answer ttl (a guard, the key must not exist yet, and an op that makes it a hash
+--           {r = answer, v = the record's new version} living ttl seconds: a request applied at
+--           most once, its answer kept beside the record it changed)
+--   fence   before k ms (a guard: the server's time must be before ms, the end of the lease of the
+--           run that writes; a run whose lease ran out may have been taken over, its write is refused)
 -- Returns {'ok', the new version}, {'version', the current version} or, for the first guard that
--- failed, {its name, its field (hexists, hnotexists, fits, hadd), key (exists) or length (hempty)}.
+-- failed, {its name, its field (hexists, hnotexists, fits, hadd), key (exists), length (hempty),
+-- the kept answer (once) or the server's time in ms (before)}.
 local record, version_field, tombstone, mode = KEYS[1], ARGV[1], ARGV[2], ARGV[4]
 if mode ~= 'update' and mode ~= 'replace' and mode ~= 'tombstone' then
   return redis.error_reply('cas: unknown mode ' .. tostring(mode))
@@ -48,7 +54,7 @@ local steps = i
 
 -- How many ARGV items each step takes, its name included.
 local size = {exists = 2, hexists = 3, hnotexists = 3, hempty = 2, fits = 5, hset = 4, hdel = 3, hcount = 4,
-              sadd = 3, srem = 3, zadd = 4, zrem = 3, del = 2, hadd = 4}
+              sadd = 3, srem = 3, zadd = 4, zrem = 3, del = 2, hadd = 4, once = 4, before = 3}
 
 local j = steps
 while j <= #ARGV do
@@ -66,6 +72,12 @@ while j <= #ARGV do
   elseif name == 'hempty' then
     local held = redis.call('HLEN', key)
     if held > 0 then return {name, tostring(held)} end
+  elseif name == 'once' then
+    if redis.call('EXISTS', key) == 1 then return {name, redis.call('HGET', key, 'r') or ''} end
+  elseif name == 'before' then
+    local now = redis.call('TIME')
+    now = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+    if now >= tonumber(ARGV[j + 2]) then return {name, tostring(now)} end
   end
   j = j + size[name]
 end
@@ -82,6 +94,9 @@ while j <= #ARGV do
   elseif name == 'hcount' then
     if redis.call('HINCRBY', key, ARGV[j + 2], ARGV[j + 3]) <= 0 then redis.call('HDEL', key, ARGV[j + 2]) end
   elseif name == 'del' then redis.call('DEL', key)
+  elseif name == 'once' then
+    redis.call('HSET', key, 'r', ARGV[j + 2], 'v', counted + 1)
+    redis.call('EXPIRE', key, ARGV[j + 3])
   end
   j = j + size[name]
 end

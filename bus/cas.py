@@ -14,6 +14,8 @@ Steps are guards (checked first, in order, whatever their place) and ops (applie
   guards  exists(k), hexists(k, field), hnotexists(k, field), hempty(k), fits(k, field, add, limit)
   ops     hset, hdel, hcount (a counter removed at zero or below), sadd, srem, zadd, zrem, delete(k)
   both    hadd(k, field, value): the field must not exist yet, and is set
+          once(k, answer, ttl): the key must not exist yet, and keeps the answer and the new version
+  fence   before(k, ms): the server's time must be before ms (the writer's lease end)
 Every key must be in the record's Redis Cluster hash slot (the caller's keys share a hash tag).
 
 A record may have a tombstone field: a record holding it does not exist (reads as version 0) but
@@ -38,7 +40,7 @@ REPLACE = "replace"  # the record becomes exactly the fields given
 TOMBSTONE = "tombstone"  # only the version and the tombstone field remain
 
 _MODES = frozenset({UPDATE, REPLACE, TOMBSTONE})
-_STEPS = frozenset({"exists", "hexists", "hnotexists", "hempty", "fits", "hadd",
+_STEPS = frozenset({"exists", "hexists", "hnotexists", "hempty", "fits", "hadd", "once", "before",
                     "hset", "hdel", "hcount", "sadd", "srem", "zadd", "zrem", "del"})
 
 
@@ -68,6 +70,21 @@ def hempty(key: str) -> Step:
 def fits(key: str, field: str, add: int, limit: int) -> Step:
     """The counter (0 if absent) plus `add` must not exceed `limit`."""
     return ("fits", key, field, str(add), str(limit))
+
+
+def before(key: str, deadline_ms: int) -> Step:
+    """The server's clock (ms) must not have reached `deadline_ms`: the end of the lease under
+    which the writer works. Past it, a newer run may have taken the work over; the write is refused
+    (`Conflict("before", <server ms>)`), so a paused writer never overwrites its successor. `key` is
+    any key of the record's slot (the clock is that server's)."""
+    return ("before", key, str(int(deadline_ms)))
+
+
+def once(key: str, answer: bytes, ttl: int) -> Step:
+    """Guard and op: apply this write at most once. The key must not exist yet; then it becomes a
+    hash {r: answer, v: the record's new version} that lives `ttl` seconds. A second write with
+    the same key is refused with `Conflict("once", <the kept answer>)`."""
+    return ("once", key, answer, str(int(ttl)))
 
 
 # -- ops: applied in order once every guard passed ---------------------------------------------
@@ -114,12 +131,14 @@ def delete(key: str) -> Step:
 class Conflict(Exception):
     """A write was refused and nothing changed. `reason`: "version" (the record is not at the
     version given; `subject` is its version) or the name of the first guard that failed
-    (`subject`: its field, for `exists` its key, for `hempty` the hash's length)."""
+    (`subject`: its field, for `exists` its key, for `hempty` the hash's length, for `once` the
+    kept answer, for `before` the server's time in ms)."""
 
-    def __init__(self, reason: str, subject: str) -> None:
+    def __init__(self, reason: str, subject: str, raw: bytes = b"") -> None:
         super().__init__(f"{reason}: {subject}")
         self.reason = reason
         self.subject = subject
+        self.raw = raw  # the subject as stored (for `once`, the kept answer's bytes)
 
 
 class VersionedHash:
@@ -193,4 +212,4 @@ class VersionedHash:
         status, detail = answer
         if status == b"ok":
             return int(detail)
-        raise Conflict(status.decode(), detail.decode())
+        raise Conflict(status.decode(), detail.decode(errors="replace"), detail)

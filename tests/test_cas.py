@@ -172,3 +172,31 @@ async def test_hadd_is_a_guard_and_an_op(redis, prefix, keys):
         await records.commit(keys.record, 1, [cas.hadd(keys.ledger, "w2", "y"), cas.hadd(keys.ledger, "w1", "z")])
     assert (refused.value.reason, refused.value.subject) == ("hadd", "w1")
     assert await snapshot(redis, prefix) == before
+
+
+async def test_once_applies_a_write_at_most_once_and_keeps_its_answer(redis, prefix, keys):
+    records = cas.VersionedHash(redis)
+    applied = f"{prefix}:{{t}}:applied:req-1"
+    answer = b"\x81\xa1k\xcc\xff"  # any bytes, not only text
+    assert await records.commit(keys.record, 0, [cas.once(applied, answer, 60), cas.hcount(keys.counts, "b", 1)],
+                                fields=["status", "one"]) == 1
+    assert await redis.hgetall(applied) == {b"r": answer, b"v": b"1"}  # the answer and the version it made
+    assert 0 < await redis.ttl(applied) <= 60
+    before = await snapshot(redis, prefix)
+    with pytest.raises(cas.Conflict) as refused:  # the same request again, on a fresh version
+        await records.commit(keys.record, 1, [cas.once(applied, b"other", 60), cas.hcount(keys.counts, "b", 1)])
+    assert (refused.value.reason, refused.value.raw) == ("once", answer)
+    assert await snapshot(redis, prefix) == before
+
+
+async def test_before_refuses_a_write_once_the_writers_lease_has_ended(redis, prefix, keys):
+    records = cas.VersionedHash(redis)
+    seconds, micros = await redis.time()
+    now_ms = seconds * 1000 + micros // 1000
+    assert await records.commit(keys.record, 0, [cas.before(keys.record, now_ms + 60_000)], fields=["s", "1"]) == 1
+    before = await snapshot(redis, prefix)
+    with pytest.raises(cas.Conflict) as refused:
+        await records.commit(keys.record, 1, [cas.before(keys.record, now_ms), cas.hcount(keys.counts, "b", 1)],
+                             fields=["s", "2"])
+    assert refused.value.reason == "before" and int(refused.value.subject) >= now_ms  # the server's clock
+    assert await snapshot(redis, prefix) == before
