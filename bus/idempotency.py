@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import hashlib
 import logging
 import uuid
-from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 import msgspec
@@ -58,12 +58,43 @@ class Reply(msgspec.Struct):
     headers: dict[str, str] | None = None
 
 
-@dataclass(frozen=True)
 class Claim:
-    """The request a handler is running under: its id, and which run of it this is."""
+    """The request a handler is running under: its id, which run of it this is, and the lease that
+    fences its writes.
 
-    request_id: str
-    attempt: int  # 0 the first time; n after n runs that never kept an answer (their worker died)
+    A run that pauses (SIGSTOP, a VM pause) longer than its lease may be taken over by a retry. Its
+    writes must then be refused: a store that can check the server's clock in the same step as a
+    write guards it with `lease_end` (`bus.cas.before`), and on a refusal asks `still_held()`.
+    """
+
+    def __init__(self, store: IdempotencyStore, key: str, token: str, request_id: str, scope: str,
+                 attempt: int, lease_end: int) -> None:
+        self._store = store
+        self._key = key
+        self._token = token
+        self.request_id = request_id
+        self.scope = scope
+        self.attempt = attempt  # 0 the first time; n after n runs that never kept an answer
+        self.lease_end = lease_end  # ms of the server's time: until then no other run can take over
+
+    @property
+    def marker(self) -> str:
+        """Names this request (not this run) where a store keeps what it applied for it."""
+        return f"{self.scope}:{self.request_id}"
+
+    async def still_held(self) -> bool:
+        """Renew the lease now: False when a newer run took the request over (or it was answered)."""
+        return self.renewed(await self._store.renew(self._key, self._token))
+
+    def renewed(self, lease_end: int) -> bool:
+        self.lease_end = max(self.lease_end, lease_end)
+        return lease_end > 0
+
+
+def taken_over(run: Claim) -> BerthError:
+    """The error of a run whose request a newer run took over: it must not answer or write."""
+    return BerthError(f"request {run.request_id} took too long and was taken over; retry", code="busy",
+                      field="request_id")
 
 
 # The claim of the request the current task runs, for handlers that need it (None without one).
@@ -96,7 +127,7 @@ class IdempotencyStore:
         self._keep = scripts.register(redis, "bus", "idempotency_keep")
         self._renew = scripts.register(redis, "bus", "idempotency_renew")
         self._release = scripts.register(redis, "bus", "idempotency_release")
-        self._held: dict[str, str] = {}  # claims this process holds now: key -> token
+        self._held: dict[str, Claim] = {}  # claims this process holds now, by key
         self._renewal: asyncio.TimerHandle | None = None
 
     def key(self, scope: str, request_id: str) -> str:
@@ -119,11 +150,12 @@ class IdempotencyStore:
             raise InvalidArgument("request_id", "must be at most 200 characters")
         key = self.key(scope, request_id)
         token = uuid.uuid4().hex
-        attempt = await self._take(key, token, hashlib.sha1(payload).digest(), request_id)
-        if isinstance(attempt, Reply):
-            return attempt
-        self._hold(key, token)
-        claim = current_claim.set(Claim(request_id, attempt))
+        taken = await self._take(key, token, hashlib.sha1(payload).digest(), request_id)
+        if isinstance(taken, Reply):
+            return taken
+        run = Claim(self, key, token, request_id, scope, *taken)
+        self._hold(key, run)
+        claim = current_claim.set(run)
         try:
             reply = await call()
         except BaseException:
@@ -139,14 +171,13 @@ class IdempotencyStore:
             log.warning("request %s: the claim was taken over while it ran; its answer is not the one kept", request_id)
             if undo is not None and status is None:  # an error answer changed nothing to give back
                 await undo(reply)
-            raise BerthError(f"request {request_id} took too long and was taken over; retry", code="busy",
-                             field="request_id")
+            raise taken_over(run)
         return reply
 
-    def _hold(self, key: str, token: str) -> None:
+    def _hold(self, key: str, run: Claim) -> None:
         """Keep the claim's lease running while it is held: every third of a lease, one renewal
         for every claim held at that moment (a timer, not a task per request)."""
-        self._held[key] = token
+        self._held[key] = run
         if self._renewal is None:
             self._renewal = asyncio.get_running_loop().call_later(self.lease / 3, self._renew_held)
 
@@ -154,20 +185,28 @@ class IdempotencyStore:
         self._renewal = None
         if not self._held:
             return
-        for key, token in self._held.items():
-            self.batch.script(self._renew, [key], [token, int(self.lease * 1000)]).add_done_callback(_log_failure)
+        for key, run in self._held.items():
+            self.batch.script(self._renew, [key], [run._token, int(self.lease * 1000)]).add_done_callback(
+                functools.partial(_renewed, run)
+            )
         self._renewal = asyncio.get_running_loop().call_later(self.lease / 3, self._renew_held)
 
-    async def _take(self, key: str, token: str, digest: bytes, request_id: str) -> int | Reply:
-        """Claim the id (the run's attempt number), or the answer kept for it; waits while another
-        live run holds it."""
+    async def renew(self, key: str, token: str) -> int:
+        """Extend a claim's lease now: its new end (ms of server time), or 0 when it is not ours."""
+        return int(await self.batch.script(self._renew, [key], [token, int(self.lease * 1000)]))
+
+    async def _take(self, key: str, token: str, digest: bytes, request_id: str) -> tuple[int, int] | Reply:
+        """Claim the id (the run's attempt number and lease end), or the answer kept for it; waits
+        while another live run holds it."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.wait
         pause = self.poll
         while True:
-            status, value = await self.batch.script(self._claim, [key], [digest, token, int(self.lease * 1000), self.ttl])
+            status, value, *lease_end = await self.batch.script(
+                self._claim, [key], [digest, token, int(self.lease * 1000), self.ttl]
+            )
             if status == b"claimed":
-                return int(value)
+                return int(value), int(lease_end[0])
             if status == b"done":
                 return msgspec.msgpack.decode(value, type=Reply)
             if status == b"mismatch":
@@ -180,6 +219,10 @@ class IdempotencyStore:
             pause = min(pause * 2, 0.1)
 
 
-def _log_failure(renewal: asyncio.Future) -> None:
-    if not renewal.cancelled() and renewal.exception() is not None:  # the next renewal tries again
+def _renewed(run: Claim, renewal: asyncio.Future) -> None:
+    if renewal.cancelled():
+        return
+    if renewal.exception() is not None:  # the next renewal tries again
         log.warning("renewing a claim failed: %r", renewal.exception())
+    else:
+        run.renewed(int(renewal.result()))
