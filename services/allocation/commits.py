@@ -19,11 +19,20 @@ from typing import Any, Awaitable, Callable
 
 from bus.codec import encode
 from bus.errors import BerthError
+from bus.failpoints import failpoint
+from bus.idempotency import Claim, current_claim, taken_over
 from services.allocation import telemetry
 from services.allocation.errors import node_busy, node_not_found, workload_exists
 from services.allocation.messages import Allocation
 from services.allocation.plugin_set import Keyed, PluginSet
-from services.allocation.store import Change, LedgerConflict, NodeRecord, NodeStore, StaleVersion
+from services.allocation.store import (
+    Change,
+    LeaseExpired,
+    LedgerConflict,
+    NodeRecord,
+    NodeStore,
+    StaleVersion,
+)
 
 log = logging.getLogger("berth.allocation")
 
@@ -34,6 +43,8 @@ class Deploy:
 
     ids: list[str]
     requests: Keyed
+    # The request's claim, whose lease fences the commit (a run taken over writes nothing).
+    claim: Claim | None = field(default_factory=current_claim.get)
     # Called once the deploy is committed or refused, in the same step as the views learn the
     # commit: the planner's reservation for it ends exactly when the record holds it.
     settled: Callable[[], None] = lambda: None
@@ -79,7 +90,7 @@ class DeployBatches:
         self, node: str, ids: list[str], requests: Keyed, *, settled: Callable[[], None] = lambda: None
     ) -> Placed:
         """Place `ids` on `node`, in this worker's next commit to it; raises what the plugins refuse."""
-        deploy = Deploy(ids, requests, settled)
+        deploy = Deploy(ids, requests, settled=settled)
         if node in self._waiting:
             self._waiting[node].append(deploy)  # a commit to it is in flight: go with the next one
         else:
@@ -140,9 +151,20 @@ class DeployBatches:
                 return {}, refused, record.version
             ids = [i for d in placed for i in d.ids]
             ledger = {a.workload_id: a.workload_resource for allocations in placed.values() for a in allocations}
-            change = Change(plugins=after, ledger_add=ledger, index=dict.fromkeys(ids, node))
+            claimed = [d for d in placed if d.claim is not None]
+            fence = min((d.claim.lease_end for d in claimed), default=0)
+            change = Change(plugins=after, ledger_add=ledger, index=dict.fromkeys(ids, node), fence=fence)
+            failpoint("before-commit")
             try:
                 version = await self.store.commit(node, record.version, change)
+            except LeaseExpired:
+                # A run's lease ended (its worker paused?): renew each; a run taken over is refused.
+                await self.store.unindex_workloads(ids)
+                held = await asyncio.gather(*(d.claim.still_held() for d in claimed))
+                for deploy in (d for d, alive in zip(claimed, held) if not alive):
+                    batch = [d for d in batch if d is not deploy]
+                    deploy.done.set_exception(taken_over(deploy.claim))
+                continue
             except StaleVersion:
                 telemetry.RETRY_VERSION.inc()
                 self.contend(node)
@@ -161,6 +183,7 @@ class DeployBatches:
             except BaseException:
                 await self.store.unindex_workloads(ids)
                 raise
+            failpoint("after-commit")
             self.committed(node, record, change, version)
             telemetry.PLACEMENTS.inc(len(ids))
             telemetry.COMMIT_DEPLOYS.observe(len(placed))

@@ -17,14 +17,26 @@ import uuid
 from functools import partial
 from typing import Awaitable, Callable, TypeVar
 
+import msgspec
+
 from bus.errors import BerthError
+from bus.failpoints import failpoint
+from bus.idempotency import current_claim, taken_over
 from services.allocation import telemetry
 from services.allocation.commits import DeployBatches
 from services.allocation.errors import node_busy
 from services.allocation.fleet import Fleet
 from services.allocation.messages import Allocation
 from services.allocation.plugin_set import Keyed, PluginSet
-from services.allocation.store import Change, LedgerConflict, NodeRecord, NodeStore, StaleVersion
+from services.allocation.store import (
+    AlreadyApplied,
+    Change,
+    LeaseExpired,
+    LedgerConflict,
+    NodeRecord,
+    NodeStore,
+    StaleVersion,
+)
 from services.allocation.view import Reservation
 
 log = logging.getLogger("berth.allocation")
@@ -63,26 +75,49 @@ class Committer:
         compute: Callable[[], Awaitable[tuple[NodeRecord | None, Change, T]]],
         *,
         retry_ledger: bool = False,
+        once: type | None = None,
     ) -> tuple[T, int]:
         """Compute a change on fresh data and commit it; if the node changed meanwhile, do it again.
 
         `compute` reads what it needs and returns (the record it read, None for a new node; the
         change; the result); it raises to refuse. `retry_ledger` also retries when a ledger entry
         it relied on moved. Returns the result and the node's new version.
+
+        `once` (the result's type): the change is the answer to the request whose claim the task
+        runs under, applied to the node at most once whatever dies between its commit and its
+        answer. The commit keeps the result beside the record; a retry of the request finds it and
+        returns it instead of applying the change again (a delta applied twice, a release that no
+        longer finds what its first run removed). The commit is also fenced by the run's lease: a
+        run paused past it, whose request a retry took over, writes nothing.
         """
         retry_on: tuple[type[Exception], ...] = (StaleVersion, LedgerConflict) if retry_ledger else (StaleVersion,)
+        run = current_claim.get() if once is not None else None
+        if run is not None and run.attempt:  # an earlier run may have applied it and died unanswered
+            kept = (await self.store.applied([node], run.marker)).get(node)
+            if kept is not None:
+                return msgspec.msgpack.decode(kept.answer, type=once), kept.version
         for attempt in range(self.attempts):
             record, change, result = await compute()
             version = record.version if record else 0
             if change.is_empty():
                 return result, version
+            if run is not None:
+                change.once, change.fence = (run.marker, msgspec.msgpack.encode(result)), run.lease_end
+            failpoint("before-commit")
             try:
                 version = await self.store.commit(node, version, change)
+            except AlreadyApplied as kept:  # an earlier run applied it: its answer is the answer
+                return msgspec.msgpack.decode(kept.answer, type=once), kept.version
+            except LeaseExpired:
+                if not await run.still_held():
+                    raise taken_over(run) from None
+                continue
             except retry_on as error:
                 (telemetry.RETRY_VERSION if isinstance(error, StaleVersion) else telemetry.RETRY_LEDGER).inc()
                 # Someone else changed the node; a short random pause spreads the contenders out.
                 await asyncio.sleep(random.uniform(0, 0.002 * min(attempt + 1, 10)))
                 continue
+            failpoint("after-commit")
             self.committed(node, record, change, version)
             return result, version
         raise node_busy(node)

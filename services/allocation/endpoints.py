@@ -300,7 +300,7 @@ class AllocationEndpoints:
     async def undo_allocate(self, req: AllocateWire, answer: bytes) -> None:
         """Give back what an allocate placed when its answer could not be kept (see Command.undo)."""
         placed = msgspec.msgpack.decode(answer, type=AllocateReply).allocations
-        await self.manager.release([a.workload_id for a in placed])
+        await self.manager.give_back([a.workload_id for a in placed])
 
     async def release(self, req: ReleaseWorkloads) -> ReleaseReply:
         return ReleaseReply(await self.manager.release(req.workload_ids))

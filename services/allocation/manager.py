@@ -12,9 +12,11 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
+import msgspec
+
 from bus.errors import BerthError
 from bus.events import EventBus
-from bus.idempotency import current_claim
+from bus.idempotency import Claim, current_claim
 from services.allocation import telemetry
 from services.allocation.committer import Committer, NodeFilledUp, workload_ids
 from services.allocation.errors import no_node_matches, node_not_found, workload_not_found
@@ -60,7 +62,7 @@ class AllocationManager:
         self.events = events
         self.fleet = Fleet(store, self.plugins)
         self.committer = Committer(
-            store, self.plugins, self.fleet, publish=self._publish, release=self.release,
+            store, self.plugins, self.fleet, publish=self._publish, release=self.give_back,
             attempts=attempts, intent_timeout=intent_timeout,
         )
         self.deploys = self.committer.deploys
@@ -157,7 +159,9 @@ class AllocationManager:
             fixed = self.plugins.fixed(states, source)
             return record, Change(plugins=encode_states(fixed) if diffs else {}), (states, fixed, diffs)
 
-        (before, fixed, diffs), version = await self.committer.mutate(node, compute)
+        (before, fixed, diffs), version = await self.committer.mutate(
+            node, compute, once=tuple[States, States, list[Raw]]
+        )
         if diffs:
             await self._publish_states(node, "usage", version, fixed, before)
         return NodeInfo(fixed, diffs)
@@ -179,7 +183,7 @@ class AllocationManager:
             return record, change, None
 
         await self.store.add_to_index(node)  # before the record: a crash leaves an entry readers skip
-        _, version = await self.committer.mutate(node, compute)
+        _, version = await self.committer.mutate(node, compute, once=None.__class__)
         await self._publish_states(node, "added", version, created)
         return created
 
@@ -202,7 +206,7 @@ class AllocationManager:
             return record, Change(remove_plugins=list(present)), (present, False)
 
         try:
-            (removed, gone), version = await self.committer.mutate(node, compute)
+            (removed, gone), version = await self.committer.mutate(node, compute, once=tuple[States, bool])
         except LedgerConflict as conflict:
             raise BerthError(
                 f"node {node} still holds {conflict.subject} workloads", code="node_not_empty",
@@ -224,7 +228,7 @@ class AllocationManager:
             after = update(states)
             return record, Change(plugins=encode_states(after)), StateChange(states, after)
 
-        changed, version = await self.committer.mutate(node, compute)
+        changed, version = await self.committer.mutate(node, compute, once=StateChange)
         await self._publish_states(node, kind, version, changed.after, changed.before)
         return changed
 
@@ -263,7 +267,7 @@ class AllocationManager:
             return record, Change(plugins=encode_states(given)), before
 
         await self.store.add_to_index(node)  # before the record: a crash leaves an entry readers skip
-        before, version = await self.committer.mutate(node, compute)
+        before, version = await self.committer.mutate(node, compute, once=States)
         await self._publish_states(node, "usage", version, given, before)
 
     async def set_labels(self, node: str, labels: dict[str, str]) -> None:
@@ -271,7 +275,7 @@ class AllocationManager:
             record = await self._existing(node)
             return record, Change(labels=labels), record.labels
 
-        before, version = await self.committer.mutate(node, compute)
+        before, version = await self.committer.mutate(node, compute, once=dict[str, str])
         await self._publish(node, "labels", version, before={"labels": before}, after={"labels": labels})
 
     # -- committed allocations ---------------------------------------------------------------------
@@ -361,17 +365,36 @@ class AllocationManager:
         return view.plan(strategy, count, self.fleet.views.contended)
 
     async def release(self, ids: list[str]) -> list[str]:
-        """Return the workloads' resources to their nodes; ids nobody holds are skipped."""
+        """Return the workloads' resources to their nodes, once per request; ids nobody holds are
+        skipped. The answer names every id this request removed, also those an earlier run of it
+        removed before it died unanswered: each node keeps what the request removed there."""
+        return await self._release(ids, once=True)
+
+    async def give_back(self, ids: list[str]) -> list[str]:
+        """Release workloads that no answer named (a rolled-back or unanswered placement)."""
+        return await self._release(ids, once=False)
+
+    async def _release(self, ids: list[str], *, once: bool) -> list[str]:
         by_node: dict[str, list[str]] = {}
         for wid, node in (await self.store.locate(ids)).items():
             by_node.setdefault(node, []).append(wid)
         released: list[str] = []
+        run = current_claim.get() if once else None
+        if run is not None and run.attempt and len(by_node) < len(ids):
+            released += await self._released_before(run, set(ids) - {w for held in by_node.values() for w in held})
         for node, held_ids in sorted(by_node.items()):
-            released += await self._release_on(node, held_ids)
+            released += await self._release_on(node, held_ids, once)
         await self.store.unindex_workloads(list(dict.fromkeys(ids)))
-        return sorted(released)
+        return sorted(set(released))
 
-    async def _release_on(self, node: str, ids: list[str]) -> list[str]:
+    async def _released_before(self, run: Claim, ids: set[str]) -> list[str]:
+        """Which of `ids` (no longer indexed) an earlier run of this request removed: the nodes'
+        kept answers say. Only a retry after a run that died unanswered pays for this search."""
+        kept = await self.store.applied(await self.fleet.all_nodes(), run.marker)
+        return [wid for answer in kept.values() for wid in msgspec.msgpack.decode(answer.answer, type=list[str])
+                if wid in ids]
+
+    async def _release_on(self, node: str, ids: list[str], once: bool) -> list[str]:
         async def compute():
             record, ledger = await self.store.load_with_ledger(node, ids)
             if record is None or not ledger:
@@ -379,7 +402,9 @@ class AllocationManager:
             after = self.plugins.released(record.plugins, list(ledger.values()))
             return record, Change(plugins=encode_states(after), ledger_remove=list(ledger)), sorted(ledger)
 
-        released, version = await self.committer.mutate(node, compute, retry_ledger=True)
+        released, version = await self.committer.mutate(
+            node, compute, retry_ledger=True, once=list[str] if once else None
+        )
         if released:
             telemetry.RELEASED.inc(len(released))
             await self._publish(node, "released", version, workload_ids=released)
@@ -403,7 +428,9 @@ class AllocationManager:
             change = Change(plugins=encode_states(after), ledger_replace={workload_id: result.workload_resource})
             return record, change, (current, result)
 
-        (before, result), version = await self.committer.mutate(node, compute, retry_ledger=True)
+        (before, result), version = await self.committer.mutate(
+            node, compute, retry_ledger=True, once=tuple[Raw, Reallocation]
+        )
         await self._publish(node, "usage", version, workload_ids=[workload_id],
                             before={"workload_resource": before}, after={"workload_resource": result.workload_resource})
         return node, result

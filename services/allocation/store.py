@@ -39,6 +39,7 @@ Raw = dict[str, Any]
 
 PLUGIN_FIELD = "p:"
 TOMBSTONE_SECONDS = 7 * 24 * 3600
+APPLIED_SECONDS = 24 * 3600  # as long as the idempotency layer keeps an answer
 
 # The commit is a `bus.cas` compare-and-set: version field `v`, tombstone field `gone`, the ledger
 # entries it depends on as guards. The record and its ledger are read together by
@@ -83,6 +84,9 @@ class Change:
     ledger_replace: dict[str, Raw] = field(default_factory=dict)  # must exist
     delete: str = ""  # "", "delete" or "delete_if_empty" (refused while the ledger holds workloads)
     index: dict[str, str] = field(default_factory=dict)
+    # A request applied at most once: (its marker, the answer to keep beside the record for a retry).
+    once: tuple[str, bytes] | None = None
+    fence: int = 0  # the writing run's lease end (ms of server time); 0: not fenced
 
     def is_empty(self) -> bool:
         return not (
@@ -93,6 +97,19 @@ class Change:
 
 class StaleVersion(Exception):
     """The record changed since it was read; reload and compute again."""
+
+
+class AlreadyApplied(Exception):
+    """The request was applied to this node before (by an earlier run of it): its kept answer."""
+
+    def __init__(self, answer: bytes, version: int) -> None:
+        super().__init__("already applied")
+        self.answer = answer
+        self.version = version
+
+
+class LeaseExpired(Exception):
+    """The writing run's lease ended before its commit: a newer run may have taken it over."""
 
 
 class LedgerConflict(Exception):
@@ -136,6 +153,10 @@ class NodeStore:
 
     def ledger_key(self, node: str) -> str:
         return f"{self.base}:{{node:{node}}}:ledger"
+
+    def applied_key(self, node: str, marker: str) -> str:
+        """Where a request applied to the node keeps its answer (see `Change.once`)."""
+        return f"{self.base}:{{node:{node}}}:applied:{marker}"
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -189,6 +210,13 @@ class NodeStore:
             return record, {k.decode(): _decode_map(v) for k, v in sorted(zip(held[::2], held[1::2]))}
         return record, {wid: _decode_map(v) for wid, v in zip(workload_ids, held) if v}
 
+    async def applied(self, nodes: list[str], marker: str) -> dict[str, AlreadyApplied]:
+        """The answers kept for the request `marker` on those of `nodes` it was applied to."""
+        found = await asyncio.gather(
+            *(self.batch.execute_command("HMGET", self.applied_key(node, marker), "r", "v") for node in nodes)
+        )
+        return {node: AlreadyApplied(answer, int(version)) for node, (answer, version) in zip(nodes, found) if answer}
+
     async def node_names(self) -> list[str]:
         return sorted(name.decode() for name in await self.redis.zrange(self.nodes_key, 0, -1))
 
@@ -224,6 +252,11 @@ class NodeStore:
             if change.labels is not None:
                 fields += ["labels", _encode(change.labels)]
             mode, ttl = cas.UPDATE, 0
+        if change.once is not None:
+            marker, answer = change.once
+            steps.insert(0, cas.once(self.applied_key(node, marker), answer, APPLIED_SECONDS))
+        if change.fence:
+            steps.insert(0, cas.before(record, change.fence))
         unset = [PLUGIN_FIELD + name for name in change.remove_plugins]
         # The index entries go first, in the same batch: a crash between the two leaves index
         # entries without ledger entries, which readers skip.
@@ -237,6 +270,13 @@ class NodeStore:
         except cas.Conflict as conflict:
             if conflict.reason == "version":
                 raise StaleVersion(node) from None
+            if conflict.reason == "before":
+                raise LeaseExpired(node) from None
+            if conflict.reason == "once":
+                kept, version = await self.batch.execute_command(
+                    "HMGET", self.applied_key(node, change.once[0]), "r", "v"
+                )
+                raise AlreadyApplied(kept, int(version)) from None
             raise LedgerConflict(_LEDGER_CONFLICTS[conflict.reason], conflict.subject) from None
 
     # -- intents: multi-node allocations a crashed worker may have left half done ------------------
