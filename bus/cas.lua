@@ -27,6 +27,8 @@
 --           once k answer ttl (a guard, the key must not exist yet, and an op that makes it a hash
 --           {r = answer, v = the record's new version} living ttl seconds: a request applied at
 --           most once, its answer kept beside the record it changed)
+--   op      journal k value (set field <the record's new version> of hash k to value: the events
+--           of this change, in an outbox written in the same step as the change)
 --   fence   before k ms (a guard: the server's time must be before ms, the end of the lease of the
 --           run that writes; a run whose lease ran out may have been taken over, its write is refused)
 -- Returns {'ok', the new version}, {'version', the current version} or, for the first guard that
@@ -54,7 +56,8 @@ local steps = i
 
 -- How many ARGV items each step takes, its name included.
 local size = {exists = 2, hexists = 3, hnotexists = 3, hempty = 2, fits = 5, hset = 4, hdel = 3, hcount = 4,
-              sadd = 3, srem = 3, zadd = 4, zrem = 3, del = 2, hadd = 4, once = 4, before = 3}
+              sadd = 3, srem = 3, zadd = 4, zrem = 3, del = 2, hadd = 4, once = 4, before = 3,
+              journal = 3}
 
 local j = steps
 while j <= #ARGV do
@@ -94,6 +97,7 @@ while j <= #ARGV do
   elseif name == 'hcount' then
     if redis.call('HINCRBY', key, ARGV[j + 2], ARGV[j + 3]) <= 0 then redis.call('HDEL', key, ARGV[j + 2]) end
   elseif name == 'del' then redis.call('DEL', key)
+  elseif name == 'journal' then redis.call('HSET', key, counted + 1, ARGV[j + 2])
   elseif name == 'once' then
     redis.call('HSET', key, 'r', ARGV[j + 2], 'v', counted + 1)
     redis.call('EXPIRE', key, ARGV[j + 3])

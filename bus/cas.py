@@ -16,6 +16,7 @@ Steps are guards (checked first, in order, whatever their place) and ops (applie
   both    hadd(k, field, value): the field must not exist yet, and is set
           once(k, answer, ttl): the key must not exist yet, and keeps the answer and the new version
   fence   before(k, ms): the server's time must be before ms (the writer's lease end)
+  op      journal(k, value): field <the record's new version> of hash k is set (an outbox)
 Every key must be in the record's Redis Cluster hash slot (the caller's keys share a hash tag).
 
 A record may have a tombstone field: a record holding it does not exist (reads as version 0) but
@@ -40,7 +41,7 @@ REPLACE = "replace"  # the record becomes exactly the fields given
 TOMBSTONE = "tombstone"  # only the version and the tombstone field remain
 
 _MODES = frozenset({UPDATE, REPLACE, TOMBSTONE})
-_STEPS = frozenset({"exists", "hexists", "hnotexists", "hempty", "fits", "hadd", "once", "before",
+_STEPS = frozenset({"exists", "hexists", "hnotexists", "hempty", "fits", "hadd", "once", "before", "journal",
                     "hset", "hdel", "hcount", "sadd", "srem", "zadd", "zrem", "del"})
 
 
@@ -122,6 +123,12 @@ def zadd(key: str, score: float, member: str) -> Step:
 
 def zrem(key: str, member: str) -> Step:
     return ("zrem", key, member)
+
+
+def journal(key: str, value: Any) -> Step:
+    """Set field <the record's new version> of hash `key` to `value`: what the change must still
+    announce, written in the same step as the change (`bus.outbox`)."""
+    return ("journal", key, value)
 
 
 def delete(key: str) -> Step:

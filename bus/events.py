@@ -73,6 +73,7 @@ class EventBus:
     def __init__(self, nc: Client, *, prefix: str = "berth") -> None:
         self.nc = nc
         self.prefix = prefix
+        self._js = None  # the JetStream context, made on first use
 
     def stream_name(self, spec: StreamSpec) -> str:
         return f"{self.prefix}-{spec.name}"
@@ -135,6 +136,13 @@ class EventBus:
         """Publish `event` on `<prefix>.events.<suffix>`; its `type` is the subject's last token."""
         event.type = suffix.rsplit(".", 1)[-1]
         await self.nc.publish(self.subject(suffix), encode(event))
+
+    async def publish_acked(self, suffix: str, data: bytes, msg_id: str) -> None:
+        """Publish encoded `data` on `<prefix>.events.<suffix>` and wait until its stream has it.
+        `msg_id` names the event: a second copy within the stream's duplicate window is dropped."""
+        if self._js is None:
+            self._js = self.nc.jetstream()
+        await self._js.publish(self.subject(suffix), data, headers={"Nats-Msg-Id": msg_id})
 
     async def subscribe(
         self,

@@ -140,11 +140,12 @@ async def serve_allocation(serve, prefix, redis, events):
     from bus.idempotency import IdempotencyStore
     from services.allocation.manager import AllocationManager
     from services.allocation.store import NodeStore
-    from services.allocation.worker import make_plugins, make_service
+    from services.allocation.worker import STREAM, make_plugins, make_service
 
     watching = []
 
     async def start(*, watch: bool = True, sweep_interval: float = 5.0, **service_options):
+        await events.ensure_stream(STREAM, memory=True)  # its events are published with acknowledgements
         manager = AllocationManager(NodeStore(redis, prefix), make_plugins(), events)
         if watch:
             await manager.watch(sweep_interval=sweep_interval)

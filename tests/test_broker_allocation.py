@@ -9,7 +9,7 @@ from pathlib import Path
 from bus.idempotency import IdempotencyStore
 from services.allocation.manager import AllocationManager
 from services.allocation.store import NodeStore
-from services.allocation.worker import make_plugins, make_service
+from services.allocation.worker import STREAM, make_plugins, make_service
 from tests.broker_helpers import eventually, marked, param
 
 pytest_plugins = ["tests.broker_fixtures"]
@@ -19,6 +19,7 @@ TYPES = '[{"platform": "linux", "group": "sz", "cpu_per_instance": 1, "mem_per_i
 
 
 async def start_allocation(serve, redis, events, prefix):
+    await events.ensure_stream(STREAM, memory=True)  # its events are published with acknowledgements
     manager = AllocationManager(NodeStore(redis, prefix), make_plugins(), events)
     return await serve(make_service(manager, prefix, IdempotencyStore(redis, prefix=prefix)))
 

@@ -21,9 +21,10 @@ from bus.codec import encode
 from bus.errors import BerthError
 from bus.failpoints import failpoint
 from bus.idempotency import Claim, current_claim, taken_over
+from bus.outbox import Outbox, journal
 from services.allocation import telemetry
 from services.allocation.errors import node_busy, node_not_found, workload_exists
-from services.allocation.messages import Allocation
+from services.allocation.messages import Allocation, NodeEvent
 from services.allocation.plugin_set import Keyed, PluginSet
 from services.allocation.store import (
     Change,
@@ -71,7 +72,7 @@ class DeployBatches:
         *,
         latest: Callable[[str], NodeRecord | None],
         committed: Callable[[str, NodeRecord | None, Change, int], None],
-        publish: Callable[..., Awaitable[None]],
+        outbox: Outbox,
         release: Callable[[list[str]], Awaitable[Any]],
         contend: Callable[[str], None] = lambda node: None,
         attempts: int = 200,
@@ -80,7 +81,7 @@ class DeployBatches:
         self.plugins = plugins
         self.latest = latest  # a record of the node this worker already holds (its version is checked)
         self.committed = committed
-        self.publish = publish
+        self.outbox = outbox
         self.release = release  # gives back what was placed for a caller that went away
         self.contend = contend  # says another worker commits to the node too
         self.attempts = attempts
@@ -114,7 +115,7 @@ class DeployBatches:
     async def _commit(self, batch: list[Deploy], node: str) -> None:
         """Commit as many deploys of `batch` as fit, in one step; settle every one's future."""
         try:
-            placed, refused, version = await self._commit_fitting(node, batch)
+            placed, refused, version, announced = await self._commit_fitting(node, batch)
         except BaseException as error:
             for deploy in batch:
                 deploy.settled()
@@ -133,27 +134,29 @@ class DeployBatches:
                 abandoned += deploy.ids
             else:
                 deploy.done.set_result(Placed(allocations, version))
-        if placed:
-            await self.publish(node, "allocated", version, workload_ids=[i for d in placed for i in d.ids])
+        if announced is not None:
+            await self.outbox.deliver(node, version, announced)
         if abandoned:
             log.info("releasing %d instances placed for callers that went away", len(abandoned))
             await self.release(abandoned)
 
     async def _commit_fitting(
         self, node: str, batch: list[Deploy]
-    ) -> tuple[dict[Deploy, list[Allocation]], dict[Deploy, BaseException], int]:
+    ) -> tuple[dict[Deploy, list[Allocation]], dict[Deploy, BaseException], int, bytes | None]:
+        """The deploys committed, those refused, the node's version, and the commit's events."""
         for attempt in range(self.attempts):
             record = self.latest(node) or await self.store.load(node)
             if record is None:
-                return {}, {d: node_not_found(node) for d in batch}, 0
+                return {}, {d: node_not_found(node) for d in batch}, 0, None
             placed, refused, after = self._fit(record, batch)
             if not placed:
-                return {}, refused, record.version
+                return {}, refused, record.version, None
             ids = [i for d in placed for i in d.ids]
             ledger = {a.workload_id: a.workload_resource for allocations in placed.values() for a in allocations}
             claimed = [d for d in placed if d.claim is not None]
             fence = min((d.claim.lease_end for d in claimed), default=0)
-            change = Change(plugins=after, ledger_add=ledger, index=dict.fromkeys(ids, node), fence=fence)
+            change = Change(plugins=after, ledger_add=ledger, index=dict.fromkeys(ids, node), fence=fence,
+                            journal=journal([(f"resource.{node}.allocated", NodeEvent(nodename=node, workload_ids=ids))]))
             failpoint("before-commit")
             try:
                 version = await self.store.commit(node, record.version, change)
@@ -187,7 +190,7 @@ class DeployBatches:
             self.committed(node, record, change, version)
             telemetry.PLACEMENTS.inc(len(ids))
             telemetry.COMMIT_DEPLOYS.observe(len(placed))
-            return placed, refused, version
+            return placed, refused, version, change.journal
         raise node_busy(node)
 
     def _fit(

@@ -15,13 +15,15 @@ import random
 import time
 import uuid
 from functools import partial
-from typing import Awaitable, Callable, TypeVar
+from typing import Any, Awaitable, Callable, TypeVar
 
 import msgspec
 
 from bus.errors import BerthError
 from bus.failpoints import failpoint
 from bus.idempotency import current_claim, taken_over
+from bus.outbox import Outbox, journal
+from schemas.common import Event
 from services.allocation import telemetry
 from services.allocation.commits import DeployBatches
 from services.allocation.errors import node_busy
@@ -53,19 +55,20 @@ class Committer:
         store: NodeStore,
         plugins: PluginSet,
         fleet: Fleet,
+        outbox: Outbox,
         *,
-        publish: Callable[..., Awaitable[None]],
         release: Callable[[list[str]], Awaitable[list[str]]],
         attempts: int = 200,
         intent_timeout: float = 30.0,
     ) -> None:
         self.store = store
         self.fleet = fleet
+        self.outbox = outbox
         self.release = release  # gives back workloads (by id) to their nodes
         self.attempts = attempts
         self.intent_timeout = intent_timeout
         self.deploys = DeployBatches(
-            store, plugins, latest=fleet.views.take_record, committed=self.committed, publish=publish,
+            store, plugins, latest=fleet.views.take_record, committed=self.committed, outbox=outbox,
             release=release, contend=fleet.views.contend, attempts=attempts,
         )
 
@@ -76,12 +79,15 @@ class Committer:
         *,
         retry_ledger: bool = False,
         once: type | None = None,
+        events: Callable[[T], list[tuple[str, Event]]] = lambda result: [],
     ) -> tuple[T, int]:
         """Compute a change on fresh data and commit it; if the node changed meanwhile, do it again.
 
         `compute` reads what it needs and returns (the record it read, None for a new node; the
         change; the result); it raises to refuse. `retry_ledger` also retries when a ledger entry
-        it relied on moved. Returns the result and the node's new version.
+        it relied on moved. Returns the result and the node's new version. `events(result)` are
+        the change's events: written in the same commit, into the node's outbox, and published
+        from there (`bus.outbox`), so that a worker dying after the commit loses none.
 
         `once` (the result's type): the change is the answer to the request whose claim the task
         runs under, applied to the node at most once whatever dies between its commit and its
@@ -95,19 +101,20 @@ class Committer:
         if run is not None and run.attempt:  # an earlier run may have applied it and died unanswered
             kept = (await self.store.applied([node], run.marker)).get(node)
             if kept is not None:
-                return msgspec.msgpack.decode(kept.answer, type=once), kept.version
+                return await self._replayed(node, kept, once)
         for attempt in range(self.attempts):
             record, change, result = await compute()
             version = record.version if record else 0
             if change.is_empty():
                 return result, version
+            change.journal = journal(announced) if (announced := events(result)) else None
             if run is not None:
                 change.once, change.fence = (run.marker, msgspec.msgpack.encode(result)), run.lease_end
             failpoint("before-commit")
             try:
                 version = await self.store.commit(node, version, change)
             except AlreadyApplied as kept:  # an earlier run applied it: its answer is the answer
-                return msgspec.msgpack.decode(kept.answer, type=once), kept.version
+                return await self._replayed(node, kept, once)
             except LeaseExpired:
                 if not await run.still_held():
                     raise taken_over(run) from None
@@ -119,8 +126,15 @@ class Committer:
                 continue
             failpoint("after-commit")
             self.committed(node, record, change, version)
+            if change.journal is not None:
+                await self.outbox.deliver(node, version, change.journal)
             return result, version
         raise node_busy(node)
+
+    async def _replayed(self, node: str, kept: AlreadyApplied, result_type: type) -> tuple[Any, int]:
+        """The answer an earlier run kept; its events go out now if that run died before they did."""
+        await self.outbox.deliver(node, kept.version)
+        return msgspec.msgpack.decode(kept.answer, type=result_type), kept.version
 
     def committed(self, node: str, record: NodeRecord | None, change: Change, version: int) -> None:
         """Show our own commit to the views and the directory at once, instead of waiting for its
@@ -183,8 +197,11 @@ class Committer:
             await self.store.take_intent(intent)
 
     async def recover(self, rounds: int, index_every: int = 12) -> None:
-        """Reap the allocations a dead worker left half done, and every `index_every` rounds index
-        what the ledgers hold that the workload index lost."""
+        """Publish the events dead workers committed but never published, reap the allocations
+        they left half done, and every `index_every` rounds index what the ledgers hold that the
+        workload index lost."""
+        if delivered := await self.outbox.sweep():
+            log.warning("published the events of %d changes whose worker had not", delivered)
         await self.reap_intents()
         if rounds % index_every == 0 and (repaired := await self.store.repair_index(await self.fleet.all_nodes())):
             log.warning("indexed %d workloads the ledgers hold and the index had lost", repaired)

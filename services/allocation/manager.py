@@ -17,6 +17,7 @@ import msgspec
 from bus.errors import BerthError
 from bus.events import EventBus
 from bus.idempotency import Claim, current_claim
+from bus.outbox import Outbox
 from services.allocation import telemetry
 from services.allocation.committer import Committer, NodeFilledUp, workload_ids
 from services.allocation.errors import no_node_matches, node_not_found, workload_not_found
@@ -62,7 +63,8 @@ class AllocationManager:
         self.events = events
         self.fleet = Fleet(store, self.plugins)
         self.committer = Committer(
-            store, self.plugins, self.fleet, publish=self._publish, release=self.give_back,
+            store, self.plugins, self.fleet, Outbox(events, store.batch, store.pending_key, store.outbox_key),
+            release=self.give_back,
             attempts=attempts, intent_timeout=intent_timeout,
         )
         self.deploys = self.committer.deploys
@@ -83,20 +85,19 @@ class AllocationManager:
     async def _load(self, node: str, names: list[str]) -> States:
         return self.plugins.states(await self._existing(node), names)
 
-    async def _publish(self, node: str, kind: str, version: int, **fields: Any) -> None:
-        if self.events is not None:
-            event = NodeEvent(nodename=node, version=version, **fields)
-            await self.events.publish(f"resource.{node}.{kind}", event)
+    @staticmethod
+    def _event(node: str, kind: str, **fields: Any) -> tuple[str, NodeEvent]:
+        """An event of the node's change; its version is set when the change is committed."""
+        return f"resource.{node}.{kind}", NodeEvent(nodename=node, **fields)
 
-    async def _publish_states(
-        self, node: str, kind: str, version: int, after: States, before: States | None = None
-    ) -> None:
+    def _state_events(self, node: str, kind: str, after: States, before: States | None = None) -> list:
         """One `kind` event per plugin in `after`; a plugin without a `before` state is `added`."""
-        for name, state in after.items():
-            if before is not None and name in before:
-                await self._publish(node, kind, version, plugin=name, before=as_map(before[name]), after=as_map(state))
-            else:
-                await self._publish(node, "added", version, plugin=name, after=as_map(state))
+        return [
+            self._event(node, kind, plugin=name, before=as_map(before[name]), after=as_map(state))
+            if before is not None and name in before
+            else self._event(node, "added", plugin=name, after=as_map(state))
+            for name, state in after.items()
+        ]
 
     # -- calculations over stored nodes --------------------------------------------------------
 
@@ -159,11 +160,10 @@ class AllocationManager:
             fixed = self.plugins.fixed(states, source)
             return record, Change(plugins=encode_states(fixed) if diffs else {}), (states, fixed, diffs)
 
-        (before, fixed, diffs), version = await self.committer.mutate(
-            node, compute, once=tuple[States, States, list[Raw]]
+        (before, fixed, diffs), _ = await self.committer.mutate(
+            node, compute, once=tuple[States, States, list[Raw]],
+            events=lambda fixing: self._state_events(node, "usage", fixing[1], fixing[0]),
         )
-        if diffs:
-            await self._publish_states(node, "usage", version, fixed, before)
         return NodeInfo(fixed, diffs)
 
     async def add_node(
@@ -183,8 +183,9 @@ class AllocationManager:
             return record, change, None
 
         await self.store.add_to_index(node)  # before the record: a crash leaves an entry readers skip
-        _, version = await self.committer.mutate(node, compute, once=None.__class__)
-        await self._publish_states(node, "added", version, created)
+        await self.committer.mutate(
+            node, compute, once=None.__class__, events=lambda _: self._state_events(node, "added", created)
+        )
         return created
 
     async def remove_node(self, names: list[str], node: str) -> None:
@@ -206,7 +207,11 @@ class AllocationManager:
             return record, Change(remove_plugins=list(present)), (present, False)
 
         try:
-            (removed, gone), version = await self.committer.mutate(node, compute, once=tuple[States, bool])
+            (removed, gone), _ = await self.committer.mutate(
+                node, compute, once=tuple[States, bool],
+                events=lambda removal: [self._event(node, "removed", plugin=name, before=as_map(state))
+                                        for name, state in removal[0].items()],
+            )
         except LedgerConflict as conflict:
             raise BerthError(
                 f"node {node} still holds {conflict.subject} workloads", code="node_not_empty",
@@ -214,8 +219,6 @@ class AllocationManager:
             ) from None
         if gone:
             await self.store.remove_from_index(node)
-        for name, state in removed.items():
-            await self._publish(node, "removed", version, plugin=name, before=as_map(state))
 
     async def _change_states(
         self, node: str, names: list[str], kind: str, update: Callable[[States], States]
@@ -228,8 +231,10 @@ class AllocationManager:
             after = update(states)
             return record, Change(plugins=encode_states(after)), StateChange(states, after)
 
-        changed, version = await self.committer.mutate(node, compute, once=StateChange)
-        await self._publish_states(node, kind, version, changed.after, changed.before)
+        changed, _ = await self.committer.mutate(
+            node, compute, once=StateChange,
+            events=lambda change: self._state_events(node, kind, change.after, change.before),
+        )
         return changed
 
     async def set_capacity(
@@ -267,16 +272,19 @@ class AllocationManager:
             return record, Change(plugins=encode_states(given)), before
 
         await self.store.add_to_index(node)  # before the record: a crash leaves an entry readers skip
-        before, version = await self.committer.mutate(node, compute, once=States)
-        await self._publish_states(node, "usage", version, given, before)
+        await self.committer.mutate(
+            node, compute, once=States, events=lambda before: self._state_events(node, "usage", given, before)
+        )
 
     async def set_labels(self, node: str, labels: dict[str, str]) -> None:
         async def compute():
             record = await self._existing(node)
             return record, Change(labels=labels), record.labels
 
-        before, version = await self.committer.mutate(node, compute, once=dict[str, str])
-        await self._publish(node, "labels", version, before={"labels": before}, after={"labels": labels})
+        await self.committer.mutate(
+            node, compute, once=dict[str, str],
+            events=lambda before: [self._event(node, "labels", before={"labels": before}, after={"labels": labels})],
+        )
 
     # -- committed allocations ---------------------------------------------------------------------
 
@@ -402,12 +410,11 @@ class AllocationManager:
             after = self.plugins.released(record.plugins, list(ledger.values()))
             return record, Change(plugins=encode_states(after), ledger_remove=list(ledger)), sorted(ledger)
 
-        released, version = await self.committer.mutate(
-            node, compute, retry_ledger=True, once=list[str] if once else None
+        released, _ = await self.committer.mutate(
+            node, compute, retry_ledger=True, once=list[str] if once else None,
+            events=lambda ids: [self._event(node, "released", workload_ids=ids)],
         )
-        if released:
-            telemetry.RELEASED.inc(len(released))
-            await self._publish(node, "released", version, workload_ids=released)
+        telemetry.RELEASED.inc(len(released))
         return released
 
     async def realloc(self, workload_id: str, requests: Keyed) -> tuple[str, Reallocation]:
@@ -428,11 +435,13 @@ class AllocationManager:
             change = Change(plugins=encode_states(after), ledger_replace={workload_id: result.workload_resource})
             return record, change, (current, result)
 
-        (before, result), version = await self.committer.mutate(
-            node, compute, retry_ledger=True, once=tuple[Raw, Reallocation]
+        (_, result), _ = await self.committer.mutate(
+            node, compute, retry_ledger=True, once=tuple[Raw, Reallocation],
+            events=lambda realloc: [self._event(
+                node, "usage", workload_ids=[workload_id], before={"workload_resource": realloc[0]},
+                after={"workload_resource": realloc[1].workload_resource},
+            )],
         )
-        await self._publish(node, "usage", version, workload_ids=[workload_id],
-                            before={"workload_resource": before}, after={"workload_resource": result.workload_resource})
         return node, result
 
     async def allocations(self, node: str) -> dict[str, Raw]:

@@ -86,6 +86,7 @@ class Change:
     index: dict[str, str] = field(default_factory=dict)
     # A request applied at most once: (its marker, the answer to keep beside the record for a retry).
     once: tuple[str, bytes] | None = None
+    journal: bytes | None = None  # the change's events, for the node's outbox (`bus.outbox.journal`)
     fence: int = 0  # the writing run's lease end (ms of server time); 0: not fenced
 
     def is_empty(self) -> bool:
@@ -144,6 +145,7 @@ class NodeStore:
         self.nodes_key = f"{self.base}:nodes"
         self.workloads_key = f"{self.base}:workloads"
         self.intents_key = f"{self.base}:intents"
+        self.pending_key = f"{self.base}:outboxes"  # nodes whose outbox may hold events (bus/outbox.py)
         self.batch = Pipelined.of(redis)
         self._records = cas.VersionedHash(redis, version_field="v", tombstone_field="gone", batch=self.batch)
         self._read_with_ledger = scripts.register(redis, "services.allocation", "read_with_ledger")
@@ -153,6 +155,10 @@ class NodeStore:
 
     def ledger_key(self, node: str) -> str:
         return f"{self.base}:{{node:{node}}}:ledger"
+
+    def outbox_key(self, node: str) -> str:
+        """The events of the node's changes not yet acknowledged by the stream (bus/outbox.py)."""
+        return f"{self.base}:{{node:{node}}}:outbox"
 
     def applied_key(self, node: str, marker: str) -> str:
         """Where a request applied to the node keeps its answer (see `Change.once`)."""
@@ -257,14 +263,18 @@ class NodeStore:
             steps.insert(0, cas.once(self.applied_key(node, marker), answer, APPLIED_SECONDS))
         if change.fence:
             steps.insert(0, cas.before(record, change.fence))
+        if change.journal is not None:
+            steps.append(cas.journal(self.outbox_key(node), change.journal))
         unset = [PLUGIN_FIELD + name for name in change.remove_plugins]
         # The index entries go first, in the same batch: a crash between the two leaves index
         # entries without ledger entries, which readers skip.
-        indexed = None
+        before = []
         if change.index:
-            indexed = self.batch.execute_command("HSET", self.workloads_key, *_pairs(change.index))
+            before.append(self.batch.execute_command("HSET", self.workloads_key, *_pairs(change.index)))
+        if change.journal is not None:  # the pointer first: a crash in between leaves a pointer, not lost events
+            before.append(self.batch.execute_command("ZADD", self.pending_key, time.time(), node))
         sent = self._records.send(record, version, steps, fields=fields, unset=unset, mode=mode, ttl=ttl)
-        answer = (await asyncio.gather(indexed, sent))[1] if indexed is not None else await sent
+        answer = (await asyncio.gather(*before, sent))[-1]
         try:
             return self._records.outcome(answer)
         except cas.Conflict as conflict:
