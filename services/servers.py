@@ -111,6 +111,13 @@ def start_nats(
     return ServerProcess("nats", f"nats://127.0.0.1:{port}", proc)
 
 
+def memory_limit(maxmemory: str) -> list[str]:
+    """redis-server options that cap its memory. With `noeviction`, Redis at the limit refuses
+    writes (OOM, which services answer `unavailable`) instead of evicting keys: an evicted ledger,
+    claim or record would silently make berth's answers untrue."""
+    return ["--maxmemory", maxmemory, "--maxmemory-policy", "noeviction"]
+
+
 def start_redis(
     state_dir: Path,
     port: int | None = None,

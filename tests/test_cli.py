@@ -64,9 +64,20 @@ def _read_until(proc: subprocess.Popen, marker: str, timeout: float = 60) -> lis
     raise AssertionError(f"{marker!r} not seen; got {lines}")
 
 
+def _memory_policy(state: Path, address: str) -> tuple[int, str]:
+    """(maxmemory, maxmemory-policy) of a redis-server `berth up` started, asked as its administrator."""
+    import redis
+
+    password = json.loads((state / "credentials" / "credentials.json").read_text())["redis"]["default"]
+    host, port = address.removeprefix("redis://").split("/")[0].rsplit(":", 1)
+    with redis.Redis(host=host, port=int(port), username="default", password=password) as admin:
+        config = admin.config_get("maxmemory*")
+    return int(config["maxmemory"]), config["maxmemory-policy"]
+
+
 def test_up_starts_everything_status_lists_it_and_ctrl_c_leaves_nothing(tmp_path):
     state = tmp_path / "state"
-    env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "REDIS_URL")}
+    env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "REDIS_URL", "BERTH_REDIS_MAXMEMORY")}
     up = subprocess.Popen(
         [*BERTH, "up", "--state", str(state)], cwd=ROOT, stdout=subprocess.PIPE, text=True, env=env,
         start_new_session=True,
@@ -77,6 +88,7 @@ def test_up_starts_everything_status_lists_it_and_ctrl_c_leaves_nothing(tmp_path
         # credentials by default: the URL printed is the client user's (services/credentials.py)
         assert urls["NATS_URL"].startswith("nats://client:") and urls["NATS_URL"].rsplit("@", 1)[1].startswith("127.0.0.1:")
         assert urls["REDIS_URL"].startswith("redis://")
+        assert _memory_policy(state, urls["REDIS_URL"]) == (1 << 30, "noeviction")  # full: refuse, never evict
         assert _processes_mentioning(str(state))  # the embedded servers run from the state folder
         expected = {f"berth-{name}" for name in SERVICES if (ROOT / "services" / name / "worker.py").exists()}
         deadline = time.monotonic() + 30

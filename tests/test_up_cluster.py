@@ -12,13 +12,13 @@ import msgpack
 import nats
 import pytest
 
-from tests.test_cli import BERTH, ROOT, _processes_mentioning, _read_until
+from tests.test_cli import BERTH, ROOT, _memory_policy, _processes_mentioning, _read_until
 
 
 @pytest.mark.slow
 async def test_up_cluster_serves_an_allocation_and_ctrl_c_stops_every_server(tmp_path):
     state = tmp_path / "state"
-    env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "REDIS_URL")}
+    env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "REDIS_URL", "BERTH_REDIS_MAXMEMORY")}
     up = subprocess.Popen(
         [*BERTH, "up", "--cluster", "--state", str(state)], cwd=ROOT, stdout=subprocess.PIPE, text=True, env=env,
         start_new_session=True,
@@ -29,6 +29,7 @@ async def test_up_cluster_serves_an_allocation_and_ctrl_c_stops_every_server(tmp
         assert urls["NATS_URL"].count("nats://") == 3 and urls["REDIS_URL"].startswith("redis+cluster://")
         redis_nodes = urls["REDIS_URL"].removeprefix("redis+cluster://").split(",")
         assert len(redis_nodes) == 6 and all(_processes_mentioning(node) for node in redis_nodes)
+        assert {_memory_policy(state, node) for node in redis_nodes} == {(1 << 30, "noeviction")}
         nc = await nats.connect(urls["NATS_URL"].split(","))
         try:
             add = {"nodename": "c1", "resource": {"cpumem": {"cpu": 4, "memory": "8G"}}}
