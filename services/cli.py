@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import sys
 from pathlib import Path
 
 from services import commands
+from services.broker.operators.procfs import DEPLOYMENT
 from services.registry import SERVICES, available
 from services.runner import configure_logging
 from services.settings import (
@@ -75,7 +77,8 @@ def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
                 argv, env = _url_args(args)
             else:  # its own NATS user (a creds file) and Redis user (REDIS_URL in its environment)
                 argv, env = creds.worker_launch(name, args.nats, args.redis, nats_auth=own_nats, redis_auth=own_redis)
-                env = {**os.environ, **env}
+            # The processes the broker launches inherit the marker: stopped with the deployment.
+            env = {**os.environ, **(env or {}), DEPLOYMENT: str(state)}
             metrics = [] if args.no_metrics else _metrics_args(args.metrics_base_port or 0, len(scraped), args.metrics_addr)
             scraped += [name] if metrics else []
             supervisor.add(name, worker_argv(module, argv + metrics), env)
@@ -97,9 +100,19 @@ def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
             print(f"metrics: {where}", flush=True)
         return supervisor.run()
     finally:
+        _stop_launched(state)
         for server in reversed(servers):
             server.stop()
         print("berth stopped", flush=True)
+
+
+def _stop_launched(state: Path) -> None:
+    """Stop what the broker launched for this deployment (the `process` operator's processes run
+    in sessions of their own, to outlive a broker restart), once its workers have stopped."""
+    from services.broker.operators.process import stop_deployment
+
+    if stopped := asyncio.run(stop_deployment(str(state))):
+        print(f"stopped {stopped} launched process groups", flush=True)
 
 
 def cmd_worker(args: argparse.Namespace, extra: list[str]) -> int:
