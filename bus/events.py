@@ -27,6 +27,7 @@ from schemas.common import Event
 log = logging.getLogger("berth.events")
 
 E = TypeVar("E")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -81,12 +82,17 @@ class EventBus:
     def subject(self, suffix: str) -> str:
         return f"{self.prefix}.events.{suffix}"
 
-    async def ensure_stream(self, spec: StreamSpec, *, memory: bool = False, attempts: int = 5) -> None:
+    async def ensure_stream(
+        self, spec: StreamSpec, *, memory: bool = False, attempts: int = 5, wait: float = 60.0
+    ) -> None:
         """Create the stream, or add this service's subjects to it (other services share it).
 
         Idempotent and safe from many workers at once: a worker that lost a race reads the stream
-        again and adds what is still missing."""
+        again and adds what is still missing. On a NATS cluster that is still starting, or whose
+        JetStream leader just went away, every step is asked again until JetStream answers, for
+        `wait` seconds at most."""
         js = self.nc.jetstream()
+        deadline = asyncio.get_running_loop().time() + wait
         wanted = [self.subject(subject) for subject in spec.subjects]
         config = StreamConfig(
             name=self.stream_name(spec),
@@ -100,10 +106,10 @@ class EventBus:
         )
         for _ in range(attempts):
             try:
-                current = (await self._stream_info(js, config.name)).config
+                current = (await _when_ready("info", lambda: js.stream_info(config.name), deadline)).config
             except NotFoundError:
                 try:
-                    await js.add_stream(config)
+                    await _when_ready("create", lambda: js.add_stream(config), deadline)
                     return
                 except BadRequestError as error:  # another worker created it meanwhile
                     log.info("events stream %s: %s", config.name, error.description)
@@ -113,24 +119,10 @@ class EventBus:
                 return
             current.subjects = [*current.subjects, *missing]
             try:
-                await js.update_stream(current)
+                await _when_ready("update", lambda: js.update_stream(current), deadline)
             except BadRequestError as error:
                 log.info("events stream %s: %s", config.name, error.description)
         raise RuntimeError(f"could not add {wanted} to the events stream {config.name}")
-
-    @staticmethod
-    async def _stream_info(js, name: str, wait: float = 60.0):
-        """The stream's info, waiting while a NATS cluster has no JetStream leader yet (it elects
-        one in seconds after it starts, or after the leader's server went away)."""
-        deadline = asyncio.get_running_loop().time() + wait
-        while True:
-            try:
-                return await js.stream_info(name)
-            except (NatsTimeout, ServiceUnavailableError):
-                if asyncio.get_running_loop().time() > deadline:
-                    raise
-                log.info("JetStream is not ready yet; asking again")
-                await asyncio.sleep(0.5)
 
     async def publish(self, suffix: str, event: Event) -> None:
         """Publish `event` on `<prefix>.events.<suffix>`; its `type` is the subject's last token."""
@@ -164,3 +156,17 @@ class EventBus:
             await cb(msg.subject, decoder.decode(msg.data))
 
         return await self.nc.subscribe(subject, cb=deliver)
+
+
+async def _when_ready(step: str, call: Callable[[], Awaitable[T]], deadline: float) -> T:
+    """`call()`, asked again while JetStream does not answer: a NATS cluster elects its JetStream
+    leader, and places a replicated stream's peers, in seconds after it starts (or after the
+    leader's server went away); until then its API times out or answers 503."""
+    while True:
+        try:
+            return await call()
+        except (NatsTimeout, ServiceUnavailableError):
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            log.info("JetStream did not answer the stream %s yet; asking again", step)
+            await asyncio.sleep(0.5)

@@ -14,8 +14,8 @@ What the runtime adds to `nats.micro`:
 - typed decode: a payload that does not decode or validate becomes an `invalid_argument` reply
   naming the field; the endpoint keeps serving;
 - domain errors (`BerthError`) become the error headers and body of DESIGN.md §2; a store that
-  cannot be reached becomes `unavailable` (503, retry); anything else becomes `internal` with the
-  traceback logged;
+  cannot be reached, or is out of memory, becomes `unavailable` (503, retry); anything else becomes
+  `internal` with the traceback logged;
 - optional idempotency by `request_id` (see `bus.idempotency`);
 - drain: queued requests finish and their replies flush before the connection closes;
 - optional broadcast: every instance receives the request (its own queue group) and the first
@@ -59,6 +59,10 @@ STORE_UNREACHABLE = (
     redis_errors.ConnectionError, redis_errors.TimeoutError, redis_errors.ClusterError,
     redis_errors.ReadOnlyError, redis_errors.TryAgainError, redis_errors.SlotNotCoveredError,
 )
+# A Redis at its `maxmemory` (with `noeviction`, as `berth up` runs it) refuses writes until memory
+# is freed: "not now" as well. Every commit is one script, and Redis refuses a script at its first
+# write, so a refused commit wrote nothing; the answer is `unavailable` (503), not kept for a retry.
+STORE_FULL = (redis_errors.OutOfMemoryError,)
 
 
 @dataclass(frozen=True)
@@ -279,6 +283,9 @@ class Service:
         except STORE_UNREACHABLE as error:  # a Redis restart or failover: nothing to debug, retry
             log.warning("%s: the store is unreachable: %r", spec.subject, error)
             return error_reply(Unavailable(f"the store is unreachable ({type(error).__name__}); retry"))
+        except STORE_FULL as error:
+            log.warning("%s: the store refused a write: %s", spec.subject, error)
+            return error_reply(Unavailable("the store is out of memory (maxmemory); retry once memory is freed"))
         except Exception as error:
             log.error("%s: unexpected error\n%s", spec.subject, traceback.format_exc())
             return error_reply(BerthError(f"internal error: {type(error).__name__}: {error}", code="internal"))

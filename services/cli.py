@@ -4,15 +4,19 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import sys
 from pathlib import Path
 
 from services import commands
+from services.broker.operators.procfs import DEPLOYMENT
 from services.registry import SERVICES, available
 from services.runner import configure_logging
-from services.settings import DashboardConfig, add_metrics_port_flag, add_server_flags, log_level, state_dir
+from services.settings import (
+    DashboardConfig, add_metrics_port_flag, add_server_flags, log_level, redis_maxmemory, state_dir,
+)
 from services.supervisor import Supervisor, worker_argv
 
 log = logging.getLogger("berth")
@@ -40,7 +44,7 @@ def _metrics_args(port: int | None, index: int, addr: str | None = None) -> list
 
 def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
     from services.credentials import prepare
-    from services.servers import start_nats, start_nats_cluster, start_redis, start_redis_cluster
+    from services.servers import memory_limit, start_nats, start_nats_cluster, start_redis, start_redis_cluster
 
     state = Path(args.state).resolve()
     # Credentials (unless --no-auth): users and permissions for the servers we start, a user per
@@ -55,7 +59,11 @@ def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
             servers.append(start_nats_cluster(state / "nats-cluster", config=nats_config) if args.cluster else start_nats(state / "nats", args.nats_port, config=nats_config))
             args.nats = servers[-1].url
         if not args.redis:
-            servers.append(start_redis_cluster(state / "redis-cluster", config=redis_config, auth=redis_admin) if args.cluster else start_redis(state / "redis", args.redis_port, config=redis_config))
+            limit = memory_limit(args.redis_maxmemory)
+            servers.append(
+                start_redis_cluster(state / "redis-cluster", config=redis_config, auth=redis_admin, extra=limit)
+                if args.cluster else start_redis(state / "redis", args.redis_port, config=redis_config, extra=limit)
+            )
             args.redis = servers[-1].url
         client_url = creds.nats_url("client", args.nats) if creds and own_nats else args.nats
         print(f"NATS_URL={client_url}\nREDIS_URL={args.redis}\nstate: {state}", flush=True)
@@ -69,7 +77,8 @@ def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
                 argv, env = _url_args(args)
             else:  # its own NATS user (a creds file) and Redis user (REDIS_URL in its environment)
                 argv, env = creds.worker_launch(name, args.nats, args.redis, nats_auth=own_nats, redis_auth=own_redis)
-                env = {**os.environ, **env}
+            # The processes the broker launches inherit the marker: stopped with the deployment.
+            env = {**os.environ, **(env or {}), DEPLOYMENT: str(state)}
             metrics = [] if args.no_metrics else _metrics_args(args.metrics_base_port or 0, len(scraped), args.metrics_addr)
             scraped += [name] if metrics else []
             supervisor.add(name, worker_argv(module, argv + metrics), env)
@@ -91,9 +100,19 @@ def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
             print(f"metrics: {where}", flush=True)
         return supervisor.run()
     finally:
+        _stop_launched(state)
         for server in reversed(servers):
             server.stop()
         print("berth stopped", flush=True)
+
+
+def _stop_launched(state: Path) -> None:
+    """Stop what the broker launched for this deployment (the `process` operator's processes run
+    in sessions of their own, to outlive a broker restart), once its workers have stopped."""
+    from services.broker.operators.process import stop_deployment
+
+    if stopped := asyncio.run(stop_deployment(str(state))):
+        print(f"stopped {stopped} launched process groups", flush=True)
 
 
 def cmd_worker(args: argparse.Namespace, extra: list[str]) -> int:
@@ -134,6 +153,9 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--state", default=state_dir(), help="state folder")
     up.add_argument("--nats-port", type=int, help="port for the embedded nats-server (default: a free one)")
     up.add_argument("--redis-port", type=int, help="port for the embedded redis-server (default: a free one)")
+    up.add_argument("--redis-maxmemory", default=redis_maxmemory(), metavar="SIZE",
+                    help="memory limit of the embedded redis-server(s), e.g. 512mb; at the limit writes are "
+                    "refused and answered `unavailable` (env BERTH_REDIS_MAXMEMORY, default 1gb; 0: none)")
     up.add_argument("--no-auth", action="store_true",
                     help="start the servers without users and permissions (default: a user per service, see README)")
     up.add_argument("--cluster", action="store_true",

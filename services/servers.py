@@ -12,6 +12,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,6 +113,13 @@ def start_nats(
     return ServerProcess("nats", f"nats://127.0.0.1:{port}", proc)
 
 
+def memory_limit(maxmemory: str) -> list[str]:
+    """redis-server options that cap its memory. With `noeviction`, Redis at the limit refuses
+    writes (OOM, which services answer `unavailable`) instead of evicting keys: an evicted ledger,
+    claim or record would silently make berth's answers untrue."""
+    return ["--maxmemory", maxmemory, "--maxmemory-policy", "noeviction"]
+
+
 def start_redis(
     state_dir: Path,
     port: int | None = None,
@@ -155,22 +164,25 @@ class ServerCluster:
 
 
 def start_nats_cluster(state_dir: Path, size: int = 3, *, config: Path | None = None) -> ServerCluster:
-    """`size` nats-servers routed to each other, with clustered JetStream (replicated streams)."""
+    """`size` nats-servers routed to each other, with clustered JetStream (replicated streams).
+
+    Started again on the same folder, the servers keep their names and JetStream folders, so the
+    cluster comes back with its streams (on new ports: every route is given on the command line)."""
     ports = [free_port() for _ in range(size)]
     routes = [free_port() for _ in range(size)]
     route_urls = ",".join(f"nats://127.0.0.1:{port}" for port in routes)
-    members = []
-    for i, (port, route) in enumerate(zip(ports, routes)):
-        directory = state_dir / f"n{i}"
-        directory.mkdir(parents=True, exist_ok=True)
-        args = [
-            find_binary("nats-server"), "-a", "127.0.0.1", "-p", str(port), "-n", f"berth-n{i}",
-            "-js", "-sd", str(directory / "jetstream"),
-            "--cluster_name", "berth", "--cluster", f"nats://127.0.0.1:{route}", "--routes", route_urls,
-        ]
-        if config is not None:
-            args += ["-c", str(config)]
-        members.append(ServerProcess(f"nats-n{i}", f"nats://127.0.0.1:{port}", _spawn("nats-server", args, port, directory / "nats-server.log")))
+    with _stopped_on_failure() as members:
+        for i, (port, route) in enumerate(zip(ports, routes)):
+            directory = state_dir / f"n{i}"
+            directory.mkdir(parents=True, exist_ok=True)
+            args = [
+                find_binary("nats-server"), "-a", "127.0.0.1", "-p", str(port), "-n", f"berth-n{i}",
+                "-js", "-sd", str(directory / "jetstream"),
+                "--cluster_name", "berth", "--cluster", f"nats://127.0.0.1:{route}", "--routes", route_urls,
+            ]
+            if config is not None:
+                args += ["-c", str(config)]
+            members.append(ServerProcess(f"nats-n{i}", f"nats://127.0.0.1:{port}", _spawn("nats-server", args, port, directory / "nats-server.log")))
     return ServerCluster("nats", ",".join(m.url for m in members), members)
 
 
@@ -186,47 +198,89 @@ def start_redis_cluster(
     """A Redis Cluster of `primaries` primaries with `replicas` replicas each, slots split evenly.
 
     Built with CLUSTER MEET / ADDSLOTS / REPLICATE (no redis-cli needed); returns once every node
-    says the cluster is ok. A replica (re)joining syncs at once: no diskless-sync delay, which
-    otherwise makes a primary wait 5 s for more replicas. The url is `redis+cluster://host:port,...` (see bus.redis).
+    says the cluster is ok. Started again on the same folder, each node comes back on the port its
+    `nodes.conf` records (the others know it there) with its data, and the cluster is reused as it
+    is, roles included. If anything fails, every node started is stopped. A replica (re)joining
+    syncs at once: no diskless-sync delay, which otherwise makes a primary wait 5 s for more
+    replicas. The url is `redis+cluster://host:port,...` (see bus.redis).
     `config`: a redis.conf every node starts from (ACL users; its `masteruser`/`masterauth` let
     replicas reach their primary); `auth`: (user, password) of an administrator to build it with."""
     import redis as sync_redis
 
     count = primaries * (1 + replicas)
-    members = []
-    for i in range(count):
-        directory = state_dir / f"r{i}"
-        port = free_cluster_port()
-        server = start_redis(directory, port, appendonly=True, config=config, extra=[
-            "--cluster-enabled", "yes", "--cluster-config-file", str(directory / "nodes.conf"),
-            "--cluster-node-timeout", "1500", "--repl-diskless-sync-delay", "0", *(extra or []),
-        ])
-        members.append(ServerProcess(f"redis-r{i}", server.url, server.proc))
     login = {"username": auth[0], "password": auth[1]} if auth else {}
-    clients = [sync_redis.Redis(port=int(m.url.rsplit(":", 1)[1].split("/")[0]), **login) for m in members]
-    try:
-        ids = [client.execute_command("CLUSTER MYID").decode() for client in clients]
-        for client in clients[1:]:
-            client.execute_command("CLUSTER MEET", "127.0.0.1", clients[0].connection_pool.connection_kwargs["port"])
-        _wait(lambda: all(len(client.execute_command("CLUSTER NODES")) == count for client in clients))
-        for index in range(primaries):
-            first, last = 16384 * index // primaries, 16384 * (index + 1) // primaries - 1
-            clients[index].execute_command("CLUSTER ADDSLOTS", *range(first, last + 1))
-        for index in range(primaries, count):
-            primary = ids[(index - primaries) % primaries]
-            _wait(lambda replica=clients[index], primary=primary: any(
-                node["node_id"] == primary for node in replica.execute_command("CLUSTER NODES").values()
+    with _stopped_on_failure() as members:
+        for i in range(count):
+            directory = state_dir / f"r{i}"
+            port = _cluster_node_port(directory / "nodes.conf") or free_cluster_port()
+            server = start_redis(directory, port, appendonly=True, config=config, extra=[
+                "--cluster-enabled", "yes", "--cluster-config-file", str(directory / "nodes.conf"),
+                "--cluster-node-timeout", "1500", "--repl-diskless-sync-delay", "0", *(extra or []),
+            ])
+            members.append(ServerProcess(f"redis-r{i}", server.url, server.proc))
+        clients = [sync_redis.Redis(port=_port(m.url), **login) for m in members]
+        try:
+            if not int(clients[0].execute_command("CLUSTER INFO")["cluster_slots_assigned"]):
+                _form_cluster(clients, primaries)
+            _wait(lambda: all(client.execute_command("CLUSTER INFO")["cluster_state"] == "ok" for client in clients))
+            _wait(lambda: all(
+                info.get("master_link_status") == "up"
+                for info in (client.info("replication") for client in clients) if info["role"] == "slave"
             ))
-            clients[index].execute_command("CLUSTER REPLICATE", primary)
-        _wait(lambda: all(client.execute_command("CLUSTER INFO")["cluster_state"] == "ok" for client in clients))
-        _wait(lambda: all(
-            replica.info("replication").get("master_link_status") == "up" for replica in clients[primaries:]
-        ))
-    finally:
-        for client in clients:
-            client.close()
+        finally:
+            for client in clients:
+                client.close()
     urls = ",".join(m.url.removeprefix("redis://").split("/")[0] for m in members)
     return ServerCluster("redis", f"redis+cluster://{urls}", members)
+
+
+def _form_cluster(clients: list, primaries: int) -> None:
+    """Join fresh nodes into one cluster: the first `primaries` take the slots, the rest replicate them."""
+    count = len(clients)
+    ids = [client.execute_command("CLUSTER MYID").decode() for client in clients]
+    for client in clients[1:]:
+        client.execute_command("CLUSTER MEET", "127.0.0.1", clients[0].connection_pool.connection_kwargs["port"])
+    _wait(lambda: all(len(client.execute_command("CLUSTER NODES")) == count for client in clients))
+    for index in range(primaries):
+        first, last = 16384 * index // primaries, 16384 * (index + 1) // primaries - 1
+        clients[index].execute_command("CLUSTER ADDSLOTS", *range(first, last + 1))
+    for index in range(primaries, count):
+        primary = ids[(index - primaries) % primaries]
+        _wait(lambda replica=clients[index], primary=primary: any(
+            node["node_id"] == primary for node in replica.execute_command("CLUSTER NODES").values()
+        ))
+        clients[index].execute_command("CLUSTER REPLICATE", primary)
+
+
+def _cluster_node_port(nodes_conf: Path) -> int | None:
+    """The port a cluster node had, from the `myself` line of its nodes.conf (None: a new node)."""
+    try:
+        lines = nodes_conf.read_text().splitlines()
+    except FileNotFoundError:
+        return None
+    for line in lines:
+        fields = line.split()
+        if len(fields) > 2 and "myself" in fields[2].split(","):
+            port = int(fields[1].split("@")[0].rsplit(":", 1)[1] or 0)
+            return port or None
+    return None
+
+
+def _port(url: str) -> int:
+    return int(url.rsplit(":", 1)[1].split("/")[0])
+
+
+@contextmanager
+def _stopped_on_failure() -> Iterator[list[ServerProcess]]:
+    """The servers a start adds to the list are stopped if the start fails half way, so that a
+    failed `berth up` leaves no server behind."""
+    members: list[ServerProcess] = []
+    try:
+        yield members
+    except BaseException:
+        for member in members:
+            member.stop()
+        raise
 
 
 def _wait(condition, timeout: float = 30.0) -> None:

@@ -10,7 +10,7 @@ The configs are frozen, in the style of nats.micro's `ServiceConfig`: a worker g
 config of its own service (`AllocationServiceConfig`, `BrokerServiceConfig`, `MetricsServiceConfig`),
 built once when the process starts (`parse_worker`). `DashboardConfig` is `berth dashboard`'s. The
 `berth` command's connection options (`add_server_flags`, `add_client_flags`) and the rest of its
-environment (`log_level`, `state_dir`) are read here too.
+environment (`log_level`, `state_dir`, `redis_maxmemory`) are read here too.
 
 `env` is any mapping of variables (tests pass a dict); by default the process's environment.
 """
@@ -46,6 +46,12 @@ def log_level(env: Env | None = None) -> str:
 def state_dir(env: Env | None = None) -> str:
     """`berth up`'s state folder default (`BERTH_STATE`, default .berth)."""
     return _environ(env).get("BERTH_STATE", ".berth")
+
+
+def redis_maxmemory(env: Env | None = None) -> str:
+    """`berth up`'s Redis memory limit default (`BERTH_REDIS_MAXMEMORY`, default 1gb): a size as
+    redis-server reads it (`512mb`, `2gb`; `0` is no limit)."""
+    return _environ(env).get("BERTH_REDIS_MAXMEMORY", "1gb")
 
 
 # -- argparse types ---------------------------------------------------------------------------------

@@ -64,9 +64,20 @@ def _read_until(proc: subprocess.Popen, marker: str, timeout: float = 60) -> lis
     raise AssertionError(f"{marker!r} not seen; got {lines}")
 
 
+def _memory_policy(state: Path, address: str) -> tuple[int, str]:
+    """(maxmemory, maxmemory-policy) of a redis-server `berth up` started, asked as its administrator."""
+    import redis
+
+    password = json.loads((state / "credentials" / "credentials.json").read_text())["redis"]["default"]
+    host, port = address.removeprefix("redis://").split("/")[0].rsplit(":", 1)
+    with redis.Redis(host=host, port=int(port), username="default", password=password) as admin:
+        config = admin.config_get("maxmemory*")
+    return int(config["maxmemory"]), config["maxmemory-policy"]
+
+
 def test_up_starts_everything_status_lists_it_and_ctrl_c_leaves_nothing(tmp_path):
     state = tmp_path / "state"
-    env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "REDIS_URL")}
+    env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "REDIS_URL", "BERTH_REDIS_MAXMEMORY")}
     up = subprocess.Popen(
         [*BERTH, "up", "--state", str(state)], cwd=ROOT, stdout=subprocess.PIPE, text=True, env=env,
         start_new_session=True,
@@ -77,6 +88,7 @@ def test_up_starts_everything_status_lists_it_and_ctrl_c_leaves_nothing(tmp_path
         # credentials by default: the URL printed is the client user's (services/credentials.py)
         assert urls["NATS_URL"].startswith("nats://client:") and urls["NATS_URL"].rsplit("@", 1)[1].startswith("127.0.0.1:")
         assert urls["REDIS_URL"].startswith("redis://")
+        assert _memory_policy(state, urls["REDIS_URL"]) == (1 << 30, "noeviction")  # full: refuse, never evict
         assert _processes_mentioning(str(state))  # the embedded servers run from the state folder
         expected = {f"berth-{name}" for name in SERVICES if (ROOT / "services" / name / "worker.py").exists()}
         deadline = time.monotonic() + 30
@@ -122,3 +134,57 @@ def test_schema_export_of_a_service_module():
     typed = subjects["p.echo.typed"]["request"]
     assert typed == {"$ref": "#/$defs/Typed"}
     assert doc["services"]["tests.echo_service"]["$defs"]["Typed"]["required"] == ["count", "name", "flag"]
+
+
+def test_ctrl_c_on_up_stops_the_processes_the_broker_launched(tmp_path):
+    """The `process` operator starts each instance in a session of its own (to outlive a broker
+    restart); `berth up` stopping must stop them too."""
+    import asyncio
+
+    import msgpack
+    import nats
+
+    from services.broker.operators.procfs import DEPLOYMENT, is_running, marked_processes, processes_with, start_time
+
+    state = tmp_path / "state"
+    env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "REDIS_URL")}
+    up = subprocess.Popen(
+        [*BERTH, "up", "--no-dashboard", "--no-metrics", "--state", str(state)], cwd=ROOT, stdout=subprocess.PIPE,
+        text=True, env=env, start_new_session=True,
+    )
+    image = f"{sys.executable} {ROOT}/tests/http_server.py --port $PORT_HTTP"
+    user = f"lc{os.getpid()}"  # the marker BERTH_INSTANCE=berth/<user>/r1/<index> finds this test's processes
+
+    async def launch(url: str) -> None:
+        nc = await nats.connect(url)
+        try:
+            for command, payload in (
+                ("init", {"user": user, "resource_id": "r1", "param": {"ports": {"http": "tcp"}, "image": image}}),
+                ("launch", {"user": user, "resource_id": "r1", "filter": {"least_instance": 1, "request_instance": 2}}),
+            ):
+                for _ in range(300):  # until the broker worker serves
+                    try:
+                        msg = await nc.request(f"berth.broker.{command}", msgpack.packb(payload), timeout=5)
+                        break
+                    except nats.errors.NoRespondersError:
+                        await asyncio.sleep(0.1)
+                assert not (msg.headers or {}).get("Nats-Service-Error-Code"), msgpack.unpackb(msg.data)
+        finally:
+            await nc.close()
+
+    try:
+        urls = dict(line.split("=", 1) for line in _read_until(up, "berth is up") if "_URL=" in line)
+        asyncio.run(launch(urls["NATS_URL"]))
+        launched = set(marked_processes(f"berth/{user}/r1/").values())
+        assert len(launched) == 2 and all("http_server.py" in _cmdline(pid) for pid in launched)
+        started = {pid: start_time(pid) for pid in launched}
+    finally:
+        os.killpg(up.pid, signal.SIGINT)
+        assert up.wait(60) == 0
+    assert not any(is_running(pid, at) for pid, at in started.items())  # gone (a zombie waiting for init is)
+    assert processes_with(DEPLOYMENT, str(state)) == []
+    assert "stopped 2 launched process groups" in up.stdout.read()
+
+
+def _cmdline(pid: int) -> str:
+    return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")

@@ -1,5 +1,6 @@
 """`berth up --cluster`: a 3-server NATS cluster and a 3-primary, 3-replica Redis Cluster on
-loopback, every service on them, and nothing left behind after Ctrl-C."""
+loopback, every service on them, nothing left behind after Ctrl-C, and the same cluster and its data
+when started again; the workers' events stream waits for a cluster whose JetStream is not ready."""
 
 from __future__ import annotations
 
@@ -7,47 +8,74 @@ import asyncio
 import os
 import signal
 import subprocess
+from contextlib import contextmanager
 
 import msgpack
 import nats
 import pytest
 
-from tests.test_cli import BERTH, ROOT, _processes_mentioning, _read_until
+from bus.events import EventBus, StreamSpec
+from services.servers import start_nats_cluster
+from tests.bus_helpers import until
+from tests.test_cli import BERTH, ROOT, _memory_policy, _processes_mentioning, _read_until
 
 
 @pytest.mark.slow
-async def test_up_cluster_serves_an_allocation_and_ctrl_c_stops_every_server(tmp_path):
+async def test_up_cluster_serves_an_allocation_ctrl_c_stops_every_server_and_a_restart_keeps_the_data(tmp_path):
     state = tmp_path / "state"
-    env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "REDIS_URL")}
-    up = subprocess.Popen(
-        [*BERTH, "up", "--cluster", "--state", str(state)], cwd=ROOT, stdout=subprocess.PIPE, text=True, env=env,
-        start_new_session=True,
-    )
-    try:
-        lines = _read_until(up, "berth is up")
-        urls = dict(line.split("=", 1) for line in lines if "_URL=" in line)
+    with _up_cluster(state) as (urls, redis_nodes):
         assert urls["NATS_URL"].count("nats://") == 3 and urls["REDIS_URL"].startswith("redis+cluster://")
-        redis_nodes = urls["REDIS_URL"].removeprefix("redis+cluster://").split(",")
         assert len(redis_nodes) == 6 and all(_processes_mentioning(node) for node in redis_nodes)
+        assert {_memory_policy(state, node) for node in redis_nodes} == {(1 << 30, "noeviction")}
         nc = await nats.connect(urls["NATS_URL"].split(","))
         try:
             add = {"nodename": "c1", "resource": {"cpumem": {"cpu": 4, "memory": "8G"}}}
             allocate = {"nodename": "c1", "deploy_count": 2, "request_id": "up-cluster-1",
                         "workload_resource_request": {"cpumem": {"cpu-bind": True, "cpu-request": 1}}}
-            for subject, payload in (("berth.resource.add-node", add), ("berth.resource.allocate", allocate)):
-                msg = await _answered(nc, subject, payload)
-                assert not (msg.headers or {}).get("Nats-Service-Error-Code"), msgpack.unpackb(msg.data)
-            placed = msgpack.unpackb(msg.data)["allocations"]
+            await _call(nc, "berth.resource.add-node", add)
+            placed = (await _call(nc, "berth.resource.allocate", allocate))["allocations"]
             assert [a["nodename"] for a in placed] == ["c1", "c1"]
             info = await nc.jetstream().stream_info("berth-events")
             assert info.config.num_replicas == 3
         finally:
             await nc.close()
+    # Started again on the same folder (it used to fail with "Slot 0 is already busy"): the same
+    # Redis Cluster, with what it held.
+    with _up_cluster(state) as (urls, again):
+        assert sorted(again) == sorted(redis_nodes)
+        nc = await nats.connect(urls["NATS_URL"].split(","))
+        try:
+            held = (await _call(nc, "berth.resource.get-allocations", {"nodename": "c1"}))["allocations"]
+            assert sorted(a["workload_id"] for a in held) == sorted(a["workload_id"] for a in placed)
+        finally:
+            await nc.close()
+
+
+@contextmanager
+def _up_cluster(state):
+    """`berth up --cluster` on `state` until it is up: (its URLs, its Redis nodes); then Ctrl-C, after
+    which no process of it may be left."""
+    env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "REDIS_URL", "BERTH_REDIS_MAXMEMORY")}
+    up = subprocess.Popen(
+        [*BERTH, "up", "--cluster", "--no-dashboard", "--state", str(state)], cwd=ROOT, stdout=subprocess.PIPE,
+        text=True, env=env, start_new_session=True,
+    )
+    try:
+        lines = _read_until(up, "berth is up")
+        urls = dict(line.split("=", 1) for line in lines if "_URL=" in line)
+        redis_nodes = urls["REDIS_URL"].removeprefix("redis+cluster://").split(",")
+        yield urls, redis_nodes
     finally:
         os.killpg(up.pid, signal.SIGINT)
         assert up.wait(60) == 0
     assert _processes_mentioning(str(state)) == []
     assert not any(_processes_mentioning(node) for node in redis_nodes)
+
+
+async def _call(nc, subject: str, payload: dict) -> dict:
+    msg = await _answered(nc, subject, payload)
+    assert not (msg.headers or {}).get("Nats-Service-Error-Code"), msgpack.unpackb(msg.data)
+    return msgpack.unpackb(msg.data)
 
 
 async def _answered(nc, subject: str, payload: dict, wait: float = 60.0):
@@ -59,3 +87,40 @@ async def _answered(nc, subject: str, payload: dict, wait: float = 60.0):
         except nats.errors.NoRespondersError:
             assert asyncio.get_running_loop().time() < deadline, f"nobody served {subject}"
             await asyncio.sleep(0.2)
+
+
+async def test_the_events_stream_waits_for_a_cluster_whose_jetstream_does_not_answer(tmp_path, caplog):
+    """With its JetStream metadata leader not answering (here: stopped with SIGSTOP, as a server
+    still starting on a busy machine, or one going away), a cluster answers no stream request until
+    it has elected another: each step is asked again until the cluster answers, instead of failing
+    the worker (`berth up --cluster` starts its workers while the new cluster elects its first)."""
+    cluster = start_nats_cluster(tmp_path / "nats")
+    logs = [tmp_path / "nats" / f"n{i}" / "nats-server.log" for i in range(len(cluster.members))]
+
+    async def leader() -> int | None:
+        said = [i for i, log in enumerate(logs) if "Self is new JetStream cluster metadata leader" in log.read_text()]
+        return said[0] + 1 if len(said) == 1 else None  # + 1: index 0 is a leader too
+
+    paused = cluster.members[await until(leader, timeout=30) - 1]
+    others = [m.url for m in cluster.members if m is not paused]
+    nc = await nats.connect(others + [paused.url], dont_randomize=True)  # on another server, knowing all three
+    try:
+        js = nc.jetstream()
+        paused.proc.send_signal(signal.SIGSTOP)
+        try:
+            caplog.set_level("INFO", logger="berth.events")
+            spec = StreamSpec("events", ("resource.>",), max_age=3600, max_bytes=1 << 20)
+            creating = asyncio.create_task(EventBus(nc, prefix="lc").ensure_stream(spec))
+
+            async def timed_out() -> bool:
+                return creating.done() or "JetStream did not answer the stream" in caplog.text
+
+            await until(timed_out, timeout=45)
+            assert not creating.done(), creating.exception()  # the fault hit, and the worker did not give up
+        finally:
+            paused.proc.send_signal(signal.SIGCONT)
+        await asyncio.wait_for(creating, 60)
+        assert (await js.stream_info("lc-events")).config.num_replicas == 3
+    finally:
+        await nc.close()
+        cluster.stop()

@@ -98,6 +98,20 @@ def _check_command(encoded: bytes) -> None:
             )
 
 
+async def stop_deployment(deployment: str, grace: float = 5.0) -> int:
+    """Stop every process group launched for `deployment` (the `DEPLOYMENT` value `berth up` gave
+    its workers, once they have stopped); how many. Their records stay: on the next start the
+    broker finds them exited, drops dead idle ones from warm pools, and reports the rest `failed`."""
+    groups = set()
+    for pid in procfs.processes_with(procfs.DEPLOYMENT, deployment):
+        try:
+            groups.add(os.getpgid(pid))
+        except ProcessLookupError:
+            continue
+    await asyncio.gather(*(procfs.stop_group(pgid, procfs.start_time(pgid) or 0, grace) for pgid in groups))
+    return len(groups)
+
+
 class ProcessTable:
     """The processes each resource runs, in Redis: `proc:<user>:<id>` maps instance index -> Slot.
 

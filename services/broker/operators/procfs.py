@@ -14,6 +14,9 @@ from pathlib import Path
 
 PROC = Path("/proc")
 MARKER = "BERTH_INSTANCE"
+# Set by `berth up` in its workers' environment, so inherited by every process the broker launches:
+# the processes of one deployment, which `berth up` stops when it stops.
+DEPLOYMENT = "BERTH_DEPLOYMENT"
 
 
 def _stat_fields(pid: int) -> list[str] | None:
@@ -57,6 +60,23 @@ def marked_processes(prefix: str) -> dict[str, int]:
                 if (started := start_time(pid)) is not None and is_running(pid, started):
                     found[item.split(b"=", 1)[1].decode()] = pid
                 break
+    return found
+
+
+def processes_with(variable: str, value: str) -> list[int]:
+    """Live processes whose environment has `variable=value` exactly."""
+    wanted = f"{variable}={value}".encode()
+    found = []
+    for entry in PROC.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        pid = int(entry.name)
+        if wanted in environ.split(b"\0") and (started := start_time(pid)) is not None and is_running(pid, started):
+            found.append(pid)
     return found
 
 
