@@ -5,7 +5,9 @@ process and one server (a worker and Redis, a worker and NATS), the server itsel
     worker = start_worker(..., redis_url=proxy.url("redis"))
     proxy.cut("reset")   # live connections reset; new ones reset at once (a refused link)
     proxy.cut("drop")    # live connections reset; new ones accepted and never answered (a black hole)
-    proxy.restore()      # relay again; connections the black hole held are reset
+    proxy.cut("stall")   # nothing closed, nothing relayed: a silent partition; bytes wait in the relay
+    proxy.restore()      # relay again; connections the black hole held are reset, a stall's bytes
+                         # are delivered late (as TCP retransmits once a short partition heals)
 
 Counters say what a cut touched, so that a test can show that its fault hit: `accepted`
 (connections relayed since start), `cut_live` (live connections a cut closed), `refused` and
@@ -19,7 +21,7 @@ import socket
 import struct
 from dataclasses import dataclass, field
 
-MODES = ("reset", "drop")
+MODES = ("reset", "drop", "stall")
 
 
 def reset(writer: asyncio.StreamWriter) -> None:
@@ -60,6 +62,8 @@ class TcpProxy:
         self._links: set[Link] = set()
         self._black_hole: set[asyncio.StreamWriter] = set()
         self._server: asyncio.Server | None = None
+        self._flowing = asyncio.Event()  # cleared while stalled: every pump waits before it writes
+        self._flowing.set()
 
     @classmethod
     async def start(cls, host: str, port: int) -> "TcpProxy":
@@ -76,9 +80,15 @@ class TcpProxy:
 
     def cut(self, mode: str = "reset") -> int:
         """Partition the link: every live connection is reset, and new ones are reset at once
-        (`reset`) or held without a byte relayed (`drop`). Returns how many live ones it closed."""
+        (`reset`) or held without a byte relayed (`drop`). Returns how many live ones it closed.
+        `stall` closes nothing: live and new connections stay open, and no byte crosses until
+        `restore`; returns how many live connections it froze."""
         assert mode in MODES, mode
         self.mode = mode
+        if mode == "stall":
+            self._flowing.clear()
+            self.cut_live += len(self._links)
+            return len(self._links)
         links, self._links = self._links, set()
         for link in links:
             link.close()
@@ -89,6 +99,7 @@ class TcpProxy:
         """Heal the link. What the black hole held is reset: its bytes never went anywhere, so the
         peer must connect again (through the relay, now)."""
         self.mode = None
+        self._flowing.set()
         held, self._black_hole = self._black_hole, set()
         for writer in held:
             reset(writer)
@@ -107,6 +118,8 @@ class TcpProxy:
             self.held += 1
             self._black_hole.add(writer)  # never read, never answered: the peer waits
         else:
+            if self.mode == "stall":
+                self.held += 1  # relayed once the link heals
             await self._relay(reader, writer)
 
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -115,7 +128,7 @@ class TcpProxy:
         except OSError:
             reset(writer)  # the server itself is down: as a refused connection
             return
-        if self.mode is not None:  # cut while we were connecting
+        if self.mode in ("reset", "drop"):  # cut while we were connecting
             reset(server_writer)
             reset(writer)
             return
@@ -128,6 +141,7 @@ class TcpProxy:
     async def _pump(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter, link: Link) -> None:
         try:
             while data := await source.read(65536):
+                await self._flowing.wait()
                 sink.write(data)
                 await sink.drain()
         except (ConnectionError, OSError):

@@ -162,11 +162,16 @@ async def test_worker_cut_from_redis_answers_unavailable_or_nothing_then_recover
     load.start()
     await load.answered(40)
 
-    assert proxy.cut(mode) > 0  # the worker's live Redis connections were closed
-    # Keep the link cut until requests that came after the cut met it, not only those in flight:
-    # the worker tried to connect again, and since then clients were answered `unavailable` (its
-    # Redis calls failed) or, with new connections black-holed, nothing (they timed out).
-    await until(lambda: _true(proxy.refused + proxy.held > 0), timeout=30)
+    assert proxy.cut(mode) > 0  # the worker's live Redis connections were closed (or frozen)
+    # Only the cut worker can answer `unavailable` or let a request time out (the other one reaches
+    # Redis directly). Keep the link cut until requests that came after the cut met it, not only
+    # those in flight:
+    # the worker tried to connect again (a stall closes nothing: it has no reason to), and since
+    # then clients were answered `unavailable` (its Redis calls failed) or, with new connections
+    # black-holed or every byte held, nothing (they timed out, after the 2 s lease of the runs
+    # they had started: the retries took their claims over on the other worker).
+    if mode != "stall":
+        await until(lambda: _true(proxy.refused + proxy.held > 0), timeout=30)
     mark = len(load.retries)
     expected = "unavailable" if mode == "reset" else "timeout"
     await until(lambda: _true(load.retries[mark:].count(expected) >= 10), timeout=30)
@@ -175,7 +180,8 @@ async def test_worker_cut_from_redis_answers_unavailable_or_nothing_then_recover
     await load.answered(60)
     await load.stop()
 
-    assert proxy.accepted > accepted  # the worker reached Redis again through the healed link
+    if mode != "stall":  # a stall's connections live on: late, the held commands run now
+        assert proxy.accepted > accepted  # the worker reached Redis again through the healed link
     assert cut_off.proc.poll() is None
     await asyncio.to_thread(stop_workers, [healthy])  # from here only the healed worker answers
     await serves_again(load)
@@ -198,7 +204,9 @@ def allocate_requests(stats: dict) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", MODES)
+# Not "stall": a frozen NATS connection is noticed only after the client's missed pings (15 s or
+# more), and the point here is the drop and the reconnect.
+@pytest.mark.parametrize("mode", ["reset", "drop"])
 async def test_worker_cut_from_nats_reconnects_and_others_serve_meanwhile(
     mode, nc, client, prefix, nats_url, redis_url, proxies, workers
 ):
@@ -215,7 +223,7 @@ async def test_worker_cut_from_nats_reconnects_and_others_serve_meanwhile(
     # The cut hit: the worker is gone from the bus; the load goes on through the other worker.
     await until(lambda: _none(srv(nc, "PING", name, instance)), timeout=30)
     await load.answered(40)
-    assert proxy.refused + proxy.held > 0  # it tried to reconnect during the cut
+    await until(lambda: _true(proxy.refused + proxy.held > 0), timeout=30)  # it tried to reconnect
     accepted = proxy.accepted
     proxy.restore()
 
