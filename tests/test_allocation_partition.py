@@ -88,10 +88,23 @@ class Load:
                 self.client, NODES, request_id, self.retries, retried=RETRIED
             )
 
+    def wrong(self) -> list[str]:
+        """Answers no request may get: an error other than a refusal for capacity (`internal`...)."""
+        return [a for a in self.answers.values() if not isinstance(a, dict) and a != "insufficient_capacity"]
+
     async def answered(self, count: int) -> None:
         """Wait until `count` more requests are answered than now."""
         target = len(self.answers) + count
-        await until(lambda: _true(len(self.answers) >= target), timeout=30)
+        await self.until(lambda: len(self.answers) >= target)
+
+    async def until(self, condition) -> None:
+        """Wait for `condition()`; a wrong answer meanwhile fails at once, not by a timeout."""
+
+        async def check() -> bool:
+            assert self.wrong() == [], self.wrong()
+            return condition()
+
+        await until(check, timeout=30)
 
     async def stop(self) -> None:
         """Let every client finish the request it is on (retrying until answered), then stop."""
@@ -99,27 +112,26 @@ class Load:
         await asyncio.gather(*self._tasks)
 
 
-async def _true(value: bool) -> bool:
-    return value
-
-
 async def add_nodes(client) -> None:
     for node in NODES:
-        await client.request("resource.add-node", {"nodename": node, "resource": {"cpumem": {"cpu": CORES, "memory": "64G"}}})
+        resource = {"cpumem": {"cpu": CORES, "memory": "64G"}}
+        await client.request("resource.add-node", {"nodename": node, "resource": resource})
 
 
 async def ledgers(client) -> dict[str, list[str]]:
-    return {
-        node: [a["workload_id"] for a in (await client.request("resource.get-allocations", {"nodename": node}))["allocations"]]
-        for node in NODES
-    }
+    held = {}
+    for node in NODES:
+        reply = await client.request("resource.get-allocations", {"nodename": node})
+        held[node] = [a["workload_id"] for a in reply["allocations"]]
+    return held
 
 
 async def check_answers_hold(client, answers: dict[str, dict | str]) -> None:
     """Every answer was true, and the ledgers hold exactly what was answered."""
     refused = {reply for reply in answers.values() if not isinstance(reply, dict)}
     assert refused <= {"insufficient_capacity"}, refused  # never internal, never a stray code
-    placed = {(a["workload_id"], a["nodename"]) for r in answers.values() if isinstance(r, dict) for a in r["allocations"]}
+    replies = [reply for reply in answers.values() if isinstance(reply, dict)]
+    placed = {(a["workload_id"], a["nodename"]) for reply in replies for a in reply["allocations"]}
     answered_ids = {wid for wid, _ in placed}
 
     async def no_orphans() -> dict[str, list[str]] | None:
@@ -143,7 +155,8 @@ async def check_answers_hold(client, answers: dict[str, dict | str]) -> None:
 async def serves_again(load: Load) -> None:
     """The only worker left answers an allocate at once (its Redis is reachable again): the answer
     joins the others, so `check_answers_hold` judges it too."""
-    load.answers["after-heal"] = await allocate_until_answered(load.client, NODES, "after-heal", [], retried=set())
+    answer = await allocate_until_answered(load.client, NODES, "after-heal", [], retried=set())
+    load.answers["after-heal"] = answer
 
 
 # -- Redis link ------------------------------------------------------------------------------
@@ -171,10 +184,10 @@ async def test_worker_cut_from_redis_answers_unavailable_or_nothing_then_recover
     # black-holed or every byte held, nothing (they timed out, after the 2 s lease of the runs
     # they had started: the retries took their claims over on the other worker).
     if mode != "stall":
-        await until(lambda: _true(proxy.refused + proxy.held > 0), timeout=30)
+        await load.until(lambda: proxy.refused + proxy.held > 0)
     mark = len(load.retries)
     expected = "unavailable" if mode == "reset" else "timeout"
-    await until(lambda: _true(load.retries[mark:].count(expected) >= 10), timeout=30)
+    await load.until(lambda: load.retries[mark:].count(expected) >= 10)
     accepted = proxy.accepted
     proxy.restore()
     await load.answered(60)
@@ -223,7 +236,7 @@ async def test_worker_cut_from_nats_reconnects_and_others_serve_meanwhile(
     # The cut hit: the worker is gone from the bus; the load goes on through the other worker.
     await until(lambda: _none(srv(nc, "PING", name, instance)), timeout=30)
     await load.answered(40)
-    await until(lambda: _true(proxy.refused + proxy.held > 0), timeout=30)  # it tried to reconnect
+    await load.until(lambda: proxy.refused + proxy.held > 0)  # it tried to reconnect
     accepted = proxy.accepted
     proxy.restore()
 
