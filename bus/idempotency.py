@@ -76,6 +76,7 @@ class Claim:
         self.scope = scope
         self.attempt = attempt  # 0 the first time; n after n runs that never kept an answer
         self.lease_end = lease_end  # ms of the server's time: until then no other run can take over
+        self.task = asyncio.current_task()  # the request's own task (background work it starts is not)
 
     @property
     def marker(self) -> str:
@@ -99,6 +100,13 @@ def taken_over(run: Claim) -> BerthError:
 
 # The claim of the request the current task runs, for handlers that need it (None without one).
 current_claim: contextvars.ContextVar[Claim | None] = contextvars.ContextVar("berth_claim", default=None)
+
+
+def own_claim() -> Claim | None:
+    """The claim of the request this task runs, or None: also in a background task that a request
+    started (it inherits the context, but outlives the claim, so its writes are not the answer's)."""
+    run = current_claim.get()
+    return run if run is not None and run.task is asyncio.current_task() else None
 
 # A claim is a hash: d (payload digest), t (holder's token), u (lease end, ms of server time),
 # a (runs so far), r (the kept answer). Its scripts are idempotency_*.lua beside this module; the

@@ -117,3 +117,12 @@ async def eventually(check, timeout: float = 15.0, interval: float = 0.05):
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout} s (last: {result!r})")
         await asyncio.sleep(interval)
+
+
+async def all_tracked_once(redis, prefix: str) -> list[tuple[str, int]]:
+    """The launched processes, checked: what runs is what the broker recorded (no orphan), and
+    no instance runs twice."""
+    running, tracked = marked_pids(prefix), await tracked_pids(redis, prefix)
+    assert running == tracked, (running, tracked)
+    assert len({marker for marker, _ in running}) == len(running)
+    return running

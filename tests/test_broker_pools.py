@@ -345,10 +345,10 @@ async def test_remove_broker_releases_a_launch_committed_just_before_the_broker_
     store, config = replica.store, await replica.store.broker(U, "racing")
     remove_broker, launched = store.remove_broker, []
 
-    async def launch_then_remove(user: str, name: str) -> bool:
+    async def launch_then_remove(user: str, name: str, answer: bytes) -> bool:
         # Another replica's pool loop wins the race: its launch commits while the broker still exists.
         launched.append((await replica.resources.launching.launch_for_broker(config)).resource_id)
-        return await remove_broker(user, name)
+        return await remove_broker(user, name, answer)
 
     store.remove_broker = launch_then_remove
     removed = await b("remove-broker", {"user": U, "name": "racing"})

@@ -3,13 +3,25 @@
 -- `bus.cas` compare-and-set: it picks the resource inside Redis, and the records it rewrites are
 -- named by the ids it pops (keys it cannot declare in advance; on a Redis Cluster this works only
 -- because every broker key shares the declared keys' slot).
--- KEYS[1] the caller's record, KEYS[2] the index, KEYS[3] the brokers' version, then per
--- candidate broker (in the user's order): its idle zset, sold set and demand zset.
+-- KEYS[1] the caller's record, KEYS[2] the index, KEYS[3] the brokers' version, KEYS[4] where the
+-- request keeps its answer (as bus.cas's `once` step does), then per candidate broker (in the
+-- user's order): its idle zset, sold set and demand zset.
 -- ARGV[1] the brokers' version the candidates were chosen at, ARGV[2] now, ARGV[3] key prefix of
--- the user's records, ARGV[4] the caller's index member, ARGV[5] a demand member,
--- ARGV[6..] the caller record's fields (broker_resource_id and created_at are filled in here).
--- Returns {-2} (stale brokers' version), {-1, status} (the caller is launched already), {0} (every
--- candidate's pool is empty) or {position from 1, resource id, caller's new version, created_at}.
+-- the user's records, ARGV[4] the caller's index member, ARGV[5] a demand member, ARGV[6] the
+-- request run's lease end (ms of server time; 0: no request claim, nothing fenced or kept),
+-- ARGV[7] seconds the kept answer lives, ARGV[8..] the caller record's fields (broker_resource_id
+-- and created_at are filled in here).
+-- Returns {-3} (the run's lease ended: a retry may have taken it over), {-4, resource id} (an
+-- earlier run of the request sold it), {-2} (stale brokers' version), {-1, status} (the caller is
+-- launched already), {0} (every candidate's pool is empty) or {position from 1, resource id,
+-- caller's new version, created_at}.
+local fence = tonumber(ARGV[6])
+if fence > 0 then
+  local now = redis.call('TIME')
+  if tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) >= fence then return {-3} end
+  local kept = redis.call('HGET', KEYS[4], 'r')
+  if kept then return {-4, kept} end
+end
 if (redis.call('GET', KEYS[3]) or '0') ~= ARGV[1] then return {-2} end
 -- The caller may be new, released, or initialized and not launched; nothing else.
 local status = redis.call('HGET', KEYS[1], 'status')
@@ -18,8 +30,8 @@ if live and (status ~= 'init' or redis.call('HGET', KEYS[1], 'launched') == '1')
 local version = tonumber(redis.call('HGET', KEYS[1], 'version') or '0')
 local created = ARGV[2]
 if live then created = redis.call('HGET', KEYS[1], 'created_at') end
-for b = 0, (#KEYS - 3) / 3 - 1 do
-  local idle, sold, demand = KEYS[4 + 3 * b], KEYS[5 + 3 * b], KEYS[6 + 3 * b]
+for b = 0, (#KEYS - 4) / 3 - 1 do
+  local idle, sold, demand = KEYS[5 + 3 * b], KEYS[6 + 3 * b], KEYS[7 + 3 * b]
   redis.call('ZADD', demand, ARGV[2], ARGV[5])
   while true do
     local oldest = redis.call('ZPOPMIN', idle)
@@ -33,8 +45,12 @@ for b = 0, (#KEYS - 3) / 3 - 1 do
       redis.call('SADD', sold, id)
       redis.call('DEL', KEYS[1])
       redis.call('HSET', KEYS[1], 'version', version + 1, 'broker_resource_id', id, 'created_at', created,
-                 unpack(ARGV, 6))
+                 unpack(ARGV, 8))
       redis.call('ZADD', KEYS[2], 'NX', created, ARGV[4])
+      if fence > 0 then
+        redis.call('HSET', KEYS[4], 'r', id, 'v', version + 1)
+        redis.call('EXPIRE', KEYS[4], ARGV[7])
+      end
       return {b + 1, id, version + 1, created}
     end
   end

@@ -66,3 +66,8 @@ def cooling(brokers: list[str], until: float) -> BerthError:
 
 def broker_not_found(user: str, name: str) -> BerthError:
     return _error("broker_not_found", "name", f"user {user} has no broker {name}", user=user, name=name)
+
+
+def busy_launch(resource_id: str) -> BerthError:
+    message = f"the launch of resource {resource_id} is still being handed to the operator; retry"
+    return _error("busy", "resource_id", message, resource_id=resource_id)

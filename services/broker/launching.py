@@ -14,7 +14,10 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable
 
+import msgspec
+
 from bus.errors import BerthError
+from bus.idempotency import own_claim
 from bus.tasks import cancel_and_wait
 from services.broker import errors, model, telemetry, transitions
 from services.broker.brokers import BrokerRegistry
@@ -22,7 +25,7 @@ from services.broker.context import RETRIES, Context, Part
 from services.broker.messages import InstanceFilter, ResourceParam
 from services.broker.model import DEPLOYING, INIT, RELEASED, RUNNING, BrokerConfig, Resource, now
 from services.broker.operators.base import LaunchSpec, OperatorError
-from services.broker.store import Stale
+from services.broker.store import AlreadyApplied, Stale
 
 log = logging.getLogger("berth.broker")
 
@@ -38,15 +41,19 @@ class Launching(Part):
         model.check_param(param)
         self.operator.validate(param)
 
-    async def init(self, user: str, resource_id: str, param: ResourceParam) -> Resource:
+    async def init(self, user: str, resource_id: str, param: ResourceParam) -> Resource | None:
         self.check(param)
+        if await self.store.applied(own_claim()) is not None:
+            return None  # an earlier run of this request created it, then died unanswered
         current = await self.store.load(user, resource_id)
         if current is not None and current.status != RELEASED:
             raise errors.already_init(resource_id)
         try:
             record = await self.store.create(
-                transitions.created(user, resource_id, param, now()), current.version if current else 0
+                transitions.created(user, resource_id, param, now()), current.version if current else 0, answer=b""
             )
+        except AlreadyApplied:
+            return None
         except Stale:
             raise errors.already_init(resource_id) from None
         await self.publish.status(record)
@@ -57,12 +64,16 @@ class Launching(Part):
     ) -> Resource:
         """Serve from the user's brokers if one has a ready resource, else reserve and launch cold."""
         model.check_filter(instance_filter)
+        if await self.store.applied(own_claim()) is not None:
+            return await self.launched_before(user, resource_id)
         record = await self.live(user, resource_id)
         if record.status != INIT or record.launched:
             raise errors.already_launched(resource_id, record.status)
         record = transitions.in_city(record, city)
         try:
             return await self.registry.claim(record, instance_filter)
+        except AlreadyApplied:
+            return await self.launched_before(user, resource_id)
         except BerthError as error:
             if error.code == "application_already_launched":
                 raise
@@ -93,7 +104,10 @@ class Launching(Part):
             self.check(param)
             # One Redis round trip: the claim script itself refuses a caller that is launched already.
             caller = model.new_record(user, resource_id, param)
-            sold = await self.registry.claim(caller, instance_filter)
+            try:
+                sold = await self.registry.claim(caller, instance_filter)
+            except AlreadyApplied as kept:  # an earlier run of this request sold it, then died
+                sold = msgspec.structs.replace(caller, broker_resource_id=kept.answer.decode())
             histogram = telemetry.APPLY_SOLD
             return sold
         except BerthError:
@@ -125,6 +139,8 @@ class Launching(Part):
     async def scale(self, user: str, resource_id: str, instance_filter: InstanceFilter) -> Resource:
         """More instances for a running resource (a sold one scales its broker resource)."""
         model.check_filter(instance_filter)
+        if await self.store.applied(own_claim()) is not None:
+            return await self.launched_before(user, resource_id)
         record = await self.live(user, resource_id)
         if record.status != RUNNING:
             raise errors.not_running(resource_id, record.status)
@@ -166,9 +182,14 @@ class Launching(Part):
         (Redis unreachable, say), the `launch` timer finishes it; the record written so far is
         returned. Without `wait` (a broker's own launches, scale) it runs in the background."""
         t = now()
-        reserve = self.store.reserve_pool_launch if into_pool else self.store.reserve_launch
+        due = t + self.timing.claim_seconds
         try:
-            written = await reserve(transitions.pending(record, t), need, free, t + self.timing.claim_seconds)
+            if into_pool:
+                written = await self.store.reserve_pool_launch(transitions.pending(record, t), need, free, due)
+            else:
+                written = await self.store.reserve_launch(transitions.pending(record, t), need, free, due, answer=b"")
+        except AlreadyApplied:
+            return await self.launched_before(record.user, record.resource_id)
         except Stale as stale:
             if stale.reason == "capacity":
                 raise refuse(free - await self.store.reserved(record.resource_block_key)) from None
@@ -186,10 +207,34 @@ class Launching(Part):
             finished = None
         return finished or written
 
+    async def launched_before(self, user: str, resource_id: str) -> Resource:
+        """The answer to a launch or scale an earlier run of the request wrote and died before
+        answering: that run's launch is finished now (not when its timer falls due), and the record
+        as it stands answers. Another caller finishing it meanwhile is waited for."""
+        for _ in range(int(self.timing.claim_seconds / 0.05) + 1):
+            finished = await self.finish_launch(user, resource_id)
+            if finished is not None:
+                return finished
+            record = await self.live(user, resource_id)
+            if not record.pending:
+                return record
+            await asyncio.sleep(0.05)
+        raise errors.busy_launch(resource_id)
+
     async def finish_launch(self, user: str, resource_id: str) -> Resource | None:
         """Make the operator run what the record asks for, then mark it deploying (the `launch` timer).
 
-        Returns the record as written (`deploying`), or None when there was nothing to finish."""
+        Returns the record as written (`deploying`), or None when there was nothing to finish or
+        another caller is finishing it (one at a time: two would start the same instance twice)."""
+        holder = secrets.token_hex(8)
+        if not await self.store.hold_launch(user, resource_id, holder, self.timing.claim_seconds):
+            return None
+        try:
+            return await self._finish_launch(user, resource_id)
+        finally:
+            await self.store.drop_launch(user, resource_id, holder)
+
+    async def _finish_launch(self, user: str, resource_id: str) -> Resource | None:
         for _ in range(RETRIES):
             record = await self.store.load(user, resource_id)
             if transitions.launch_abandoned(record):

@@ -18,6 +18,8 @@ Redis Cluster hash slot. Base `<p>:broker:{<p>}`:
   pool:<user>:<name>:deleting  set    being released, or its release failed and waits for a retry
   pool:<user>:<name>:demand    zset   applies seen (hits and misses) -> time
   lease:<user>:<name>          string the replica that runs this broker's pool loop
+  launching:<user>:<id>        string who hands this launch to the operator now (a lease)
+  applied:<scope>:<request id> hash   a state change applied once: its answer, kept 24 h
 The operators keep their own keys beside these, under the same base and tag (`proc:<user>:<id>`,
 `proc-slots`, `ports`, `alloc:<user>:<id>`).
 
@@ -111,6 +113,14 @@ class Keys:
 
     def lease(self, user: str, name: str) -> str:
         return f"{self.base}:lease:{user}:{name}"
+
+    def launching(self, user: str, resource_id: str) -> str:
+        """Held by the one caller that hands a resource's launch to the operator."""
+        return f"{self.base}:launching:{user}:{resource_id}"
+
+    def applied(self, marker: str) -> str:
+        """The answer of a request applied here (`bus.cas.once`), for its retries."""
+        return f"{self.base}:applied:{marker}"
 
 
 def timer_member(kind: str, user: str, resource_id: str) -> str:

@@ -22,6 +22,7 @@ import logging
 import msgspec
 
 from bus.errors import BerthError
+from bus.idempotency import own_claim
 from services.broker import errors, model, strategies
 from services.broker.messages import AddBroker, BrokerView
 from services.broker.model import INIT, RUNNING, BrokerConfig, BrokerState, Resource, now
@@ -44,7 +45,8 @@ class PoolKeeper:
         strategies.check(req.strategy)
         self.resources.launching.check(req.param)
         config = model.broker_config(req)
-        await self.store.put_broker(config)
+        if await self.store.applied(own_claim()) is None:  # else an earlier run of the request put it
+            await self.store.put_broker(config)
         return await self.view(config)
 
     async def remove(self, user: str, name: str) -> list[str]:
@@ -57,8 +59,12 @@ class PoolKeeper:
         running with no pool loop to release it. A broker already gone whose pool still holds
         resources is finished off: a removal interrupted half way (a crash, an error) completes
         when it is asked again, instead of leaving resources no pool loop will ever release."""
-        before = await self._unsold(user, name)
-        removed = await self.store.remove_broker(user, name)
+        kept = await self.store.applied(own_claim())
+        if kept is not None:  # an earlier run of the request removed it, and died before answering
+            before, removed = set(msgspec.msgpack.decode(kept, type=list[str])), True
+        else:
+            before = await self._unsold(user, name)
+            removed = await self.store.remove_broker(user, name, msgspec.msgpack.encode(sorted(before)))
         unsold = sorted(before | await self._unsold(user, name))
         if not removed and not unsold:
             raise errors.broker_not_found(user, name)

@@ -11,18 +11,23 @@ from __future__ import annotations
 import logging
 
 from bus.errors import BerthError
+from bus.idempotency import own_claim
 from services.broker import errors, transitions
 from services.broker.context import RETRIES, Part
 from services.broker.model import DELETING, RELEASED, Resource, now
 from services.broker.operators.base import OperatorError
-from services.broker.store import Stale
+from services.broker.store import AlreadyApplied, Stale
 
 log = logging.getLogger("berth.broker")
 
 
 class Releasing(Part):
     async def release(self, user: str, resource_id: str) -> None:
-        """Release a resource; a sold one takes its broker resource along (that one first)."""
+        """Release a resource; a sold one takes its broker resource along (that one first). The
+        caller's record marked deleting is the request's decisive write: a retry after a run that
+        died past it finishes that release instead of answering resource_not_found."""
+        if await self.store.applied(own_claim()) is not None:
+            return await self._released_before(user, resource_id)
         record = await self.store.load(user, resource_id)
         if record is None or record.status == RELEASED:
             raise errors.resource_not_found(resource_id)
@@ -30,12 +35,22 @@ class Releasing(Part):
             target = await self.store.load(user, record.broker_resource_id)
             if target is not None and target.status != RELEASED:
                 await self.release_record(target)
-        await self.release_record(record)
+        try:
+            await self.release_record(record, answer=b"")
+        except AlreadyApplied:
+            await self._released_before(user, resource_id)
 
-    async def release_record(self, record: Resource, *, if_unchanged: bool = False) -> bool:
+    async def _released_before(self, user: str, resource_id: str) -> None:
+        """Finish the release an earlier run of the request began (it may have died half way)."""
+        record = await self.store.load(user, resource_id)
+        if record is not None and record.status == DELETING:
+            await self._finish(record)
+
+    async def release_record(self, record: Resource, *, if_unchanged: bool = False, answer: bytes | None = None) -> bool:
         """Begin and finish releasing `record`. With `if_unchanged`, give up (False) if the record
-        changed since it was read (a pool loop must not release what `apply` just sold)."""
-        begun = await self._begin(record, if_unchanged)
+        changed since it was read (a pool loop must not release what `apply` just sold). `answer`:
+        beginning it is the request's answer (`BrokerStore.commit`)."""
+        begun = await self._begin(record, if_unchanged, answer)
         if begun is None:
             return False
         await self._finish(begun)
@@ -57,14 +72,14 @@ class Releasing(Part):
         reloaded = await self.store.load(record.user, record.resource_id)
         return None if reloaded is None or reloaded.status == RELEASED else reloaded
 
-    async def _begin(self, record: Resource, if_unchanged: bool) -> Resource | None:
+    async def _begin(self, record: Resource, if_unchanged: bool, answer: bytes | None) -> Resource | None:
         """Take the record out of its pool and mark it deleting, with a `release` timer in case we die."""
         for _ in range(RETRIES):
             if record.status == DELETING:
                 return record
             try:
                 deleting = await self.store.begin_release(
-                    transitions.deleting(record, now()), now() + self.timing.claim_seconds
+                    transitions.deleting(record, now()), now() + self.timing.claim_seconds, answer
                 )
             except Stale:
                 reloaded = None if if_unchanged else await self._reloaded(record)

@@ -18,11 +18,15 @@ import msgspec
 from redis.asyncio import Redis
 
 from bus import cas, scripts
+from bus.failpoints import failpoint
+from bus.idempotency import Claim as IdempotencyClaim
+from bus.idempotency import own_claim, taken_over
 from bus.lease import Leases
 from services.broker.layout import Changes, Keys, Op, decode_record, encode_fields, index_member, timer_member
 from services.broker.model import BrokerConfig, BrokerState, Resource
 
 RELEASED_TTL = 24 * 3600
+APPLIED_TTL = 24 * 3600  # as long as the idempotency layer keeps an answer
 POOL_PARTS = ("warming", "idle", "sold", "deleting")
 
 # The record writes are `bus.cas` compare-and-sets (field `version`, no tombstone). The scripts of
@@ -53,6 +57,14 @@ class Stale(Exception):
         self.reason = reason
 
 
+class AlreadyApplied(Exception):
+    """The request was applied by an earlier run of it, which died unanswered: its kept answer."""
+
+    def __init__(self, answer: bytes) -> None:
+        super().__init__("already applied")
+        self.answer = answer
+
+
 class BrokerStore:
     def __init__(self, redis: Redis, prefix: str) -> None:
         self.redis = redis
@@ -79,44 +91,91 @@ class BrokerStore:
         return records
 
     async def commit(
-        self, record: Resource, expected: int, ops: Iterable[Op] = (), *, ttl: int = 0
+        self, record: Resource, expected: int, ops: Iterable[Op] = (), *, ttl: int = 0, answer: bytes | None = None
     ) -> Resource:
-        """Write `record` if it is still at version `expected`, with `ops`; the record as written."""
+        """Write `record` if it is still at version `expected`, with `ops`; the record as written.
+
+        `answer`: this write is the decisive step of the request whose claim the task runs under
+        (what it answers, or b"" when the answer is read back from the record): it is applied at
+        most once (`AlreadyApplied` for a second run) and fenced by the run's lease, so a run that a
+        retry took over writes nothing (`bus.idempotency.taken_over`)."""
         key = self.keys.record(record.user, record.resource_id)
-        try:
-            fields = encode_fields(record)
-            version = await self._records.commit(key, expected, ops, fields=fields, mode=cas.REPLACE, ttl=ttl)
-        except cas.Conflict as conflict:
-            raise Stale(_STALE_REASONS[conflict.reason]) from None
-        return msgspec.structs.replace(record, version=version)
+        run = own_claim() if answer is not None else None
+        fields = encode_fields(record)
+        while True:
+            steps = list(ops)
+            if run is not None:
+                steps += [cas.before(key, run.lease_end), cas.once(self.keys.applied(run.marker), answer, APPLIED_TTL)]
+            if run is not None:
+                failpoint("before-commit")
+            try:
+                version = await self._records.commit(key, expected, steps, fields=fields, mode=cas.REPLACE, ttl=ttl)
+            except cas.Conflict as conflict:
+                if conflict.reason == "before" and await run.still_held():
+                    continue  # the lease was renewed late (a busy loop), not taken over
+                raise self._refusal(conflict, run) from None
+            if run is not None:
+                failpoint("after-commit")
+            return msgspec.structs.replace(record, version=version)
+
+    @staticmethod
+    def _refusal(conflict: cas.Conflict, run: IdempotencyClaim | None) -> Exception:
+        if conflict.reason == "before":
+            return taken_over(run)
+        if conflict.reason == "once":
+            return AlreadyApplied(conflict.raw)
+        return Stale(_STALE_REASONS[conflict.reason])
+
+    async def applied(self, run: IdempotencyClaim | None) -> bytes | None:
+        """What an earlier run of this request applied and kept, if this run is a retry of one that
+        died unanswered (None for a first run: nothing to look for)."""
+        if run is None or not run.attempt:
+            return None
+        return await self.redis.hget(self.keys.applied(run.marker), "r")
 
     async def claim(
         self, caller: Resource, brokers: list[BrokerConfig], brokers_version: int, now: float
     ) -> Claim:
         """Give `caller` the oldest idle resource of the first of `brokers` that has one, in one step.
-
         The candidates were chosen from the brokers as of `brokers_version`; if they changed since,
         nothing happens (`Claim.stale`). A caller that is launched already is refused (`Claim.taken`).
+        Under a request's claim the sale is its answer, kept and fenced as `commit`'s `answer` is:
+        an earlier run's sale is `AlreadyApplied` (its resource id).
         """
-        keys = [self.keys.record(caller.user, caller.resource_id), self.keys.index, self.keys.brokers_version]
+        run = own_claim()
+        keys = [self.keys.record(caller.user, caller.resource_id), self.keys.index, self.keys.brokers_version,
+                self.keys.applied(run.marker if run else "-")]
         for broker in brokers:
             keys += [self.keys.pool(broker.user, broker.name, part) for part in ("idle", "sold", "demand")]
-        args = [
-            str(brokers_version),
-            repr(now),
-            self.keys.records(caller.user),
-            index_member(caller.user, caller.resource_id),
-            uuid.uuid4().hex,
-            *encode_fields(caller, skip=("broker_resource_id", "created_at")),
-        ]
-        result = await self._claim(keys=keys, args=args)
-        code = int(result[0])
+        while True:
+            args = [
+                str(brokers_version),
+                repr(now),
+                self.keys.records(caller.user),
+                index_member(caller.user, caller.resource_id),
+                uuid.uuid4().hex,
+                run.lease_end if run else 0,
+                APPLIED_TTL,
+                *encode_fields(caller, skip=("broker_resource_id", "created_at")),
+            ]
+            if run is not None:
+                failpoint("before-commit")
+            result = await self._claim(keys=keys, args=args)
+            code = int(result[0])
+            if code != -3:
+                break
+            if not await run.still_held():
+                raise taken_over(run)
+        if code == -4:
+            raise AlreadyApplied(result[1])
         if code == -2:
             return Claim(stale=True)
         if code == -1:
             return Claim(taken=result[1].decode())
         if code == 0:
             return Claim()
+        if run is not None:
+            failpoint("after-commit")
         sold = msgspec.structs.replace(
             caller, broker_resource_id=result[1].decode(), version=int(result[2]), created_at=float(result[3])
         )
@@ -154,23 +213,43 @@ class BrokerStore:
     # -- brokers -------------------------------------------------------------------------------
 
     async def put_broker(self, config: BrokerConfig) -> None:
-        """Create or update a broker; an update keeps its place in the user's order and its pool."""
+        """Create or update a broker; an update keeps its place in the user's order and its pool.
+        Under a request's claim the request's answer is kept in the same transaction."""
         seq = await self.redis.incr(self.keys.broker_seq)
-        pipe = self.redis.pipeline(transaction=True)
+        pipe = await self._answering(b"")
         pipe.hset(self.keys.broker(config.user, config.name), "config", msgspec.msgpack.encode(config))
         pipe.zadd(self.keys.brokers, {f"{config.user}/{config.name}": seq}, nx=True)
         pipe.incr(self.keys.brokers_version)
         await pipe.execute()
+        if own_claim() is not None:
+            failpoint("after-commit")
 
-    async def remove_broker(self, user: str, name: str) -> bool:
-        pipe = self.redis.pipeline(transaction=True)
+    async def remove_broker(self, user: str, name: str, answer: bytes) -> bool:
+        """Remove a broker's config, demand and lease; `answer` is kept as `put_broker` keeps one."""
+        pipe = await self._answering(answer)
         pipe.delete(
             self.keys.broker(user, name), self.keys.pool(user, name, "demand"), self.keys.lease(user, name)
         )
         pipe.zrem(self.keys.brokers, f"{user}/{name}")
         pipe.incr(self.keys.brokers_version)
-        deleted, *_ = await pipe.execute()
+        *_, deleted, _, _ = await pipe.execute()
+        if own_claim() is not None:
+            failpoint("after-commit")
         return bool(deleted)
+
+    async def _answering(self, answer: bytes):
+        """A transaction that keeps `answer` for the request whose claim the task runs under (if
+        any). Not a compare-and-set: its fence is a renewal of the run's lease just before, which
+        leaves a window of a round trip (a broker's config is written whole, so a late second
+        write of the same request writes what the first did)."""
+        pipe = self.redis.pipeline(transaction=True)
+        run = own_claim()
+        if run is not None:
+            if not await run.still_held():
+                raise taken_over(run)
+            pipe.hset(self.keys.applied(run.marker), mapping={"r": answer, "v": 0})
+            pipe.expire(self.keys.applied(run.marker), APPLIED_TTL)
+        return pipe
 
     async def brokers_version(self) -> int:
         return int(await self.redis.get(self.keys.brokers_version) or 0)
@@ -208,13 +287,15 @@ class BrokerStore:
     def changes(self) -> Changes:
         return Changes(self.keys)
 
-    async def create(self, record: Resource, expected: int) -> Resource:
+    async def create(self, record: Resource, expected: int, answer: bytes | None = None) -> Resource:
         """A new record (`expected`: the version of the released record it replaces, or 0)."""
-        return await self.commit(record, expected, self.changes.indexed(record))
+        return await self.commit(record, expected, self.changes.indexed(record), answer=answer)
 
-    async def reserve_launch(self, record: Resource, need: int, free: int, due: float) -> Resource:
+    async def reserve_launch(
+        self, record: Resource, need: int, free: int, due: float, answer: bytes | None = None
+    ) -> Resource:
         """A launch or scale: `need` instances of the block reserved, the `launch` timer at `due`."""
-        return await self.commit(record, record.version, self.changes.launch(record, need, free, due))
+        return await self.commit(record, record.version, self.changes.launch(record, need, free, due), answer=answer)
 
     async def reserve_pool_launch(self, record: Resource, need: int, free: int, due: float) -> Resource:
         """A broker's new resource: reserved as a launch, and in its broker's pool (warming) and the
@@ -229,8 +310,8 @@ class BrokerStore:
         """`after`: `before` as the operator's report changed it."""
         return await self.commit(after, before.version, self.changes.observed(before, after))
 
-    async def begin_release(self, deleting: Resource, due: float) -> Resource:
-        return await self.commit(deleting, deleting.version, self.changes.release_begun(deleting, due))
+    async def begin_release(self, deleting: Resource, due: float, answer: bytes | None = None) -> Resource:
+        return await self.commit(deleting, deleting.version, self.changes.release_begun(deleting, due), answer=answer)
 
     async def mark_released(self, before: Resource, released: Resource) -> Resource:
         """The record as released, kept readable for `RELEASED_TTL`."""
@@ -276,3 +357,11 @@ class BrokerStore:
 
     async def drop_lease(self, user: str, name: str, holder: str) -> None:
         await self._leases.release(self.keys.lease(user, name), holder)
+
+    async def hold_launch(self, user: str, resource_id: str, holder: str, seconds: float) -> bool:
+        """Take the right to hand a resource's launch to the operator (one caller at a time: a
+        retry finishing a dead run's launch and the launch timer must not both start it)."""
+        return await self._leases.hold(self.keys.launching(user, resource_id), holder, seconds)
+
+    async def drop_launch(self, user: str, resource_id: str, holder: str) -> None:
+        await self._leases.release(self.keys.launching(user, resource_id), holder)
