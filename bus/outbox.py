@@ -1,23 +1,28 @@
-"""An outbox: the events of a change are written in the same commit as the change, then published
+"""Outboxes: the events of a change are written in the same commit as the change, then published
 with JetStream acknowledgements, by the worker that committed or, if it died first, by any worker.
 
-A versioned record (`bus.cas`) keeps its outbox in a hash of its own slot: field = the version the
-change made, value = the change's events (`cas.journal` writes it in the commit). After the commit
-the worker publishes them, each with a message id (`<outbox key>:<version>:<n>`) that JetStream
-uses to drop a second copy, and deletes the field once every one is acknowledged. Before each
-commit the record's owner name goes into one sorted set (`pending`, scored by time): `sweep`, run
-by every worker now and then, finds outboxes that still hold events a while after their commit
-(their worker died, or NATS was away) and publishes them. So every committed change's event
-reaches the stream, at least once; a consumer that follows record versions sees no gap.
+An outbox is a Redis hash in the slot of the records it reports on: field -> the change's events
+(`journal` encodes them; a `bus.cas` step writes them in the commit). After the commit the worker
+publishes them, each with a message id (`<outbox key>:<field>:<n>`) that JetStream uses to drop a
+second copy, and deletes the field once every one is acknowledged. Whatever is still in an outbox
+a while after its commit (its worker died, or NATS was away) is published by a sweep that every
+worker runs now and then. So every committed change's event reaches the stream, at least once.
 
-Events are stored as complete bodies except `version`, which is the outbox field's: the version
-is known only once the commit has landed.
+Two shapes, one per way of naming a change:
+- `VersionedOutboxes`: one outbox per versioned record (`cas.journal` writes the field: the version
+  the change made, which is known only once the commit landed, so each event body gets it as
+  `version` when it is published). Before each commit the record's owner goes into a sorted set
+  (`pending`, scored by time, in the same batch just ahead of the commit); the sweep reads only the
+  outboxes named there. A consumer that follows record versions sees no gap.
+- `Journal`: one outbox for a whole keyspace whose changes have no version of their own; each
+  change's field is named by its time and a random part (`field()`), and the sweep reads the hash.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from typing import Any, Callable
 
@@ -34,8 +39,9 @@ log = logging.getLogger("berth.outbox")
 Entry = tuple[str, Any]  # (subject suffix below `<prefix>.events.`, body map)
 _entries = msgspec.msgpack.Decoder(list[tuple[str, dict[str, Any]]])
 
+
 def journal(events: list[tuple[str, Event]]) -> bytes:
-    """The value a commit writes into the outbox for `events` (each event's `type` is its subject's
+    """The value a commit writes into an outbox for `events` (each event's `type` is its subject's
     last token, as `EventBus.publish` sets it)."""
     for suffix, event in events:
         event.type = suffix.rsplit(".", 1)[-1]
@@ -43,33 +49,50 @@ def journal(events: list[tuple[str, Event]]) -> bytes:
 
 
 class Outbox:
-    def __init__(self, events: EventBus | None, batch: Pipelined, pending_key: str,
-                 outbox_key: Callable[[str], str]) -> None:
+    """Publishing what outboxes hold. `stamp`: each body gets the field as its `version`."""
+
+    def __init__(self, events: EventBus | None, batch: Pipelined, *, stamp: bool) -> None:
         self.events = events
         self.batch = batch
-        self.pending_key = pending_key
-        self.outbox_key = outbox_key  # owner name -> its outbox hash
-        self._forget = scripts.register(batch.redis, "bus", "outbox_forget")
+        self.stamp = stamp
 
-    async def deliver(self, owner: str, version: int, entries: bytes | None = None) -> bool:
-        """Publish the events `owner`'s change to `version` journaled (`entries`, else as stored),
-        then drop them from its outbox. False if some were not acknowledged: they stay for a sweep."""
-        key = self.outbox_key(owner)
+    async def deliver(self, key: str, field: str | int, entries: bytes | None = None) -> bool:
+        """Publish the events journaled under `field` of outbox `key` (`entries`, else as stored),
+        then drop them. False if some were not acknowledged: they stay for a sweep."""
         if entries is None:
-            entries = await self.batch.execute_command("HGET", key, version)
+            entries = await self.batch.execute_command("HGET", key, field)
             if entries is None:
                 return True  # delivered already
         if self.events is not None:
+            stamp = {"version": int(field)} if self.stamp else {}
             try:
                 await asyncio.gather(*(
-                    self.events.publish_acked(suffix, encode({**body, "version": version}), f"{key}:{version}:{n}")
+                    self.events.publish_acked(suffix, encode({**body, **stamp}), f"{key}:{field}:{n}")
                     for n, (suffix, body) in enumerate(_entries.decode(entries))
                 ))
             except Exception as error:  # NATS away, no stream, a timeout: a sweep tries again
-                log.warning("events of %s version %d not acknowledged yet: %r", owner, version, error)
+                log.warning("events of %s %s not acknowledged yet: %r", key, field, error)
                 return False
-        await self.batch.execute_command("HDEL", key, version)
+        await self.batch.execute_command("HDEL", key, field)
         return True
+
+    async def _deliver_held(self, key: str, due: Callable[[str], bool], order: Callable[[str], Any]) -> tuple[int, bool]:
+        """Deliver the fields of outbox `key` that are `due`, in `order`: (how many, all of them)."""
+        held = await self.batch.execute_command("HGETALL", key)
+        fields = sorted((f.decode() for f in held if due(f.decode())), key=order)
+        results = [await self.deliver(key, field, held[field.encode()]) for field in fields]
+        return sum(results), all(results)
+
+
+class VersionedOutboxes(Outbox):
+    """One outbox per versioned record, found through the `pending` sorted set (see the module)."""
+
+    def __init__(self, events: EventBus | None, batch: Pipelined, pending_key: str,
+                 outbox_key: Callable[[str], str]) -> None:
+        super().__init__(events, batch, stamp=True)
+        self.pending_key = pending_key
+        self.outbox_key = outbox_key  # owner name -> its outbox hash
+        self._forget = scripts.register(batch.redis, "bus", "outbox_forget")
 
     async def sweep(self, grace: float = 5.0) -> int:
         """Publish what outboxes still hold `grace` seconds after their last commit; how many
@@ -77,11 +100,27 @@ class Outbox:
         delivered = 0
         stale = await self.batch.redis.zrangebyscore(self.pending_key, 0, time.time() - grace, withscores=True)
         for owner, score in stale:
-            owner = owner.decode()
-            held = await self.batch.execute_command("HGETALL", self.outbox_key(owner))
-            results = [await self.deliver(owner, int(version), entries)
-                       for version, entries in sorted(held.items(), key=lambda item: int(item[0]))]
-            delivered += sum(results)
-            if all(results):
+            count, emptied = await self._deliver_held(self.outbox_key(owner.decode()), lambda f: True, int)
+            delivered += count
+            if emptied:
                 await self.batch.script(self._forget, [self.pending_key], [owner, repr(score)])
         return delivered
+
+
+class Journal(Outbox):
+    """One outbox for a keyspace whose changes have no version (see the module)."""
+
+    def __init__(self, events: EventBus | None, batch: Pipelined, key: str) -> None:
+        super().__init__(events, batch, stamp=False)
+        self.key = key
+
+    @staticmethod
+    def field() -> str:
+        """A new change's field: its time (ms) first, so that a sweep can tell its age and order."""
+        return f"{int(time.time() * 1000):015d}-{secrets.token_hex(6)}"
+
+    async def sweep(self, grace: float = 5.0) -> int:
+        """Publish the changes still held `grace` seconds after they were journaled; how many."""
+        before = f"{int((time.time() - grace) * 1000):015d}"
+        count, _ = await self._deliver_held(self.key, lambda field: field < before, str)
+        return count

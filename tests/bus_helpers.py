@@ -86,3 +86,18 @@ async def until(check: Callable[[], Awaitable[Any]], timeout: float = 10.0, inte
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout} s (last: {result!r})")
         await asyncio.sleep(interval)
+
+
+async def stream_events(nc, subject: str) -> list[dict[str, Any]]:
+    """The events a JetStream stream holds on `subject` (a pattern), in stream order."""
+    sub = await nc.jetstream().subscribe(subject, ordered_consumer=True)
+    found = []
+    try:
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=0.5)
+            except asyncio.TimeoutError:  # nats' TimeoutError is one: nothing more for now
+                return found
+            found.append(msgpack.unpackb(msg.data, strict_map_key=False))
+    finally:
+        await sub.unsubscribe()

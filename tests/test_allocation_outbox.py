@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import signal
 
-import msgpack
 import pytest
 
 from bus.errors import BusError
-from tests.bus_helpers import until
+from tests.bus_helpers import stream_events, until
 
 NODE = {"nodename": "o1", "resource": {"cpumem": {"cpu": 4, "memory": "8G"}}}
 ONE_CORE = {"cpumem": {"cpu-request": 1, "memory-request": 1 << 30}}
@@ -18,18 +17,7 @@ ONE_CORE = {"cpumem": {"cpu-request": 1, "memory-request": 1 << 30}}
 
 async def stream_versions(nc, prefix: str, node: str) -> list[int]:
     """The node versions of the node's events the stream holds, in stream order."""
-    js = nc.jetstream()
-    sub = await js.subscribe(f"{prefix}.events.resource.{node}.>", ordered_consumer=True)
-    versions = []
-    try:
-        while True:
-            try:
-                msg = await sub.next_msg(timeout=0.5)
-            except Exception:  # nats' TimeoutError: nothing more for now
-                return versions
-            versions.append(msgpack.unpackb(msg.data)["version"])
-    finally:
-        await sub.unsubscribe()
+    return [event["version"] for event in await stream_events(nc, f"{prefix}.events.resource.{node}.>")]
 
 
 async def test_an_event_committed_by_a_worker_that_died_before_publishing_reaches_the_stream(

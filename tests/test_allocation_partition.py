@@ -23,7 +23,8 @@ import json
 from urllib.parse import urlsplit
 
 import pytest
-from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
 
 from tests.bus_helpers import until
 from tests.conftest import start_worker, stop_workers

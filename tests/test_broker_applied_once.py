@@ -19,6 +19,7 @@ from nats.micro.request import ERROR_CODE_HEADER
 from bus.codec import encode
 from bus.errors import BusError
 from tests.broker_helpers import FAST_ARGS, all_tracked_once, const_broker, eventually, marked_pids, param
+from tests.bus_helpers import stream_events
 
 pytest_plugins = ["tests.broker_fixtures"]
 
@@ -177,3 +178,23 @@ async def test_an_apply_paused_past_its_lease_neither_sells_nor_answers_against_
     assert (await b.pool(U, "pool"))["sold"] == 0  # the paused run sold nothing
     await b("remove-broker", {"user": U, "name": "pool"})
     await eventually(lambda: asyncio.sleep(0, not marked_pids(prefix)))
+
+
+async def test_an_event_committed_by_a_worker_that_died_before_publishing_reaches_the_stream(
+    spawn_worker, broker_call, broker_processes, nc, prefix
+):
+    """The record's change and its event are one write (the outbox): a replica that dies between
+    the two leaves the event for another replica's sweep."""
+    b = broker_call
+    payload = {"user": U, "resource_id": "r1", "param": param(), "request_id": "init-e"}
+    subject = f"{prefix}.events.broker.resource.{U}.r1.>"
+    await dies_after_commit(spawn_worker, b, "init", payload)
+    assert await stream_events(nc, subject) == []  # the fault hit: committed, not published
+    await healthy(spawn_worker)
+    assert await status(b, "r1") == "init"
+
+    async def published():
+        return await stream_events(nc, subject)
+
+    [event] = await eventually(published)
+    assert (event["type"], event["resource_id"]) == ("init", "r1")

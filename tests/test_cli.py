@@ -144,7 +144,13 @@ def test_ctrl_c_on_up_stops_the_processes_the_broker_launched(tmp_path):
     import msgpack
     import nats
 
-    from services.broker.operators.procfs import DEPLOYMENT, is_running, marked_processes, processes_with, start_time
+    from services.broker.operators.procfs import (
+        DEPLOYMENT,
+        is_running,
+        marked_processes,
+        processes_with,
+        start_time,
+    )
 
     state = tmp_path / "state"
     env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "REDIS_URL")}

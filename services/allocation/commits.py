@@ -21,7 +21,7 @@ from bus.codec import encode
 from bus.errors import BerthError
 from bus.failpoints import failpoint
 from bus.idempotency import Claim, current_claim, taken_over
-from bus.outbox import Outbox, journal
+from bus.outbox import VersionedOutboxes, journal
 from services.allocation import telemetry
 from services.allocation.errors import node_busy, node_not_found, workload_exists
 from services.allocation.messages import Allocation, NodeEvent
@@ -72,7 +72,7 @@ class DeployBatches:
         *,
         latest: Callable[[str], NodeRecord | None],
         committed: Callable[[str, NodeRecord | None, Change, int], None],
-        outbox: Outbox,
+        outbox: VersionedOutboxes,
         release: Callable[[list[str]], Awaitable[Any]],
         contend: Callable[[str], None] = lambda node: None,
         attempts: int = 200,
@@ -135,7 +135,7 @@ class DeployBatches:
             else:
                 deploy.done.set_result(Placed(allocations, version))
         if announced is not None:
-            await self.outbox.deliver(node, version, announced)
+            await self.outbox.deliver(self.store.outbox_key(node), version, announced)
         if abandoned:
             log.info("releasing %d instances placed for callers that went away", len(abandoned))
             await self.release(abandoned)

@@ -22,7 +22,7 @@ import msgspec
 from bus.errors import BerthError
 from bus.failpoints import failpoint
 from bus.idempotency import current_claim, taken_over
-from bus.outbox import Outbox, journal
+from bus.outbox import VersionedOutboxes, journal
 from schemas.common import Event
 from services.allocation import telemetry
 from services.allocation.commits import DeployBatches
@@ -55,7 +55,7 @@ class Committer:
         store: NodeStore,
         plugins: PluginSet,
         fleet: Fleet,
-        outbox: Outbox,
+        outbox: VersionedOutboxes,
         *,
         release: Callable[[list[str]], Awaitable[list[str]]],
         attempts: int = 200,
@@ -127,13 +127,13 @@ class Committer:
             failpoint("after-commit")
             self.committed(node, record, change, version)
             if change.journal is not None:
-                await self.outbox.deliver(node, version, change.journal)
+                await self.outbox.deliver(self.store.outbox_key(node), version, change.journal)
             return result, version
         raise node_busy(node)
 
     async def _replayed(self, node: str, kept: AlreadyApplied, result_type: type) -> tuple[Any, int]:
         """The answer an earlier run kept; its events go out now if that run died before they did."""
-        await self.outbox.deliver(node, kept.version)
+        await self.outbox.deliver(self.store.outbox_key(node), kept.version)
         return msgspec.msgpack.decode(kept.answer, type=result_type), kept.version
 
     def committed(self, node: str, record: NodeRecord | None, change: Change, version: int) -> None:

@@ -17,7 +17,7 @@ import msgspec
 from bus.errors import BerthError
 from bus.events import EventBus
 from bus.idempotency import Claim, current_claim
-from bus.outbox import Outbox
+from bus.outbox import VersionedOutboxes
 from services.allocation import telemetry
 from services.allocation.committer import Committer, NodeFilledUp, workload_ids
 from services.allocation.errors import no_node_matches, node_not_found, workload_not_found
@@ -63,7 +63,7 @@ class AllocationManager:
         self.events = events
         self.fleet = Fleet(store, self.plugins)
         self.committer = Committer(
-            store, self.plugins, self.fleet, Outbox(events, store.batch, store.pending_key, store.outbox_key),
+            store, self.plugins, self.fleet, VersionedOutboxes(events, store.batch, store.pending_key, store.outbox_key),
             release=self.give_back,
             attempts=attempts, intent_timeout=intent_timeout,
         )

@@ -25,7 +25,8 @@ from services.broker.context import RETRIES, Context, Part
 from services.broker.messages import InstanceFilter, ResourceParam
 from services.broker.model import DEPLOYING, INIT, RELEASED, RUNNING, BrokerConfig, Resource, now
 from services.broker.operators.base import LaunchSpec, OperatorError
-from services.broker.store import AlreadyApplied, Stale
+from services.broker.publisher import pool_event, status_event
+from services.broker.store import AlreadyApplied, Announced, Stale
 
 log = logging.getLogger("berth.broker")
 
@@ -48,16 +49,15 @@ class Launching(Part):
         current = await self.store.load(user, resource_id)
         if current is not None and current.status != RELEASED:
             raise errors.already_init(resource_id)
+        created = transitions.created(user, resource_id, param, now())
         try:
-            record = await self.store.create(
-                transitions.created(user, resource_id, param, now()), current.version if current else 0, answer=b""
+            return await self.store.create(
+                created, current.version if current else 0, answer=b"", events=[status_event(created)]
             )
         except AlreadyApplied:
             return None
         except Stale:
             raise errors.already_init(resource_id) from None
-        await self.publish.status(record)
-        return record
 
     async def launch(
         self, user: str, resource_id: str, city: str | None, instance_filter: InstanceFilter
@@ -126,15 +126,14 @@ class Launching(Part):
         record = transitions.pool_resource(
             broker, f"b{broker.name}-{secrets.token_hex(4)}", block, t, t + self.timing.ready_timeout
         )
-        record = await self._write_launch(
+        return await self._write_launch(
             record,
             broker.instance,
             free,
             refuse=lambda left: errors.broker_not_enough(left, broker.instance, broker.name),
             into_pool=True,
+            events=[pool_event(broker.user, broker.name, "launched", record.resource_id)],
         )
-        await self.publish.pool(broker.user, broker.name, "launched", record.resource_id)
-        return record
 
     async def scale(self, user: str, resource_id: str, instance_filter: InstanceFilter) -> Resource:
         """More instances for a running resource (a sold one scales its broker resource)."""
@@ -148,14 +147,14 @@ class Launching(Part):
             return await self.scale(user, record.broker_resource_id, instance_filter)
         free, available = await self._capacity(record.param, record.resource_block_key)
         need = model.take_instances(instance_filter, available)
-        scaled = await self._write_launch(
-            transitions.scaled(record, need, now() + self.timing.trace_timeout),
+        scaled = transitions.scaled(record, need, now() + self.timing.trace_timeout)
+        return await self._write_launch(
+            scaled,
             need,
             free,
             refuse=lambda left: errors.no_enough_resources(left, instance_filter.least_instance),
+            events=[status_event(scaled)],
         )
-        await self.publish.status(scaled)
-        return scaled
 
     async def _capacity(self, param: ResourceParam, block: str) -> tuple[int, int]:
         """Instances of `block` the operator can still start, and how many of those are not reserved."""
@@ -171,6 +170,7 @@ class Launching(Part):
         refuse: Callable[[int], BerthError],
         into_pool: bool = False,
         wait: bool = False,
+        events: Announced = None,
     ) -> Resource:
         """Write a launch: reserve `need` instances of the block (at most `free` reserved in all), set
         the launch timer, and start the operator launch. Another launch that took the capacity first
@@ -185,9 +185,13 @@ class Launching(Part):
         due = t + self.timing.claim_seconds
         try:
             if into_pool:
-                written = await self.store.reserve_pool_launch(transitions.pending(record, t), need, free, due)
+                written = await self.store.reserve_pool_launch(
+                    transitions.pending(record, t), need, free, due, events=events
+                )
             else:
-                written = await self.store.reserve_launch(transitions.pending(record, t), need, free, due, answer=b"")
+                written = await self.store.reserve_launch(
+                    transitions.pending(record, t), need, free, due, answer=b"", events=events
+                )
         except AlreadyApplied:
             return await self.launched_before(record.user, record.resource_id)
         except Stale as stale:
@@ -254,14 +258,12 @@ class Launching(Part):
                 log.warning("launch of %s/%s failed: %s", user, resource_id, error)
                 message = f"launch failed: {error}"
                 await self.operator.release(user, resource_id, record.request_instance)
+            deploying = transitions.deploying(record, message, now())
+            entered = [status_event(deploying)] if record.status != DEPLOYING else None
             try:
-                deploying = transitions.deploying(record, message, now())
-                deploying = await self.store.mark_deploying(deploying, trace_at=now())
+                return await self.store.mark_deploying(deploying, trace_at=now(), events=entered)
             except Stale:
                 continue
-            if record.status != DEPLOYING:
-                await self.publish.status(deploying)
-            return deploying
         return None
 
     # -- background launches ------------------------------------------------------------------------

@@ -20,6 +20,8 @@ Redis Cluster hash slot. Base `<p>:broker:{<p>}`:
   lease:<user>:<name>          string the replica that runs this broker's pool loop
   launching:<user>:<id>        string who hands this launch to the operator now (a lease)
   applied:<scope>:<request id> hash   a state change applied once: its answer, kept 24 h
+  outbox                       hash   events of committed changes not yet acknowledged by the
+                                      stream (`bus.outbox.Journal`)
 The operators keep their own keys beside these, under the same base and tag (`proc:<user>:<id>`,
 `proc-slots`, `ports`, `alloc:<user>:<id>`).
 
@@ -98,6 +100,7 @@ class Keys:
         self.brokers = f"{self.base}:brokers"
         self.broker_seq = f"{self.base}:broker-seq"
         self.brokers_version = f"{self.base}:brokers-version"
+        self.outbox = f"{self.base}:outbox"
 
     def records(self, user: str) -> str:
         return f"{self.base}:res:{user}:"

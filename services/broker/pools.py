@@ -26,6 +26,7 @@ from bus.idempotency import own_claim
 from services.broker import errors, model, strategies
 from services.broker.messages import AddBroker, BrokerView
 from services.broker.model import INIT, RUNNING, BrokerConfig, BrokerState, Resource, now
+from services.broker.publisher import pool_event
 from services.broker.resources import BrokerResources
 from services.broker.store import Stale
 
@@ -130,11 +131,11 @@ class PoolKeeper:
             await self._reject(broker, state, record, f"not ready within {self.timing.ready_timeout:g} s")
 
     async def _accept(self, broker: BrokerConfig, record: Resource) -> None:
+        ready = [pool_event(broker.user, broker.name, "ready", record.resource_id)]
         try:
-            await self.store.accept_idle(msgspec.structs.replace(record, updated_at=now()))
+            await self.store.accept_idle(msgspec.structs.replace(record, updated_at=now()), events=ready)
         except Stale:
             return  # changed meanwhile (released); the next tick sees it as it is now
-        await self.publish.pool(broker.user, broker.name, "ready", record.resource_id)
 
     async def _reject(self, broker: BrokerConfig, state: BrokerState, record: Resource, reason: str) -> None:
         log.warning(

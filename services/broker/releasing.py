@@ -16,6 +16,7 @@ from services.broker import errors, transitions
 from services.broker.context import RETRIES, Part
 from services.broker.model import DELETING, RELEASED, Resource, now
 from services.broker.operators.base import OperatorError
+from services.broker.publisher import pool_event, status_event
 from services.broker.store import AlreadyApplied, Stale
 
 log = logging.getLogger("berth.broker")
@@ -77,9 +78,10 @@ class Releasing(Part):
         for _ in range(RETRIES):
             if record.status == DELETING:
                 return record
+            deleting = transitions.deleting(record, now())
             try:
-                deleting = await self.store.begin_release(
-                    transitions.deleting(record, now()), now() + self.timing.claim_seconds, answer
+                return await self.store.begin_release(
+                    deleting, now() + self.timing.claim_seconds, answer, events=[status_event(deleting)]
                 )
             except Stale:
                 reloaded = None if if_unchanged else await self._reloaded(record)
@@ -87,8 +89,6 @@ class Releasing(Part):
                     return None
                 record = reloaded
                 continue
-            await self.publish.status(deleting)
-            return deleting
         raise BerthError(
             f"resource {record.resource_id} keeps changing; release it again",
             code="busy",
@@ -108,17 +108,18 @@ class Releasing(Part):
                     field="resource_id",
                 ) from None
         for _ in range(RETRIES):
+            released = transitions.released(record, now())
+            events = [status_event(released)]
+            if record.broker_name:
+                events.append(pool_event(record.user, record.broker_name, "released", record.resource_id))
             try:
-                released = await self.store.mark_released(record, transitions.released(record, now()))
+                await self.store.mark_released(record, released, events=events)
             except Stale:
                 reloaded = await self._reloaded(record)
                 if reloaded is None:
                     return
                 record = reloaded
                 continue
-            await self.publish.status(released)
-            if record.broker_name:
-                await self.publish.pool(record.user, record.broker_name, "released", record.resource_id)
             return
 
     async def _failed(self, record: Resource, error: Exception) -> None:

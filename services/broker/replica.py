@@ -66,6 +66,8 @@ class Replica:
             await asyncio.sleep(period)
 
     async def run_timers(self) -> None:
+        if delivered := await self.store.outbox.sweep():
+            log.warning("published the events of %d changes whose replica had not", delivered)
         due = await self.store.claim_timers(now(), self.timing.claim_seconds)
         results = await asyncio.gather(
             *(self.resources.on_timer(*timer) for timer in due), return_exceptions=True

@@ -18,14 +18,19 @@ import msgspec
 from redis.asyncio import Redis
 
 from bus import cas, scripts
+from bus.events import EventBus
 from bus.failpoints import failpoint
 from bus.idempotency import Claim as IdempotencyClaim
 from bus.idempotency import own_claim, taken_over
 from bus.lease import Leases
+from bus.outbox import Journal, journal
+from bus.redis import Pipelined
+from schemas.common import Event
 from services.broker.layout import Changes, Keys, Op, decode_record, encode_fields, index_member, timer_member
 from services.broker.model import BrokerConfig, BrokerState, Resource
 
 RELEASED_TTL = 24 * 3600
+Announced = list[tuple[str, Event]] | None  # the events a record change announces (`commit`)
 APPLIED_TTL = 24 * 3600  # as long as the idempotency layer keeps an answer
 POOL_PARTS = ("warming", "idle", "sold", "deleting")
 
@@ -66,9 +71,11 @@ class AlreadyApplied(Exception):
 
 
 class BrokerStore:
-    def __init__(self, redis: Redis, prefix: str) -> None:
+    def __init__(self, redis: Redis, prefix: str, events: EventBus | None = None) -> None:
         self.redis = redis
         self.keys = Keys(prefix)
+        # The events of every record change go out through this outbox (written in the commit).
+        self.outbox = Journal(events, Pipelined.of(redis), self.keys.outbox)
         self._records = cas.VersionedHash(redis, version_field="version")
         self._claim = scripts.register(redis, "services.broker", "apply_claim")
         self._claim_timers = scripts.register(redis, "services.broker", "claim_timers")
@@ -91,9 +98,12 @@ class BrokerStore:
         return records
 
     async def commit(
-        self, record: Resource, expected: int, ops: Iterable[Op] = (), *, ttl: int = 0, answer: bytes | None = None
+        self, record: Resource, expected: int, ops: Iterable[Op] = (), *, ttl: int = 0, answer: bytes | None = None,
+        events: Announced = None,
     ) -> Resource:
         """Write `record` if it is still at version `expected`, with `ops`; the record as written.
+        `events`: what the change announces, journaled in the same step (`bus.outbox`) and
+        published once it landed.
 
         `answer`: this write is the decisive step of the request whose claim the task runs under
         (what it answers, or b"" when the answer is read back from the record): it is applied at
@@ -102,8 +112,12 @@ class BrokerStore:
         key = self.keys.record(record.user, record.resource_id)
         run = own_claim() if answer is not None else None
         fields = encode_fields(record)
+        entries = journal(events) if events else None
+        field = self.outbox.field()
         while True:
             steps = list(ops)
+            if entries is not None:
+                steps.append(cas.hset(self.keys.outbox, field, entries))
             if run is not None:
                 steps += [cas.before(key, run.lease_end), cas.once(self.keys.applied(run.marker), answer, APPLIED_TTL)]
             if run is not None:
@@ -116,6 +130,8 @@ class BrokerStore:
                 raise self._refusal(conflict, run) from None
             if run is not None:
                 failpoint("after-commit")
+            if entries is not None:
+                await self.outbox.deliver(self.keys.outbox, field, entries)
             return msgspec.structs.replace(record, version=version)
 
     @staticmethod
@@ -287,39 +303,48 @@ class BrokerStore:
     def changes(self) -> Changes:
         return Changes(self.keys)
 
-    async def create(self, record: Resource, expected: int, answer: bytes | None = None) -> Resource:
+    async def create(
+        self, record: Resource, expected: int, answer: bytes | None = None, events: Announced = None
+    ) -> Resource:
         """A new record (`expected`: the version of the released record it replaces, or 0)."""
-        return await self.commit(record, expected, self.changes.indexed(record), answer=answer)
+        return await self.commit(record, expected, self.changes.indexed(record), answer=answer, events=events)
 
     async def reserve_launch(
-        self, record: Resource, need: int, free: int, due: float, answer: bytes | None = None
+        self, record: Resource, need: int, free: int, due: float, answer: bytes | None = None, events: Announced = None
     ) -> Resource:
         """A launch or scale: `need` instances of the block reserved, the `launch` timer at `due`."""
-        return await self.commit(record, record.version, self.changes.launch(record, need, free, due), answer=answer)
+        ops = self.changes.launch(record, need, free, due)
+        return await self.commit(record, record.version, ops, answer=answer, events=events)
 
-    async def reserve_pool_launch(self, record: Resource, need: int, free: int, due: float) -> Resource:
+    async def reserve_pool_launch(
+        self, record: Resource, need: int, free: int, due: float, events: Announced = None
+    ) -> Resource:
         """A broker's new resource: reserved as a launch, and in its broker's pool (warming) and the
         index. `Stale("missing")`: the broker is gone."""
         ops = [*self.changes.launch(record, need, free, due), *self.changes.pool_entry(record)]
-        return await self.commit(record, 0, ops)
+        return await self.commit(record, 0, ops, events=events)
 
-    async def mark_deploying(self, record: Resource, trace_at: float) -> Resource:
-        return await self.commit(record, record.version, self.changes.deploying(record, trace_at))
+    async def mark_deploying(self, record: Resource, trace_at: float, events: Announced = None) -> Resource:
+        return await self.commit(record, record.version, self.changes.deploying(record, trace_at), events=events)
 
-    async def observe(self, before: Resource, after: Resource) -> Resource:
+    async def observe(self, before: Resource, after: Resource, events: Announced = None) -> Resource:
         """`after`: `before` as the operator's report changed it."""
-        return await self.commit(after, before.version, self.changes.observed(before, after))
+        return await self.commit(after, before.version, self.changes.observed(before, after), events=events)
 
-    async def begin_release(self, deleting: Resource, due: float, answer: bytes | None = None) -> Resource:
-        return await self.commit(deleting, deleting.version, self.changes.release_begun(deleting, due), answer=answer)
+    async def begin_release(
+        self, deleting: Resource, due: float, answer: bytes | None = None, events: Announced = None
+    ) -> Resource:
+        ops = self.changes.release_begun(deleting, due)
+        return await self.commit(deleting, deleting.version, ops, answer=answer, events=events)
 
-    async def mark_released(self, before: Resource, released: Resource) -> Resource:
+    async def mark_released(self, before: Resource, released: Resource, events: Announced = None) -> Resource:
         """The record as released, kept readable for `RELEASED_TTL`."""
-        return await self.commit(released, before.version, self.changes.released(before), ttl=RELEASED_TTL)
+        ops = self.changes.released(before)
+        return await self.commit(released, before.version, ops, ttl=RELEASED_TTL, events=events)
 
-    async def accept_idle(self, record: Resource) -> Resource:
+    async def accept_idle(self, record: Resource, events: Announced = None) -> Resource:
         """A warming pool resource joins the idle pool, ready since `record.updated_at`."""
-        return await self.commit(record, record.version, self.changes.accepted(record, record.updated_at))
+        return await self.commit(record, record.version, self.changes.accepted(record, record.updated_at), events=events)
 
     # -- pools ---------------------------------------------------------------------------------
 

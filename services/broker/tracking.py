@@ -13,6 +13,7 @@ from services.broker import model, transitions
 from services.broker.context import Context, Part
 from services.broker.messages import ServiceInfo
 from services.broker.model import DEPLOYING, Resource, now
+from services.broker.publisher import status_event
 from services.broker.releasing import Releasing
 from services.broker.store import Stale
 
@@ -34,12 +35,11 @@ class Tracking(Part):
         updated = model.observed(record, info)
         if updated is record:
             return record, info
+        entered = [status_event(updated)] if updated.status != record.status else None
         try:
-            updated = await self.store.observe(record, updated)
+            updated = await self.store.observe(record, updated, events=entered)
         except Stale:
             return record, info  # someone else wrote first; the next look will see it
-        if updated.status != record.status:
-            await self.publish.status(updated)
         return updated, info
 
     async def trace(self, user: str, resource_id: str) -> None:

@@ -57,7 +57,7 @@ def make_broker(
 ) -> tuple[Service, Replica]:
     """The service (not started) and its background work (not started)."""
     types = InstanceTypes.parse(settings.cpu_per_instance, settings.mem_per_instance, settings.instance_types)
-    store = BrokerStore(redis, prefix)
+    store = BrokerStore(redis, prefix, events)
     publisher = Publisher(events)
     operator = make_operator(settings, redis, nc, prefix, types)
     resources = BrokerResources(store, operator, BrokerRegistry(store, publisher), publisher, settings.timing)
