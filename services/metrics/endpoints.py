@@ -10,6 +10,7 @@ from __future__ import annotations
 from msgspec import UNSET
 
 from bus.events import StreamSpec
+from bus.failpoints import failpoint
 from bus.service import Command
 from schemas.common import Empty
 from services.metrics.agent import Agent
@@ -82,6 +83,7 @@ class MetricsEndpoints:
         value = self.store.put(
             req.scope, req.metric, req.value, req.ids(), _given(req.time), _given(req.ttl_seconds)
         )
+        failpoint("after-commit")  # stored in this agent's memory, not yet announced or answered
         self.notifier.wake()
         return value
 

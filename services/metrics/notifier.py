@@ -41,6 +41,7 @@ from redis.asyncio import Redis
 from bus import scripts
 from bus.codec import encode
 from bus.errors import BerthError
+from bus.failpoints import failpoint
 from bus.lease import Leases
 from services.metrics import telemetry
 from services.metrics.messages import Lease, MetricEvent, MetricRef, event_subject
@@ -200,6 +201,7 @@ class Notifier:
         lease_seconds = lease_seconds or self.default_lease_seconds
         asked = time.time()
         key = await self.registrations.add(ref, lease_seconds)
+        failpoint("after-commit")
         if self.publisher:
             async with self._lock:
                 watch.lease_ends = asked + lease_seconds
@@ -211,6 +213,7 @@ class Notifier:
     async def renew(self, key: str) -> Lease:
         asked = time.time()
         lease_seconds = await self.registrations.renew(key)
+        failpoint("after-commit")
         if lease_seconds is None:
             raise NotifierNotFound(
                 f"notifier {key} is not registered (deregistered, or its lease ended)", field="key"
@@ -223,7 +226,9 @@ class Notifier:
         async with self._lock:
             if self._watches.pop(key, None) is not None:
                 self._index_subjects()
-            return await self.registrations.remove(key)
+            removed = await self.registrations.remove(key)
+            failpoint("after-commit")
+            return removed
 
     # -- publishing --------------------------------------------------------------------------
 
