@@ -30,6 +30,7 @@ off). What a subscriber misses, it reads with `get`: the store always has the la
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 import uuid
@@ -42,6 +43,7 @@ from bus import scripts
 from bus.codec import encode
 from bus.errors import BerthError
 from bus.failpoints import failpoint
+from bus.idempotency import current_claim
 from bus.lease import Leases
 from services.metrics import telemetry
 from services.metrics.messages import Lease, MetricEvent, MetricRef, event_subject
@@ -85,7 +87,8 @@ class Registrations:
         return f"{self.base}:notifier:{key}"
 
     async def add(self, ref: MetricRef, lease_seconds: float) -> str:
-        key = uuid.uuid4().hex
+        """Register; doing it again under the same request id rewrites the same registration."""
+        key = _registration_key()
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(self._key(key), mapping={"ref": encode(ref), "lease_ms": int(lease_seconds * 1000)})
             pipe.pexpire(self._key(key), int(lease_seconds * 1000))
@@ -118,6 +121,16 @@ class Registrations:
                 pipe.hget(self._key(key), "ref")
             bodies = await pipe.execute()
         return {key: msgspec.msgpack.decode(body, type=MetricRef) for key, body in zip(keys, bodies) if body}
+
+
+def _registration_key() -> str:
+    """A new registration's key. Under a request id it is derived from the request: a retry whose
+    first run died after registering (its answer lost) finds that registration again instead of
+    adding a second one that nobody knows the key of, so nobody can deregister."""
+    claim = current_claim.get()
+    if claim is None:
+        return uuid.uuid4().hex
+    return hashlib.sha256(claim.marker.encode()).hexdigest()[:32]
 
 
 class Publishing:
