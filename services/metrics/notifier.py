@@ -54,16 +54,18 @@ log = logging.getLogger("berth.metrics.notifier")
 SYNC_SECONDS = 1.0  # how often the publisher lease, the registrations and the record are synced
 PUBLISHER_LEASE_SECONDS = 3.0  # a publisher that stops syncing is replaced this long after
 SENT_RECORD_SECONDS = 24 * 3600  # the record of a node that is gone disappears after this
+REMOVED_ANSWER_SECONDS = 24 * 3600  # as long as the answer to a request id (bus.idempotency)
 
-# Scripts: notifier_live.lua and notifier_renew.lua beside this module; the publisher lease is a
-# `bus.lease` lease.
+# Scripts: notifier_live.lua, notifier_renew.lua and notifier_remove.lua beside this module; the
+# publisher lease is a `bus.lease` lease.
 
 
 def node_base(prefix: str, node: str) -> str:
     """The start of every Redis key of one node's agents; the hash tag `{<node>}` puts them in one
     Redis Cluster slot. Keys: `notifiers` (set of registration keys), `notifier:<key>` (hash:
     ref, lease_ms; expires with its lease), `publisher` (string: the publishing agent, a lease),
-    `sent` (hash: subject -> sample time last published)."""
+    `sent` (hash: subject -> sample time last published), `removed:<request>` (string: whether
+    that deregister-notifier request removed its registration)."""
     return f"{prefix}:metrics:{{{node}}}"
 
 
@@ -82,6 +84,7 @@ class Registrations:
         self.index = f"{self.base}:notifiers"
         self._live = scripts.register(redis, "services.metrics", "notifier_live")
         self._renew = scripts.register(redis, "services.metrics", "notifier_renew")
+        self._remove = scripts.register(redis, "services.metrics", "notifier_remove")
 
     def _key(self, key: str) -> str:
         return f"{self.base}:notifier:{key}"
@@ -102,11 +105,14 @@ class Registrations:
         return None if lease_ms is None else int(lease_ms) / 1000
 
     async def remove(self, key: str) -> bool:
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.delete(self._key(key))
-            pipe.srem(self.index, key)
-            deleted, _ = await pipe.execute()
-        return deleted > 0
+        """True if this request removed the registration (under a request id, also when a retry
+        finds that its dead first run did)."""
+        keys, args = [self._key(key), self.index], [key]
+        claim = current_claim.get()
+        if claim is not None:
+            keys.append(f"{self.base}:removed:{claim.marker}")
+            args.append(REMOVED_ANSWER_SECONDS)
+        return bool(await self._remove(keys=keys, args=args))
 
     async def live(self) -> dict[str, float]:
         """Live registration key -> unix time its lease ends at the latest."""
