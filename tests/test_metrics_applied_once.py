@@ -65,7 +65,8 @@ async def registered_then_idle(agent, metrics) -> str:
     return key
 
 
-async def test_register_retried_after_a_crash_makes_one_registration(agent, metrics, unanswered, redis, prefix):
+async def test_register_retried_after_a_crash_makes_one_registration(agent, metrics, unanswered, redis,
+                                                                     prefix):
     doomed = agent({"BERTH_FAILPOINTS": "after-commit"})
     request = {**WATCHED, "lease_seconds": 60, "request_id": "reg-1"}
     await dies_after_commit(doomed, lambda: unanswered.register(**request))
