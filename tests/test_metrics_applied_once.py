@@ -120,7 +120,9 @@ async def test_put_retried_after_a_crash_stores_the_first_sample(agent, nc, pref
     """`put` reaches every agent of the node and each keeps its own answers. One agent dies right
     after storing it; its restarted successor gets the retry, never having seen the first run:
     it must store the sample the surviving agent answered (the same time), so that the node holds
-    one sample of the put and a publisher that changes hands publishes it once."""
+    one sample of the put and a publisher that changes hands publishes it once. With `time` given
+    it was already safe: every run stores the same value and time, and a sample time seen before
+    publishes nothing; without it, each agent used to take its own "now"."""
     agent()  # survives: it answers the first run and replays that answer to the retry
     doomed = agent({"BERTH_FAILPOINTS": "after-commit"})
     put = {**WATCHED, "value": 2.5, "request_id": "put-1", **({"time": 1000.0} if given_time else {})}
