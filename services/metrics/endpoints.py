@@ -10,6 +10,7 @@ from __future__ import annotations
 from msgspec import UNSET
 
 from bus.events import StreamSpec
+from bus.failpoints import failpoint
 from bus.service import Command
 from schemas.common import Empty
 from services.metrics.agent import Agent
@@ -29,6 +30,7 @@ from services.metrics.messages import (
     Synced,
 )
 from services.metrics.notifier import Notifier
+from services.metrics.put_times import PutTimes
 from services.metrics.store import MetricValue, Store
 
 
@@ -64,8 +66,11 @@ def _given(value):
 
 
 class MetricsEndpoints:
-    def __init__(self, store: Store, agent: Agent, notifier: Notifier, interval_seconds: float) -> None:
+    def __init__(
+        self, store: Store, agent: Agent, notifier: Notifier, put_times: PutTimes, interval_seconds: float
+    ) -> None:
         self.store = store
+        self.put_times = put_times
         self.agent = agent
         self.notifier = notifier
         self.interval_seconds = interval_seconds
@@ -79,9 +84,13 @@ class MetricsEndpoints:
         )
 
     async def put(self, req: Put) -> MetricValue:
+        sample_time = _given(req.time)
+        if sample_time is None and req.request_id:  # the same time on every agent and every retry
+            sample_time = await self.put_times.first(req.request_id, self.store.now())
         value = self.store.put(
-            req.scope, req.metric, req.value, req.ids(), _given(req.time), _given(req.ttl_seconds)
+            req.scope, req.metric, req.value, req.ids(), sample_time, _given(req.ttl_seconds)
         )
+        failpoint("after-commit")  # stored in this agent's memory, not yet announced or answered
         self.notifier.wake()
         return value
 

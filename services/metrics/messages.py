@@ -96,7 +96,8 @@ class Put(MetricRef, kw_only=True):
     """`put`: store an external metric; without `time` the sample time is now.
 
     With `request_id`, a retry replays the first answer (the same sample time) instead of storing
-    the value again; every agent of the node keeps its own answers (`put` reaches all of them)."""
+    the value again; every agent of the node keeps its own answers (`put` reaches all of them), and
+    without `time` they all take the sample time the first of them took (`put_times`)."""
 
     value: float
     time: float | UnsetType = UNSET

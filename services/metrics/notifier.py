@@ -30,6 +30,7 @@ off). What a subscriber misses, it reads with `get`: the store always has the la
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 import uuid
@@ -41,6 +42,8 @@ from redis.asyncio import Redis
 from bus import scripts
 from bus.codec import encode
 from bus.errors import BerthError
+from bus.failpoints import failpoint
+from bus.idempotency import current_claim
 from bus.lease import Leases
 from services.metrics import telemetry
 from services.metrics.messages import Lease, MetricEvent, MetricRef, event_subject
@@ -51,16 +54,18 @@ log = logging.getLogger("berth.metrics.notifier")
 SYNC_SECONDS = 1.0  # how often the publisher lease, the registrations and the record are synced
 PUBLISHER_LEASE_SECONDS = 3.0  # a publisher that stops syncing is replaced this long after
 SENT_RECORD_SECONDS = 24 * 3600  # the record of a node that is gone disappears after this
+REMOVED_ANSWER_SECONDS = 24 * 3600  # as long as the answer to a request id (bus.idempotency)
 
-# Scripts: notifier_live.lua and notifier_renew.lua beside this module; the publisher lease is a
-# `bus.lease` lease.
+# Scripts: notifier_live.lua, notifier_renew.lua and notifier_remove.lua beside this module; the
+# publisher lease is a `bus.lease` lease.
 
 
 def node_base(prefix: str, node: str) -> str:
     """The start of every Redis key of one node's agents; the hash tag `{<node>}` puts them in one
     Redis Cluster slot. Keys: `notifiers` (set of registration keys), `notifier:<key>` (hash:
     ref, lease_ms; expires with its lease), `publisher` (string: the publishing agent, a lease),
-    `sent` (hash: subject -> sample time last published)."""
+    `sent` (hash: subject -> sample time last published), `removed:<request>` (string: whether
+    that deregister-notifier request removed its registration)."""
     return f"{prefix}:metrics:{{{node}}}"
 
 
@@ -79,12 +84,14 @@ class Registrations:
         self.index = f"{self.base}:notifiers"
         self._live = scripts.register(redis, "services.metrics", "notifier_live")
         self._renew = scripts.register(redis, "services.metrics", "notifier_renew")
+        self._remove = scripts.register(redis, "services.metrics", "notifier_remove")
 
     def _key(self, key: str) -> str:
         return f"{self.base}:notifier:{key}"
 
     async def add(self, ref: MetricRef, lease_seconds: float) -> str:
-        key = uuid.uuid4().hex
+        """Register; doing it again under the same request id rewrites the same registration."""
+        key = _registration_key()
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(self._key(key), mapping={"ref": encode(ref), "lease_ms": int(lease_seconds * 1000)})
             pipe.pexpire(self._key(key), int(lease_seconds * 1000))
@@ -98,11 +105,14 @@ class Registrations:
         return None if lease_ms is None else int(lease_ms) / 1000
 
     async def remove(self, key: str) -> bool:
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.delete(self._key(key))
-            pipe.srem(self.index, key)
-            deleted, _ = await pipe.execute()
-        return deleted > 0
+        """True if this request removed the registration (under a request id, also when a retry
+        finds that its dead first run did)."""
+        keys, args = [self._key(key), self.index], [key]
+        claim = current_claim.get()
+        if claim is not None:
+            keys.append(f"{self.base}:removed:{claim.marker}")
+            args.append(REMOVED_ANSWER_SECONDS)
+        return bool(await self._remove(keys=keys, args=args))
 
     async def live(self) -> dict[str, float]:
         """Live registration key -> unix time its lease ends at the latest."""
@@ -117,6 +127,16 @@ class Registrations:
                 pipe.hget(self._key(key), "ref")
             bodies = await pipe.execute()
         return {key: msgspec.msgpack.decode(body, type=MetricRef) for key, body in zip(keys, bodies) if body}
+
+
+def _registration_key() -> str:
+    """A new registration's key. Under a request id it is derived from the request: a retry whose
+    first run died after registering (its answer lost) finds that registration again instead of
+    adding a second one that nobody knows the key of, so nobody can deregister."""
+    claim = current_claim.get()
+    if claim is None:
+        return uuid.uuid4().hex
+    return hashlib.sha256(claim.marker.encode()).hexdigest()[:32]
 
 
 class Publishing:
@@ -200,6 +220,7 @@ class Notifier:
         lease_seconds = lease_seconds or self.default_lease_seconds
         asked = time.time()
         key = await self.registrations.add(ref, lease_seconds)
+        failpoint("after-commit")
         if self.publisher:
             async with self._lock:
                 watch.lease_ends = asked + lease_seconds
@@ -211,6 +232,7 @@ class Notifier:
     async def renew(self, key: str) -> Lease:
         asked = time.time()
         lease_seconds = await self.registrations.renew(key)
+        failpoint("after-commit")
         if lease_seconds is None:
             raise NotifierNotFound(
                 f"notifier {key} is not registered (deregistered, or its lease ended)", field="key"
@@ -223,7 +245,9 @@ class Notifier:
         async with self._lock:
             if self._watches.pop(key, None) is not None:
                 self._index_subjects()
-            return await self.registrations.remove(key)
+            removed = await self.registrations.remove(key)
+            failpoint("after-commit")
+            return removed
 
     # -- publishing --------------------------------------------------------------------------
 

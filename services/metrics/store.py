@@ -128,6 +128,10 @@ class Store:
         # scope -> entity ids -> metric -> slot
         self._scopes: dict[str, dict[Ids, dict[str, _Slot]]] = {scope: {} for scope in SCOPES}
 
+    def now(self) -> float:
+        """The store's unix time, the sample time of a put without one."""
+        return self._clock()
+
     # ------------------------------------------------------------------------------ writes
 
     def write(self, samples: Iterable[Sample]) -> None:

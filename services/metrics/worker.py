@@ -23,6 +23,7 @@ from services.metrics.agent import Agent
 from services.metrics.endpoints import COMMANDS, EVENTS, STREAM, MetricsEndpoints, commands
 from services.metrics.notifier import Notifier, Publishing, Registrations
 from services.metrics.provisioners import PROVISIONERS, CgroupProvisioner, Provisioner
+from services.metrics.put_times import PutTimes
 from services.metrics.store import Store
 from services.metrics.telemetry import RegistrationCount
 from services.settings import MetricsServiceConfig
@@ -71,9 +72,10 @@ class MetricsWorker:
             idempotency=IdempotencyStore(redis, prefix=prefix), metadata={"node": node},
             description="node, NUMA, CPU, device, NIC, container and cgroup metrics; reads and change events",
         )
-        self.service.bind(
-            commands(node), MetricsEndpoints(self.store, self.agent, self.notifier, options.interval)
+        endpoints = MetricsEndpoints(
+            self.store, self.agent, self.notifier, PutTimes(redis, prefix, node), options.interval
         )
+        self.service.bind(commands(node), endpoints)
         self._tasks: list[asyncio.Task] = []
 
     def start(self) -> None:
