@@ -37,6 +37,7 @@ from redis.asyncio import Redis
 from bus import scripts
 from bus.errors import BerthError, InvalidArgument
 from bus.redis import Pipelined
+from bus.replicas import ReplicaWait, landed
 
 log = logging.getLogger("berth.idempotency")
 
@@ -84,6 +85,7 @@ class IdempotencyStore:
         lease: float = 2.0,
         wait: float = 10.0,
         poll: float = 0.01,
+        replicas: ReplicaWait | None = None,
     ) -> None:
         self.redis = redis
         self.prefix = prefix
@@ -91,6 +93,7 @@ class IdempotencyStore:
         self.lease = lease
         self.wait = wait
         self.poll = poll
+        self.replicas = replicas  # the kept answer must be on replicas before it is sent (bus.replicas)
         self.batch = Pipelined.of(redis)
         self._claim = scripts.register(redis, "bus", "idempotency_claim")
         self._keep = scripts.register(redis, "bus", "idempotency_keep")
@@ -121,6 +124,7 @@ class IdempotencyStore:
         token = uuid.uuid4().hex
         attempt = await self._take(key, token, hashlib.sha1(payload).digest(), request_id)
         if isinstance(attempt, Reply):
+            await self._replicated(key)  # the first run may have answered unavailable for want of it
             return attempt
         self._hold(key, token)
         claim = current_claim.set(Claim(request_id, attempt))
@@ -141,7 +145,16 @@ class IdempotencyStore:
                 await undo(reply)
             raise BerthError(f"request {request_id} took too long and was taken over; retry", code="busy",
                              field="request_id")
+        else:
+            await self._replicated(key)
         return reply
+
+    async def _replicated(self, key: str) -> None:
+        """With `replicas`: wait until the kept answer is on them, else raise `Unavailable`. The
+        answer stays kept: a retry sends it once it is (what it reports was confirmed before it
+        was kept, see `bus.service`)."""
+        if self.replicas is not None:
+            await self.replicas.confirm([landed(self.redis, key)])
 
     def _hold(self, key: str, token: str) -> None:
         """Keep the claim's lease running while it is held: every third of a lease, one renewal

@@ -32,7 +32,7 @@ from typing import Any
 import msgspec
 from redis.asyncio import Redis
 
-from bus import cas, scripts
+from bus import cas, replicas, scripts
 from bus.redis import Pipelined
 
 Raw = dict[str, Any]
@@ -232,12 +232,18 @@ class NodeStore:
             indexed = self.batch.execute_command("HSET", self.workloads_key, *_pairs(change.index))
         sent = self._records.send(record, version, steps, fields=fields, unset=unset, mode=mode, ttl=ttl)
         answer = (await asyncio.gather(indexed, sent))[1] if indexed is not None else await sent
+        self.wrote(node)  # applied or refused: waiting on a refused one too costs only a redundant WAIT
         try:
             return self._records.outcome(answer)
         except cas.Conflict as conflict:
             if conflict.reason == "version":
                 raise StaleVersion(node) from None
             raise LedgerConflict(_LEDGER_CONFLICTS[conflict.reason], conflict.subject) from None
+
+    def wrote(self, node: str) -> None:
+        """Note a commit to `node` for the request being served: with --wait-replicas its answer
+        waits until the commit is on replicas (bus.replicas)."""
+        replicas.wrote(self.redis, self.record_key(node))
 
     # -- intents: multi-node allocations a crashed worker may have left half done ------------------
 
@@ -246,7 +252,9 @@ class NodeStore:
 
     async def take_intent(self, intent_id: str) -> bool:
         """Remove an intent; True for exactly one caller (its owner finishing, or a reaper)."""
-        return bool(await self.redis.hdel(self.intents_key, intent_id))
+        taken = bool(await self.redis.hdel(self.intents_key, intent_id))
+        replicas.wrote(self.redis, self.intents_key)  # an intent back after a failover would reap an answer
+        return taken
 
     async def expired_intents(self, now: float) -> dict[str, list[str]]:
         held = await self.redis.hgetall(self.intents_key)
