@@ -3,10 +3,13 @@ replicates it, what role a member plays now. Plain synchronous redis-py, one sho
 
 from __future__ import annotations
 
+import subprocess
+import time
+
 import redis as sync_redis
 from redis.crc import key_slot
 
-from services.servers import ServerCluster, ServerProcess
+from services.servers import ServerCluster, ServerProcess, wait_for_port
 
 
 def port(member: ServerProcess) -> int:
@@ -49,3 +52,20 @@ def replica_of(cluster: ServerCluster, primary: ServerProcess) -> ServerProcess:
             if said[0] == b"slave" and said[2] == port(primary):
                 return member
     raise LookupError(f"{primary.name} has no live replica")
+
+
+def restart(member: ServerProcess) -> None:
+    """Start a member that was killed again, with its own arguments (its state folder tells it
+    which cluster it belongs to); a primary that was failed over comes back as a replica."""
+    member.proc = subprocess.Popen(member.proc.args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+    wait_for_port(port(member), member.proc)
+
+
+def wait_until(condition, what: str, timeout: float = 30.0) -> None:
+    """Poll `condition` (a few times a second) until it holds; `timeout` only bounds a broken run."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen within {timeout} s")
+        time.sleep(0.1)
