@@ -37,6 +37,7 @@ from redis.asyncio import Redis
 from bus import scripts
 from bus.errors import BerthError, InvalidArgument
 from bus.redis import Pipelined
+from bus.replicas import ReplicaWait, landed
 
 log = logging.getLogger("berth.idempotency")
 
@@ -123,6 +124,7 @@ class IdempotencyStore:
         lease: float = 2.0,
         wait: float = 10.0,
         poll: float = 0.01,
+        replicas: ReplicaWait | None = None,
     ) -> None:
         self.redis = redis
         self.prefix = prefix
@@ -130,6 +132,7 @@ class IdempotencyStore:
         self.lease = lease
         self.wait = wait
         self.poll = poll
+        self.replicas = replicas  # the kept answer must be on replicas before it is sent (bus.replicas)
         self.batch = Pipelined.of(redis)
         self._claim = scripts.register(redis, "bus", "idempotency_claim")
         self._keep = scripts.register(redis, "bus", "idempotency_keep")
@@ -160,6 +163,7 @@ class IdempotencyStore:
         token = uuid.uuid4().hex
         taken = await self._take(key, token, hashlib.sha1(payload).digest(), request_id)
         if isinstance(taken, Reply):
+            await self._replicated(key)  # the first run may have answered unavailable for want of it
             return taken
         run = Claim(self, key, token, request_id, scope, *taken)
         self._hold(key, run)
@@ -180,7 +184,16 @@ class IdempotencyStore:
             if undo is not None and status is None:  # an error answer changed nothing to give back
                 await undo(reply)
             raise taken_over(run)
+        else:
+            await self._replicated(key)
         return reply
+
+    async def _replicated(self, key: str) -> None:
+        """With `replicas`: wait until the kept answer is on them, else raise `Unavailable`. The
+        answer stays kept: a retry sends it once it is (what it reports was confirmed before it
+        was kept, see `bus.service`)."""
+        if self.replicas is not None:
+            await self.replicas.confirm([landed(self.redis, key)])
 
     def _hold(self, key: str, run: Claim) -> None:
         """Keep the claim's lease running while it is held: every third of a lease, one renewal

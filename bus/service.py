@@ -17,6 +17,8 @@ What the runtime adds to `nats.micro`:
   cannot be reached, or is out of memory, becomes `unavailable` (503, retry); anything else becomes
   `internal` with the traceback logged;
 - optional idempotency by `request_id` (see `bus.idempotency`);
+- optional durable answers: the Redis writes a request noted are on N replicas before it is
+  answered, else it answers `unavailable` (see `bus.replicas`);
 - drain: queued requests finish and their replies flush before the connection closes;
 - optional broadcast: every instance receives the request (its own queue group) and the first
   reply wins, for commands that must reach every replica (a write into per-process state); a
@@ -45,6 +47,7 @@ from bus.codec import decode, encode
 from bus.connection import subscriptions_in_place
 from bus.errors import BerthError, Unavailable
 from bus.idempotency import IdempotencyStore, Reply
+from bus.replicas import ReplicaWait, collecting
 from bus.tasks import cancel_and_wait
 from bus.telemetry import EndpointMeter, error_code
 from schemas.common import ErrorBody, ErrorInfo
@@ -118,6 +121,7 @@ class Service:
         concurrency: int = 64,
         idempotency: IdempotencyStore | None = None,
         metadata: dict[str, str] | None = None,
+        replicas: ReplicaWait | None = None,
     ) -> None:
         self.name = name
         self.prefix = prefix
@@ -126,6 +130,7 @@ class Service:
         self.concurrency = concurrency
         self.idempotency = idempotency
         self.metadata = metadata or {}
+        self.replicas = replicas
         self.specs: list[EndpointSpec] = []
         self._micro: MicroService | None = None
         self._nc: Client | None = None
@@ -305,10 +310,16 @@ class Service:
         return f"{scope}@{self.id}" if spec.broadcast else scope
 
     async def _call(self, spec: EndpointSpec, req: Any) -> Reply:
-        try:
-            return Reply(body=encode(await spec.handler(req)))
-        except BerthError as error:
-            return error_reply(error)
+        with collecting() as writes:
+            try:
+                reply = Reply(body=encode(await spec.handler(req)))
+            except BerthError as error:
+                reply = error_reply(error)
+        # Before the answer is kept or sent: a refusal may have written too (a rolled-back placement).
+        # Raising here leaves nothing kept, so a retry runs again and finds what this run left.
+        if self.replicas is not None:
+            await self.replicas.confirm(writes)
+        return reply
 
     def _account(self, spec: EndpointSpec, elapsed_ns: int, reply: Reply) -> None:
         meter = self._meters.get(spec.name)

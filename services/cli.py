@@ -42,6 +42,12 @@ def _metrics_args(port: int | None, index: int, addr: str | None = None) -> list
     return ["--metrics-port", str(port + index if port else 0)] + (["--metrics-addr", addr] if addr else [])
 
 
+def _durable_args(args: argparse.Namespace, service: str, own_redis: bool) -> list[str]:
+    """On the Redis Cluster `berth up --cluster` starts (a replica per primary), allocation answers
+    only what one replica holds: a failover then loses no acknowledged allocation (bus/replicas.py)."""
+    return ["--wait-replicas", "1"] if args.cluster and own_redis and service == "allocation" else []
+
+
 def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
     from services.credentials import prepare
     from services.servers import memory_limit, start_nats, start_nats_cluster, start_redis, start_redis_cluster
@@ -81,7 +87,7 @@ def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
             env = {**os.environ, **(env or {}), DEPLOYMENT: str(state)}
             metrics = [] if args.no_metrics else _metrics_args(args.metrics_base_port or 0, len(scraped), args.metrics_addr)
             scraped += [name] if metrics else []
-            supervisor.add(name, worker_argv(module, argv + metrics), env)
+            supervisor.add(name, worker_argv(module, argv + metrics + _durable_args(args, name, own_redis)), env)
         if not supervisor.children:
             print("no service is installed yet; serving NATS and Redis only", flush=True)
         if not args.no_dashboard:  # the live dashboard (services/dashboard/), a bus client as the client user

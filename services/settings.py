@@ -85,6 +85,21 @@ def seconds(minimum: float, maximum: float = math.inf) -> Callable[[str], float]
     return parse
 
 
+def integer(minimum: int, maximum: int) -> Callable[[str], int]:
+    """An argparse type: an integer within [minimum, maximum]."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not minimum <= value <= maximum:
+            raise argparse.ArgumentTypeError(f"{value} is not within [{minimum}, {maximum}]")
+        return value
+
+    return parse
+
+
 def node_name(text: str) -> str:
     if not NAME_PATTERN.match(text):
         raise argparse.ArgumentTypeError(f"{text!r} must match [A-Za-z0-9_-]+ (it is a subject token)")
@@ -201,6 +216,8 @@ class AllocationServiceConfig:
     share_base: int = 100  # BERTH_SHARE_BASE
     max_share: int = -1  # BERTH_MAX_SHARE
     max_deploy_count: int = 10000  # BERTH_MAX_DEPLOY_COUNT
+    wait_replicas: int = 0  # BERTH_WAIT_REPLICAS; 0: answer without waiting (bus/replicas.py)
+    wait_timeout_ms: int = 500  # BERTH_WAIT_TIMEOUT_MS
 
     @staticmethod
     def add_flags(parser: argparse.ArgumentParser, env: Env) -> None:
@@ -210,6 +227,13 @@ class AllocationServiceConfig:
                             help="most fragments per core, -1 for no limit (env BERTH_MAX_SHARE)")
         parser.add_argument("--max-deploy-count", type=int, default=int(env.get("BERTH_MAX_DEPLOY_COUNT", "10000")),
                             help="storage plugin's capacity for requests without volumes (env BERTH_MAX_DEPLOY_COUNT)")
+        parser.add_argument("--wait-replicas", type=integer(0, 64), default=env.get("BERTH_WAIT_REPLICAS", "0"),
+                            metavar="N", help="before answering, wait until N replicas of each Redis primary that "
+                            "took the request's commits hold them (WAIT), else answer unavailable "
+                            "(env BERTH_WAIT_REPLICAS; default 0: do not wait)")
+        parser.add_argument("--wait-timeout-ms", type=integer(1, 60_000),
+                            default=env.get("BERTH_WAIT_TIMEOUT_MS", "500"), metavar="MS",
+                            help="how long --wait-replicas waits, per answer (env BERTH_WAIT_TIMEOUT_MS)")
 
     @classmethod
     def from_flags(cls, args: argparse.Namespace) -> AllocationServiceConfig:

@@ -114,12 +114,23 @@ def test_a_bad_prefix_is_refused_from_a_flag_or_the_environment():
         ("--share-base", "BERTH_SHARE_BASE", "share_base", 100),
         ("--max-share", "BERTH_MAX_SHARE", "max_share", -1),
         ("--max-deploy-count", "BERTH_MAX_DEPLOY_COUNT", "max_deploy_count", 10000),
+        ("--wait-replicas", "BERTH_WAIT_REPLICAS", "wait_replicas", 0),
+        ("--wait-timeout-ms", "BERTH_WAIT_TIMEOUT_MS", "wait_timeout_ms", 500),
     ],
 )
 def test_allocation_precedence(flag, variable, name, default):
     assert getattr(parse_worker("allocation", [], env={})[1], name) == default
     assert getattr(parse_worker("allocation", [], env={variable: "7"})[1], name) == 7
     assert getattr(parse_worker("allocation", [flag, "9"], env={variable: "7"})[1], name) == 9
+
+
+@pytest.mark.parametrize("argv, env", [
+    (["--wait-replicas", "-1"], {}), ([], {"BERTH_WAIT_REPLICAS": "one"}), (["--wait-timeout-ms", "0"], {}),
+])
+def test_a_negative_replica_count_or_a_timeout_of_zero_is_refused(argv, env):
+    # WAIT with timeout 0 would block forever: never a worker's answer.
+    with pytest.raises(SystemExit):
+        parse_worker("allocation", argv, env=env)
 
 
 def test_broker_precedence_and_its_own_flags():

@@ -100,7 +100,9 @@ class DeployBatches:
                 await self._commit([deploy], node)
             finally:
                 self._next(node)
-        return await deploy.done
+        placed = await deploy.done
+        self.store.wrote(node)  # committed in whichever request's task ran the batch: note it for ours
+        return placed
 
     def _next(self, node: str) -> None:
         """Start the next batch for `node` in a task of its own (the caller answers its client now)."""

@@ -32,7 +32,7 @@ from typing import Any
 import msgspec
 from redis.asyncio import Redis
 
-from bus import cas, scripts
+from bus import cas, replicas, scripts
 from bus.redis import Pipelined
 
 Raw = dict[str, Any]
@@ -275,6 +275,7 @@ class NodeStore:
             before.append(self.batch.execute_command("ZADD", self.pending_key, time.time(), node))
         sent = self._records.send(record, version, steps, fields=fields, unset=unset, mode=mode, ttl=ttl)
         answer = (await asyncio.gather(*before, sent))[-1]
+        self.wrote(node)  # applied or refused: waiting on a refused one too costs only a redundant WAIT
         try:
             return self._records.outcome(answer)
         except cas.Conflict as conflict:
@@ -289,6 +290,11 @@ class NodeStore:
                 raise AlreadyApplied(kept, int(version)) from None
             raise LedgerConflict(_LEDGER_CONFLICTS[conflict.reason], conflict.subject) from None
 
+    def wrote(self, node: str) -> None:
+        """Note a commit to `node` for the request being served: with --wait-replicas its answer
+        waits until the commit is on replicas (bus.replicas)."""
+        replicas.wrote(self.redis, self.record_key(node))
+
     # -- intents: multi-node allocations a crashed worker may have left half done ------------------
 
     async def begin_intent(self, intent_id: str, workload_ids: list[str], deadline: float) -> None:
@@ -296,7 +302,9 @@ class NodeStore:
 
     async def take_intent(self, intent_id: str) -> bool:
         """Remove an intent; True for exactly one caller (its owner finishing, or a reaper)."""
-        return bool(await self.redis.hdel(self.intents_key, intent_id))
+        taken = bool(await self.redis.hdel(self.intents_key, intent_id))
+        replicas.wrote(self.redis, self.intents_key)  # an intent back after a failover would reap an answer
+        return taken
 
     async def expired_intents(self, now: float) -> dict[str, list[str]]:
         held = await self.redis.hgetall(self.intents_key)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from bus.idempotency import IdempotencyStore
+from bus.replicas import ReplicaWait
 from bus.service import Service
 from bus.telemetry import on_scrape
 from services.allocation.cpumem import CpuMemPlugin
@@ -38,10 +39,10 @@ def make_plugins(share_base: int = 100, max_share: int = -1, max_deploy_count: i
 
 def make_service(
     manager: AllocationManager, prefix: str, idempotency: IdempotencyStore, concurrency: int = 64,
-    max_payload: int = 1 << 20,
+    max_payload: int = 1 << 20, replicas: ReplicaWait | None = None,
 ) -> Service:
     service = Service(
-        f"{prefix}-allocation", prefix=prefix, concurrency=concurrency, idempotency=idempotency,
+        f"{prefix}-allocation", prefix=prefix, concurrency=concurrency, idempotency=idempotency, replicas=replicas,
         description="node capacity, CPU/NUMA, memory, volume and GPU allocation (eru resource plugins)",
     )
     service.bind(plugin_commands(None) + MANAGER_ONLY_COMMANDS, AllocationEndpoints(manager, max_payload=max_payload))
@@ -58,5 +59,8 @@ async def build(ctx) -> Service:
     await manager.watch()
     ctx.cleanups.append(manager.unwatch)
     ctx.cleanups.append(on_scrape("allocation totals", NodeTotals(manager).refresh, every=ctx.common.metrics_refresh))
-    idempotency = IdempotencyStore(ctx.redis, prefix=ctx.prefix)
-    return make_service(manager, ctx.prefix, idempotency, ctx.common.concurrency, ctx.nc.max_payload)
+    replicas = None
+    if config.wait_replicas:  # durable answers: commits and kept answers on replicas first (bus/replicas.py)
+        replicas = ReplicaWait(ctx.redis, manager.store.base, config.wait_replicas, config.wait_timeout_ms)
+    idempotency = IdempotencyStore(ctx.redis, prefix=ctx.prefix, replicas=replicas)
+    return make_service(manager, ctx.prefix, idempotency, ctx.common.concurrency, ctx.nc.max_payload, replicas)
