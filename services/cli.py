@@ -15,7 +15,12 @@ from services.broker.operators.procfs import DEPLOYMENT
 from services.registry import SERVICES, available
 from services.runner import configure_logging
 from services.settings import (
-    DashboardConfig, add_metrics_port_flag, add_server_flags, log_level, redis_maxmemory, state_dir,
+    DashboardConfig,
+    add_metrics_port_flag,
+    add_server_flags,
+    log_level,
+    redis_maxmemory,
+    state_dir,
 )
 from services.supervisor import Supervisor, worker_argv
 
@@ -50,7 +55,13 @@ def _durable_args(args: argparse.Namespace, service: str, own_redis: bool) -> li
 
 def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
     from services.credentials import prepare
-    from services.servers import memory_limit, start_nats, start_nats_cluster, start_redis, start_redis_cluster
+    from services.servers import (
+        memory_limit,
+        start_nats,
+        start_nats_cluster,
+        start_redis,
+        start_redis_cluster,
+    )
 
     state = Path(args.state).resolve()
     # Credentials (unless --no-auth): users and permissions for the servers we start, a user per
