@@ -26,6 +26,10 @@ from schemas.common import Event
 
 log = logging.getLogger("berth.events")
 
+# How long an acknowledged publish waits for its stream. Short: the caller's answer waits for it,
+# and an event not acknowledged stays in its outbox for a sweep (`bus.outbox`).
+ACK_TIMEOUT = 2.0
+
 E = TypeVar("E")
 T = TypeVar("T")
 
@@ -134,7 +138,7 @@ class EventBus:
         `msg_id` names the event: a second copy within the stream's duplicate window is dropped."""
         if self._js is None:
             self._js = self.nc.jetstream()
-        await self._js.publish(self.subject(suffix), data, headers={"Nats-Msg-Id": msg_id})
+        await self._js.publish(self.subject(suffix), data, headers={"Nats-Msg-Id": msg_id}, timeout=ACK_TIMEOUT)
 
     async def subscribe(
         self,

@@ -20,7 +20,7 @@ from typing import Any, Awaitable, Callable
 from bus.codec import encode
 from bus.errors import BerthError
 from bus.failpoints import failpoint
-from bus.idempotency import Claim, current_claim, taken_over
+from bus.idempotency import Claim, own_claim, taken_over
 from bus.outbox import VersionedOutboxes, journal
 from services.allocation import telemetry
 from services.allocation.errors import node_busy, node_not_found, workload_exists
@@ -45,7 +45,7 @@ class Deploy:
     ids: list[str]
     requests: Keyed
     # The request's claim, whose lease fences the commit (a run taken over writes nothing).
-    claim: Claim | None = field(default_factory=current_claim.get)
+    claim: Claim | None = field(default_factory=own_claim)
     # Called once the deploy is committed or refused, in the same step as the views learn the
     # commit: the planner's reservation for it ends exactly when the record holds it.
     settled: Callable[[], None] = lambda: None

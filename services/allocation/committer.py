@@ -21,7 +21,7 @@ import msgspec
 
 from bus.errors import BerthError
 from bus.failpoints import failpoint
-from bus.idempotency import current_claim, taken_over
+from bus.idempotency import own_claim, taken_over
 from bus.outbox import VersionedOutboxes, journal
 from schemas.common import Event
 from services.allocation import telemetry
@@ -97,7 +97,7 @@ class Committer:
         run paused past it, whose request a retry took over, writes nothing.
         """
         retry_on: tuple[type[Exception], ...] = (StaleVersion, LedgerConflict) if retry_ledger else (StaleVersion,)
-        run = current_claim.get() if once is not None else None
+        run = own_claim() if once is not None else None
         if run is not None and run.attempt:  # an earlier run may have applied it and died unanswered
             kept = (await self.store.applied([node], run.marker)).get(node)
             if kept is not None:

@@ -16,7 +16,7 @@ import msgspec
 
 from bus.errors import BerthError
 from bus.events import EventBus
-from bus.idempotency import Claim, current_claim
+from bus.idempotency import Claim, current_claim, own_claim
 from bus.outbox import VersionedOutboxes
 from services.allocation import telemetry
 from services.allocation.committer import Committer, NodeFilledUp, workload_ids
@@ -184,7 +184,7 @@ class AllocationManager:
 
         await self.store.add_to_index(node)  # before the record: a crash leaves an entry readers skip
         await self.committer.mutate(
-            node, compute, once=None.__class__, events=lambda _: self._state_events(node, "added", created)
+            node, compute, once=type(None), events=lambda _: self._state_events(node, "added", created)
         )
         return created
 
@@ -207,7 +207,7 @@ class AllocationManager:
             return record, Change(remove_plugins=list(present)), (present, False)
 
         try:
-            (removed, gone), _ = await self.committer.mutate(
+            (_, gone), _ = await self.committer.mutate(
                 node, compute, once=tuple[States, bool],
                 events=lambda removal: [self._event(node, "removed", plugin=name, before=as_map(state))
                                         for name, state in removal[0].items()],
@@ -387,7 +387,7 @@ class AllocationManager:
         for wid, node in (await self.store.locate(ids)).items():
             by_node.setdefault(node, []).append(wid)
         released: list[str] = []
-        run = current_claim.get() if once else None
+        run = own_claim() if once else None
         if run is not None and run.attempt and len(by_node) < len(ids):
             released += await self._released_before(run, set(ids) - {w for held in by_node.values() for w in held})
         for node, held_ids in sorted(by_node.items()):

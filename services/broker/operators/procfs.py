@@ -47,17 +47,10 @@ def marked_processes(prefix: str) -> dict[str, int]:
     """
     wanted = f"{MARKER}={prefix}".encode()
     found: dict[str, int] = {}
-    for entry in PROC.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes()
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
-        for item in environ.split(b"\0"):
+    for pid, environ in _environs():
+        for item in environ:
             if item.startswith(wanted):
-                pid = int(entry.name)
-                if (started := start_time(pid)) is not None and is_running(pid, started):
+                if _alive(pid):
                     found[item.split(b"=", 1)[1].decode()] = pid
                 break
     return found
@@ -66,18 +59,23 @@ def marked_processes(prefix: str) -> dict[str, int]:
 def processes_with(variable: str, value: str) -> list[int]:
     """Live processes whose environment has `variable=value` exactly."""
     wanted = f"{variable}={value}".encode()
-    found = []
+    return [pid for pid, environ in _environs() if wanted in environ and _alive(pid)]
+
+
+def _alive(pid: int) -> bool:
+    return (started := start_time(pid)) is not None and is_running(pid, started)
+
+
+def _environs():
+    """(pid, environment items) of every process whose environment can be read."""
     for entry in PROC.iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            environ = (entry / "environ").read_bytes()
+            environ = (entry / "environ").read_bytes().split(b"\0")
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue
-        pid = int(entry.name)
-        if wanted in environ.split(b"\0") and (started := start_time(pid)) is not None and is_running(pid, started):
-            found.append(pid)
-    return found
+        yield int(entry.name), environ
 
 
 async def stop_group(pid: int, started: int, grace: float, poll: float = 0.02) -> None:
