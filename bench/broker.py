@@ -43,16 +43,17 @@ from bus.redis import connect_redis  # noqa: E402
 from services.broker.operators import procfs  # noqa: E402
 
 USER = "bench"
-SERVER = f"{sys.executable} {ROOT}/tests/http_server.py --port $PORT_HTTP --delay 1"
 PARAM = {
     "city": "local",
     "platform": "linux",
     "ports": {"http": "http"},
-    "image": SERVER,
+    "image": "http-server-slow",  # tests/catalog.toml
+    "env": {"DELAY": "1"},
     "worker_version": "1",
 }
 ONE = {"least_instance": 1, "request_instance": 1}
-WORKER_ARGS = ["--pool-interval", "0.2", "--sweep-interval", "0.2", "--stop-grace", "2"]
+WORKER_ARGS = ["--pool-interval", "0.2", "--sweep-interval", "0.2", "--stop-grace", "2",
+               "--catalog", str(ROOT / "tests" / "catalog.toml")]
 
 
 def start_workers(count: int, nats: str, redis: str, prefix: str) -> list[subprocess.Popen]:

@@ -19,6 +19,7 @@ from services.settings import (
     add_metrics_port_flag,
     add_server_flags,
     log_level,
+    up_catalog,
     redis_maxmemory,
     state_dir,
 )
@@ -51,6 +52,11 @@ def _durable_args(args: argparse.Namespace, service: str, own_redis: bool) -> li
     """On the Redis Cluster `berth up --cluster` starts (a replica per primary), allocation answers
     only what one replica holds: a failover then loses no acknowledged allocation (bus/replicas.py)."""
     return ["--wait-replicas", "1"] if args.cluster and own_redis and service == "allocation" else []
+
+
+def _catalog_args(args: argparse.Namespace, service: str) -> list[str]:
+    """The broker runs only the images of a catalog: the one given, else the development one."""
+    return ["--catalog", str(Path(args.catalog).resolve())] if service == "broker" and args.catalog else []
 
 
 def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
@@ -98,7 +104,8 @@ def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
             env = {**os.environ, **(env or {}), DEPLOYMENT: str(state)}
             metrics = [] if args.no_metrics else _metrics_args(args.metrics_base_port or 0, len(scraped), args.metrics_addr)
             scraped += [name] if metrics else []
-            supervisor.add(name, worker_argv(module, argv + metrics + _durable_args(args, name, own_redis)), env)
+            own = _durable_args(args, name, own_redis) + _catalog_args(args, name)
+            supervisor.add(name, worker_argv(module, argv + metrics + own), env)
         if not supervisor.children:
             print("no service is installed yet; serving NATS and Redis only", flush=True)
         if not args.no_dashboard:  # the live dashboard (services/dashboard/), a bus client as the client user
@@ -183,6 +190,8 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--metrics-addr", default="127.0.0.1", help="address the workers' metrics servers listen on")
     up.add_argument("--dashboard-port", type=int, metavar="PORT", help="port of the live dashboard (default: a free one)")
     up.add_argument("--no-dashboard", action="store_true", help="do not start the live dashboard")
+    up.add_argument("--catalog", default=up_catalog(), metavar="PATH",
+                    help="images the broker may run (env BERTH_CATALOG; default: the repository's catalog.toml)")
     up.set_defaults(run=cmd_up)
 
     worker = sub.add_parser("worker", help="run N processes of one service")

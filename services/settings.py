@@ -24,6 +24,7 @@ import re
 import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 from bus.subjects import NAME_CHARS, NAME_PATTERN
@@ -52,6 +53,13 @@ def redis_maxmemory(env: Env | None = None) -> str:
     """`berth up`'s Redis memory limit default (`BERTH_REDIS_MAXMEMORY`, default 1gb): a size as
     redis-server reads it (`512mb`, `2gb`; `0` is no limit)."""
     return _environ(env).get("BERTH_REDIS_MAXMEMORY", "1gb")
+
+
+def up_catalog(env: Env | None = None) -> str | None:
+    """`berth up`'s catalog of images the broker may run (`BERTH_CATALOG`, default: the development
+    catalog.toml of the repository berth runs from; none in an installed package)."""
+    development = Path(__file__).resolve().parent.parent / "catalog.toml"
+    return _environ(env).get("BERTH_CATALOG") or (str(development) if development.is_file() else None)
 
 
 # -- argparse types ---------------------------------------------------------------------------------
@@ -251,6 +259,7 @@ class BrokerServiceConfig:
     stop_grace: float = 5.0
     probe_timeout: float = 0.5
     workdir: str | None = None
+    catalog: str | None = None  # BERTH_CATALOG; None: no image may run
     city_label: str = "city"
     platform_label: str = "platform"
     bind_cpus: bool = True
@@ -276,6 +285,9 @@ class BrokerServiceConfig:
                             help="seconds between SIGTERM and SIGKILL on release")
         parser.add_argument("--probe-timeout", type=float, default=0.5, help="TCP readiness probe timeout")
         parser.add_argument("--workdir", default=None, help="working directory of launched processes")
+        parser.add_argument("--catalog", default=env.get("BERTH_CATALOG"), metavar="PATH",
+                            help="TOML file of the images the process operator may run (env BERTH_CATALOG; "
+                            "default: none, every image is refused)")
         parser.add_argument("--city-label", default="city", help="allocation operator: node label holding the city")
         parser.add_argument("--platform-label", default="platform",
                             help="allocation operator: node label holding the platform")

@@ -16,7 +16,7 @@ from bus.errors import BusError
 from services.broker.config import Timing
 from services.broker.worker import STREAM, make_broker
 from services.settings import BrokerServiceConfig
-from tests.broker_helpers import FAST, eventually, kill_marked
+from tests.broker_helpers import CATALOG, FAST, eventually, kill_marked
 
 
 class Broker:
@@ -94,7 +94,7 @@ async def start_broker(serve, nc, redis, events, prefix, broker_processes):
         settings = BrokerServiceConfig(
             stop_grace=1.0,
             timing=timing,
-            **{k: v for k, v in overrides.items() if k not in Timing.__dataclass_fields__},
+            **{"catalog": str(CATALOG), **{k: v for k, v in overrides.items() if k not in Timing.__dataclass_fields__}},
         )
         await events.ensure_stream(STREAM, memory=True)  # its events are published with acknowledgements
         service, replica = make_broker(settings, redis=redis, nc=nc, events=events, prefix=prefix)

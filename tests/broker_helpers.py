@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import sys
 import time
 from dataclasses import fields
 from pathlib import Path
@@ -19,7 +18,8 @@ from services.broker.operators import procfs
 from services.broker.operators.process import ProcessTable
 
 ROOT = Path(__file__).resolve().parent.parent
-SERVER = f"{sys.executable} {ROOT}/tests/http_server.py --port $PORT_HTTP"
+CATALOG = ROOT / "tests" / "catalog.toml"  # the images the tests' brokers may run
+SERVER = "http-server"  # tests/http_server.py --port $PORT_HTTP
 HTTP = {"http": "http"}
 
 # Intervals short enough for tests, long enough not to spin on two CPUs.
@@ -38,7 +38,13 @@ FAST = Timing(
 # The same as worker options, for spawned broker processes.
 FAST_ARGS = [
     arg for f in fields(Timing) for arg in (f"--{f.name.replace('_', '-')}", str(getattr(FAST, f.name)))
-] + ["--stop-grace", "1"]
+] + ["--stop-grace", "1", "--catalog", str(CATALOG)]
+
+
+def server(variant: str, **env: str) -> dict[str, Any]:
+    """The param fields of a variant of the test server in tests/catalog.toml, with the values it
+    takes from the request (`server("failing", FAIL_INSTANCES="0")`)."""
+    return {"image": f"{SERVER}-{variant}", "env": env}
 
 
 def param(image: str = SERVER, **fields: Any) -> dict[str, Any]:
@@ -52,12 +58,14 @@ def param(image: str = SERVER, **fields: Any) -> dict[str, Any]:
     }
 
 
-def const_broker(user: str, name: str, num: int, image: str = SERVER, **fields: Any) -> dict[str, Any]:
+def const_broker(
+    user: str, name: str, num: int, image: str = SERVER, env: dict[str, str] | None = None, **fields: Any
+) -> dict[str, Any]:
     return {
         "user": user,
         "name": name,
         "strategy": {"type": "const", "num": num},
-        "param": param(image),
+        "param": param(image, **({"env": env} if env else {})),
         **fields,
     }
 

@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 
 from bus.errors import BusError
-from tests.broker_helpers import FAST, FAST_ARGS, SERVER, const_broker, eventually, marked, param
+from tests.broker_helpers import FAST, FAST_ARGS, SERVER, const_broker, eventually, marked, param, server
 from tests.bus_helpers import EventLog
 
 pytest_plugins = ["tests.broker_fixtures"]
@@ -156,8 +156,8 @@ async def test_readiness_gate_needs_more_than_half_the_instances(
     await start_broker()
     b = broker_call
     stream = await subscribe(f"broker.{U}.gate.*")
-    image = f"{SERVER} --fail-instances {failing}" if failing else SERVER
-    await b("add-broker", const_broker(U, "gate", 1, image=image, instance=instance))
+    image = server("failing", FAIL_INSTANCES=failing) if failing else {"image": SERVER}
+    await b("add-broker", const_broker(U, "gate", 1, **image, instance=instance))
     [(_, verdict)] = await collect(stream, {"ready", "cooling"}, 1)
     assert verdict["type"] == ("ready" if accepted else "cooling")
     pool = await b.pool(U, "gate")
@@ -190,7 +190,7 @@ async def test_cooling_after_a_failed_launch(start_broker, broker_call, nc, pref
     _, replica = await start_broker(pool_interval=3600)
     b = broker_call
     log = await EventLog.open(nc, prefix, f"broker.{U}.crash.*")
-    await b("add-broker", const_broker(U, "crash", 1, image=f"{SERVER} --fail-instances 0"))
+    await b("add-broker", const_broker(U, "crash", 1, **server("failing", FAIL_INSTANCES="0")))
 
     async def cooling():
         return "cooling" in kinds_of(log)

@@ -12,17 +12,19 @@ import sys
 from services.broker.messages import ResourceParam
 from services.broker.operators import procfs
 from services.broker.operators.base import LaunchSpec
+from services.broker.operators.catalog import Catalog
 from services.broker.operators.process import ProcessOperator, ProcessTable, Slot
 from services.servers import free_port
-from tests.broker_helpers import HTTP, ROOT, eventually, marked
+from tests.broker_helpers import CATALOG, HTTP, ROOT, SERVER, eventually, marked
 
 pytest_plugins = ["tests.broker_fixtures"]
 
-PARAM = ResourceParam(ports=HTTP, image=f"{sys.executable} {ROOT}/tests/http_server.py --port $PORT_HTTP")
+PARAM = ResourceParam(ports=HTTP, image=SERVER)
 
 
 def operator(redis, prefix: str) -> ProcessOperator:
-    return ProcessOperator(ProcessTable(redis, prefix), prefix=prefix, stop_grace=1.0)
+    catalog = Catalog.load(CATALOG)
+    return ProcessOperator(ProcessTable(redis, prefix), prefix=prefix, stop_grace=1.0, catalog=catalog)
 
 
 async def test_a_process_started_before_a_crash_is_adopted(redis, prefix, broker_processes):

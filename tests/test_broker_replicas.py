@@ -14,6 +14,7 @@ from tests.broker_helpers import (
     eventually,
     marked_pids,
     param,
+    server,
     tracked_pids,
 )
 
@@ -141,12 +142,12 @@ async def test_every_status_recovers_after_all_replicas_are_killed(
     # Servers started with this gate do not listen before the file exists: they stay deploying
     # (or warming) until the test opens it, however slow the machine is.
     gate = tmp_path / "open"
-    gated = f"{SERVER} --wait-file {gate}"
+    gated = server("gated", WAIT_FILE=str(gate))
     first = [spawn_worker(BROKER, *FAST_ARGS) for _ in range(2)]
     b = broker_call
     await b("init", {"user": U, "resource_id": "fresh", "param": param()})
-    for rid, image in (("steady", SERVER), ("gone", SERVER), ("slow", gated)):
-        await b("init", {"user": U, "resource_id": rid, "param": param(image)})
+    for rid, image in (("steady", {"image": SERVER}), ("gone", {"image": SERVER}), ("slow", gated)):
+        await b("init", {"user": U, "resource_id": rid, "param": param(**image)})
         await b("launch", {"user": U, "resource_id": rid, "filter": ONE})
         # An answered launch has reached the operator: the record is never `init` any more.
         assert (await b("get-resource", {"user": U, "resource_id": rid}))["status"] != "init"
@@ -157,13 +158,13 @@ async def test_every_status_recovers_after_all_replicas_are_killed(
     await b.wait_idle(U, "ready", 1)
     sold = (await b("apply", apply("buyer")))["broker_resource_id"]
     launched = await subscribe(f"broker.{U}.warmup.launched")
-    await b("add-broker", const_broker(U, "warmup", 2, image=gated))
+    await b("add-broker", const_broker(U, "warmup", 2, **gated))
     for _ in range(2):
         await launched.next(timeout=10)
     # A burst of launches, all of them still deploying when the replicas die.
     burst = [f"burst-{i}" for i in range(5)]
     for rid in burst:
-        await b("init", {"user": U, "resource_id": rid, "param": param(gated)})
+        await b("init", {"user": U, "resource_id": rid, "param": param(**gated)})
     await asyncio.gather(
         *(
             b(

@@ -10,7 +10,7 @@ import msgpack
 import pytest
 
 from services.broker.model import ready_enough
-from tests.broker_helpers import HTTP, SERVER, eventually, marked, param, tracked_pids
+from tests.broker_helpers import HTTP, SERVER, eventually, marked, param, server, tracked_pids
 from tests.bus_helpers import EventLog, idempotency_keys
 
 pytest_plugins = ["tests.broker_fixtures"]
@@ -23,8 +23,8 @@ def ref(resource_id: str, user: str = U) -> dict:
     return {"user": user, "resource_id": resource_id}
 
 
-async def launched(b, resource_id: str, instances: int = 1, image: str = SERVER) -> dict:
-    await b("init", {**ref(resource_id), "param": param(image)})
+async def launched(b, resource_id: str, instances: int = 1, image: str = SERVER, **fields) -> dict:
+    await b("init", {**ref(resource_id), "param": param(image, **fields)})
     return await b(
         "launch", {**ref(resource_id), "filter": {"least_instance": 1, "request_instance": instances}}
     )
@@ -192,7 +192,7 @@ async def test_capacity_and_the_instance_filter(start_broker, broker_call):
 async def test_not_ready_reservation_shrinks_as_instances_come_up(start_broker, broker_call):
     await start_broker()
     b = broker_call
-    await launched(b, "half", instances=2, image=f"{SERVER} --delay 30 --slow-instances 1")
+    await launched(b, "half", instances=2, **server("slow", DELAY="30", SLOW_INSTANCES="1"))
     assert (await b("get-resource", ref("half")))["no_ready_instance"] == 2
 
     async def one_up():
@@ -212,12 +212,12 @@ async def test_not_ready_reservation_shrinks_as_instances_come_up(start_broker, 
 async def test_failed_launch_and_exited_process_report_failed(start_broker, broker_call):
     await start_broker()
     b = broker_call
-    await launched(b, "no-binary", image="/nonexistent/server --port $PORT_HTTP")
+    await launched(b, "no-binary", image="missing-binary")
     info = await b.wait_running(U, "no-binary")
     assert info["status"] == "failed" and info["message"].startswith("launch failed: ")
     assert (await b("get-resource", ref("no-binary")))["status"] == "running"  # crm: finished, not healthy
 
-    await launched(b, "crashes", instances=2, image=f"{SERVER} --fail-instances 1")
+    await launched(b, "crashes", instances=2, **server("failing", FAIL_INSTANCES="1"))
     info = await b.wait_running(U, "crashes")
     assert info["status"] == "failed" and info["message"] == "1 of 2 instances exited"
     assert info["current_instances"] == 1 and info["available_endpoints"][0]["name"] == "crashes-0"
@@ -228,7 +228,7 @@ async def test_failed_launch_and_exited_process_report_failed(start_broker, brok
 async def test_deployment_not_finished_in_time_is_released(start_broker, broker_call, prefix):
     await start_broker(trace_timeout=0.8)
     b = broker_call
-    await launched(b, "slow", image=f"{SERVER} --delay 30")
+    await launched(b, "slow", **server("slow", DELAY="30"))
 
     async def released():
         return (await b("get-resource", ref("slow")))["status"] == "released"
@@ -243,7 +243,7 @@ async def test_release_stops_the_whole_group_with_sigkill_after_the_grace(
     await start_broker()  # stop grace 1 s
     b = broker_call
     terms = tmp_path / "terms"
-    await launched(b, "stubborn", image=f"{SERVER} --ignore-term --term-log {terms} --child")
+    await launched(b, "stubborn", **server("stubborn", TERM_LOG=str(terms)))
     await b.wait_running(U, "stubborn")
     [(_, pid)] = await tracked_pids(redis, prefix)  # the server (its child carries the same marker)
     await b("release", ref("stubborn"))

@@ -158,7 +158,7 @@ def test_ctrl_c_on_up_stops_the_processes_the_broker_launched(tmp_path):
         [*BERTH, "up", "--no-dashboard", "--no-metrics", "--state", str(state)], cwd=ROOT, stdout=subprocess.PIPE,
         text=True, env=env, start_new_session=True,
     )
-    image = f"{sys.executable} {ROOT}/tests/http_server.py --port $PORT_HTTP"
+    image = "http-server"  # of the development catalog.toml, which `berth up` gives the broker
     user = f"lc{os.getpid()}"  # the marker BERTH_INSTANCE=berth/<user>/r1/<index> finds this test's processes
 
     async def launch(url: str) -> None:

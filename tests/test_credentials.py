@@ -36,6 +36,7 @@ from bus.redis import Pipelined, connect_redis
 from services import credentials
 from services.credentials import inbox_prefix, prepare
 from services.servers import start_nats, start_redis, start_redis_cluster
+from tests.broker_helpers import CATALOG, HTTP, SERVER
 from tests.conftest import start_worker, stop_workers
 
 NODE = "cred-node"
@@ -54,7 +55,7 @@ class Deployment:
         launches = [
             ("services.allocation.worker", self.nats.url, c.redis_url("allocation", self.redis.url),
              ["--nats-creds", str(c.nats_creds("allocation"))], None),
-            ("services.broker.worker", self.nats.url, c.redis_url("broker", self.redis.url), [],
+            ("services.broker.worker", self.nats.url, c.redis_url("broker", self.redis.url), ["--catalog", str(CATALOG)],
              {"NATS_USER": "broker", "NATS_PASSWORD": c.nats_passwords["broker"]}),
             ("services.metrics.worker", c.nats_url("metrics", self.nats.url), c.redis_url("metrics", self.redis.url),
              ["--node", NODE, "--interval", "1"], None),
@@ -138,7 +139,7 @@ async def test_every_service_answers_the_client_user_and_writes_only_its_own_key
     })
     assert [a["nodename"] for a in placed["allocations"]] == ["n1", "n1"]
     assert await client.request("broker.list-brokers", {}) == {"brokers": []}
-    param = {"city": "sz", "platform": "linux", "image": "true", "worker_version": "v1"}
+    param = {"city": "sz", "platform": "linux", "image": SERVER, "ports": HTTP, "worker_version": "v1"}
     await client.request("broker.init", {"user": "u1", "resource_id": "r1", "param": param, "request_id": "creds-3"})
     assert (await client.request("broker.get-resource", {"user": "u1", "resource_id": "r1"}))["status"] == "init"
     synced = await client.request(f"metrics.{NODE}.has-synced", {})

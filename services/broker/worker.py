@@ -15,6 +15,7 @@ from services.broker.config import InstanceTypes
 from services.broker.endpoints import COMMANDS, EVENTS, STREAM, BrokerEndpoints
 from services.broker.operators.allocation import AllocationOperator
 from services.broker.operators.base import Operator
+from services.broker.operators.catalog import Catalog, CatalogError
 from services.broker.operators.process import ProcessOperator, ProcessTable
 from services.broker.pools import PoolKeeper
 from services.broker.publisher import Publisher
@@ -38,6 +39,7 @@ def make_operator(
         stop_grace=settings.stop_grace,
         probe_timeout=settings.probe_timeout,
         workdir=settings.workdir,
+        catalog=Catalog.load(settings.catalog),
     )
     if settings.operator == "process":
         return processes
@@ -75,14 +77,17 @@ def make_broker(
 
 async def build(ctx) -> Service:
     """`ctx.config`: the frozen `services.settings.BrokerServiceConfig`."""
-    service, replica = make_broker(
-        ctx.config,
-        redis=ctx.redis,
-        nc=ctx.nc,
-        events=ctx.events,
-        prefix=ctx.prefix,
-        concurrency=ctx.common.concurrency,
-    )
+    try:
+        service, replica = make_broker(
+            ctx.config,
+            redis=ctx.redis,
+            nc=ctx.nc,
+            events=ctx.events,
+            prefix=ctx.prefix,
+            concurrency=ctx.common.concurrency,
+        )
+    except CatalogError as error:
+        raise SystemExit(str(error)) from None
     replica.start()
     ctx.cleanups.append(replica.stop)
     pools = PoolSizes(BrokerStore(ctx.redis, ctx.prefix))

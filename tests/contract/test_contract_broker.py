@@ -11,7 +11,6 @@ import asyncio
 import math
 import os
 import signal
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -22,7 +21,7 @@ import msgpack
 import pytest
 import pytest_asyncio
 
-from tests.broker_helpers import FAST_ARGS, ROOT, SERVER, marked, param
+from tests.broker_helpers import FAST_ARGS, SERVER, const_broker, marked, param, server
 from tests.contract.conftest import ERROR_HEADER, Capture, Wire, WireReply, send_from_processes, unique
 
 MAX_INSTANCES = 6
@@ -33,7 +32,7 @@ def instances(least: int, request: int) -> dict[str, int]:
     """An instance filter (§4: `filter: {least_instance, request_instance}`)."""
     return {"least_instance": least, "request_instance": request}
 
-FAILING = f"{SERVER} --fail-instances 0"  # every instance exits at once: the launch fails
+FAILING = server("failing", FAIL_INSTANCES="0")  # every instance exits at once: the launch fails
 
 
 # -- the worker, and no process left behind -----------------------------------------------------
@@ -123,10 +122,10 @@ class Ctx:
         await self.ok("launch", {**self.ref(resource_id), "filter": wanted})
         await self.event(self.status_subject(resource_id, "running"), start)
 
-    async def add_broker(self, name: str, num: int, image: str = SERVER, **fields: Any) -> dict:
-        strategy = {"type": "const", "num": num}
-        payload = {"user": self.user, "name": name, "strategy": strategy, "param": param(image)}
-        return await self.ok("add-broker", {**payload, **fields})
+    async def add_broker(
+        self, name: str, num: int, image: str = SERVER, env: dict[str, str] | None = None, **fields: Any
+    ) -> dict:
+        return await self.ok("add-broker", const_broker(self.user, name, num, image, env, **fields))
 
     async def ready_pool(self, name: str, num: int = 1, image: str = SERVER, **fields: Any) -> list[str]:
         """A const broker whose `num` resources all announced `ready`; their ids."""
@@ -344,7 +343,7 @@ async def _apply_empty_broker(c: Ctx) -> dict:
 
 async def _apply_cooling_broker(c: Ctx) -> dict:
     start = len(c.cap.events)
-    await c.add_broker("crash", 1, FAILING)
+    await c.add_broker("crash", 1, **FAILING)
     await c.event(c.pool_subject("crash", "cooling"), start)
     return {**c.ref("caller"), "param": param(), "filter": ONE}
 
@@ -706,8 +705,7 @@ async def test_get_service_info_fields_at_top_level_and_port_names_unchanged(ctx
     # the names given in `param.ports`, unchanged"; §4 ServiceInfo {status, message,
     # request_instances, current_instances, available_endpoints: [{ip, ports: {name: port}, name}]}.
     ports = {"Web-Admin": "http", "stats_2": "tcp"}
-    image = f"{sys.executable} {ROOT}/tests/http_server.py --port $PORT_WEB_ADMIN --port $PORT_STATS_2"
-    await ctx.running("r", instances=2, image=image, ports=ports)
+    await ctx.running("r", instances=2, image="http-server-two-ports", ports=ports)
     info = await ctx.ok("get-service-info", ctx.ref("r"))
     assert set(info) == {"status", "message", "request_instances", "current_instances", "available_endpoints"}
     assert (info["status"], info["request_instances"], info["current_instances"]) == ("running", 2, 2)
@@ -805,7 +803,7 @@ async def test_fit_fields_default_is_city_and_worker_version(ctx):
         return reply.code
 
     assert await apply_code() == "broker_not_enough_resources"
-    other_fields = {"platform": "windows", "image": "other", "env": {"X": "1"}}
+    other_fields = {"platform": "windows", **server("failing", FAIL_INSTANCES="1")}
     assert await apply_code(**other_fields) == "broker_not_enough_resources"
     assert await apply_code(city="gz") == "broker_param_not_fit"
     assert await apply_code(worker_version="v2") == "broker_param_not_fit"
@@ -898,7 +896,7 @@ async def test_is_service_preparing_on_an_unknown_or_released_id_is_false(ctx, w
 async def test_param_is_crms_resource_param(ctx):
     # §4: "`param` is crm's ResourceParam: `city`, `platform`, `env`, `ports` (name -> protocol),
     # `volumes` (name -> {host_dir, container_dir}), `image`, `worker_version`, `broker_name`".
-    given = param(env={"MODE": "fast"}, volumes={"data": {"host_dir": "/tmp", "container_dir": "/data"}})
+    given = param(**server("slow", DELAY="1"), volumes={"data": {"host_dir": "/tmp", "container_dir": "/data"}})
     await ctx.ok("init", {**ctx.ref("r"), "param": given})
     stored = (await ctx.ok("get-resource", ctx.ref("r")))["param"]
     fields = {"city", "platform", "env", "ports", "volumes", "image", "worker_version", "broker_name"}
@@ -919,7 +917,7 @@ async def test_service_status_staging_running_failed(ctx):
     # §4: "service status `staging`, `running`, `failed`": a launch whose processes exit is failed.
     await ctx.running("ok")
     assert (await ctx.ok("get-service-info", ctx.ref("ok")))["status"] == "running"
-    await ctx.init("broken", image=FAILING)
+    await ctx.init("broken", **FAILING)
     await ctx.ok("launch", {**ctx.ref("broken"), "filter": ONE})
     seen = set()
     deadline = time.monotonic() + 20
@@ -969,7 +967,7 @@ async def story(b, redis, namespace):
     await c.ok("apply", {**c.ref("caller"), "param": param(), "filter": ONE})  # miss, hit, sold
     await c.event(c.pool_subject("warm", "ready"), mark)  # the pool refilled
     await c.ok("release", c.ref("caller"))  # the sold resource goes along: `released`
-    await c.add_broker("crash", 1, FAILING, fit_fields=["image"])  # `launched`, then `cooling`
+    await c.add_broker("crash", 1, **FAILING, fit_fields=["image"])  # `launched`, then `cooling`
     await c.event(c.pool_subject("crash", "cooling"))
     await c.running("cold", city="gz")  # fits no broker: init, deploying, running
     await c.ok("release", c.ref("cold"))  # deleting, released

@@ -1,11 +1,13 @@
-"""The `process` operator: each instance is a local process started from the `image` command template.
+"""The `process` operator: each instance is a local process started from an entry of the catalog.
 
-- `image` is a command line (shell quoting, no shell); `$NAME` / `${NAME}` placeholders take values
-  from `param.env`, `PORT_<NAME>` (one per declared port) and `BERTH_INSTANCE_INDEX`.
+- `image` names an entry of the operator-side catalog (`catalog.py`): its argv is run directly
+  (no shell), with placeholders filled from the process's variables; a request cannot add a
+  command, an argument or a variable the entry did not ask for.
 - Every process gets free loopback ports as `PORT_<NAME>` (name upper-cased, `-` -> `_`), its host
-  directories as `VOLUME_<NAME>`, and `BERTH_INSTANCE=<prefix>/<user>/<id>/<index>` as a marker.
-- It runs in its own session (so it outlives a broker restart) and, when an allocation bound CPUs
-  for it, pinned to those CPUs.
+  directories as `VOLUME_<NAME>`, and `BERTH_INSTANCE=<prefix>/<user>/<id>/<index>` as a marker;
+  nothing of the broker's own environment but what `catalog.py` lists (no `REDIS_URL`).
+- It runs in its own session (so it outlives a broker restart), as the entry's `user` if it names
+  one, and, when an allocation bound CPUs for it, pinned to those CPUs.
 - Status: `staging` while some instance is starting, `running` once a TCP connect succeeds on every
   port of every instance, `failed` if an instance exited (once none is still starting).
 - Release: SIGTERM to the process group, SIGKILL after a grace period.
@@ -20,9 +22,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
-import shlex
+import pwd
 import subprocess
-from string import Template
 
 import msgspec
 from redis.asyncio import Redis
@@ -32,11 +33,11 @@ from services.broker.layout import key_base
 from services.broker.messages import BlockDetail, Endpoint, ResourceParam, ServiceInfo
 from services.broker.operators import procfs
 from services.broker.operators.base import LaunchSpec, OperatorError
+from services.broker.operators.catalog import Catalog, Entry, variable
 from services.broker.views import unreserved
 from services.servers import free_port
 
 BLOCK = "local"
-INSTANCE_VARIABLES = ("BERTH_INSTANCE", "BERTH_INSTANCE_INDEX", "BERTH_RESOURCE_ID")
 
 
 class Slot(msgspec.Struct):
@@ -54,48 +55,32 @@ def alive(slot: Slot) -> bool:
     return bool(slot.pid) and procfs.is_running(slot.pid, slot.start_time)
 
 
-def variable(kind: str, name: str) -> str:
-    return f"{kind}_{name.upper().replace('-', '_')}"
-
-
-def check_command(param: ResourceParam) -> None:
-    """The `image` must be a command line whose placeholders all have values."""
-    _check_command(msgspec.msgpack.encode(param))
+def check_command(param: ResourceParam, catalog: Catalog) -> None:
+    """The `image` names a catalog entry whose placeholders `param` fills; its ports and volumes
+    give distinct variables."""
+    _check_command(catalog, msgspec.msgpack.encode(param))
 
 
 @functools.lru_cache(maxsize=1024)
-def _check_command(encoded: bytes) -> None:
+def _check_command(catalog: Catalog, encoded: bytes) -> None:
     # Cached by the encoded param: `apply` checks the same few params over and over.
     param = msgspec.msgpack.decode(encoded, type=ResourceParam)
-    if not param.image.strip():
-        raise InvalidArgument("param.image", "is empty: the process operator runs it as a command line")
-    try:
-        tokens = shlex.split(param.image)
-    except ValueError as error:
-        raise InvalidArgument("param.image", f"is not a valid command line: {error}") from None
     for kind, names in (("PORT", param.ports), ("VOLUME", param.volumes)):
         variables = {variable(kind, name) for name in names}
         if len(variables) != len(names):
             raise InvalidArgument(
                 f"param.{kind.lower()}s", f"two names map to the same {kind}_<NAME> variable"
             )
-    known = (
-        set(param.env)
-        | {variable("PORT", n) for n in param.ports}
-        | {variable("VOLUME", n) for n in param.volumes}
-    )
-    known |= set(INSTANCE_VARIABLES)
-    for token in tokens:
-        template = Template(token)
-        if not template.is_valid():
-            raise InvalidArgument(
-                "param.image", f"has a malformed $ placeholder in {token!r} (write $$ for $)"
-            )
-        unknown = sorted(set(template.get_identifiers()) - known)
-        if unknown:
-            raise InvalidArgument(
-                "param.image", f"uses {unknown}, which neither param.env nor param.ports defines"
-            )
+    catalog.check(param)
+
+
+def identity(entry: Entry) -> dict:
+    """Popen's arguments that run `entry` as its OS user: that user's group (or the entry's), and
+    none of the broker's supplementary groups (root's would stay otherwise)."""
+    if entry.user is None:
+        return {}
+    account = pwd.getpwnam(entry.user)
+    return {"user": account.pw_uid, "group": entry.group or account.pw_gid, "extra_groups": []}
 
 
 async def stop_deployment(deployment: str, grace: float = 5.0) -> int:
@@ -179,8 +164,10 @@ class ProcessOperator:
         probe_timeout: float = 0.5,
         host: str = "127.0.0.1",
         workdir: str | None = None,
+        catalog: Catalog | None = None,
     ) -> None:
         self.table = table
+        self.catalog = catalog or Catalog.load(None)
         self.prefix = prefix
         self.max_instances = max_instances
         self.stop_grace = stop_grace
@@ -193,7 +180,7 @@ class ProcessOperator:
         self._starting = asyncio.Semaphore(2)
 
     def validate(self, param: ResourceParam) -> None:
-        check_command(param)
+        check_command(param, self.catalog)
 
     def block_key(self, param: ResourceParam) -> str:
         return BLOCK  # any city and platform: one machine, one pool of `max_instances`
@@ -262,16 +249,14 @@ class ProcessOperator:
 
     def _spawn(self, spec: LaunchSpec, index: int, slot: Slot) -> subprocess.Popen:
         param = spec.param
-        env = {
-            **os.environ,
-            **param.env,
+        operator = {
             **{variable("PORT", name): str(port) for name, port in slot.ports.items()},
             **{variable("VOLUME", name): volume.host_dir for name, volume in param.volumes.items()},
             "BERTH_INSTANCE": self.marker(spec.user, spec.resource_id, index),
             "BERTH_INSTANCE_INDEX": str(index),
             "BERTH_RESOURCE_ID": spec.resource_id,
         }
-        argv = [Template(token).substitute(env) for token in shlex.split(param.image)]
+        argv, env, entry = self.catalog.command(param, operator)
         cpus = set(slot.cpus)
         try:
             proc = subprocess.Popen(
@@ -284,6 +269,7 @@ class ProcessOperator:
                 start_new_session=True,
                 # Pinned before it runs a single instruction of its own (children inherit it).
                 preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
+                **identity(entry),
             )
         except (OSError, subprocess.SubprocessError) as error:
             raise OperatorError(f"cannot start {argv[0]!r}: {error}") from None
