@@ -15,6 +15,7 @@ from tests.broker_helpers import eventually, marked, param
 pytest_plugins = ["tests.broker_fixtures"]
 
 U = "team-a"
+ONE = {"least_instance": 1, "request_instance": 1}
 TYPES = '[{"platform": "linux", "group": "sz", "cpu_per_instance": 1, "mem_per_instance": 536870912}]'
 
 
@@ -160,3 +161,20 @@ async def test_a_failed_release_is_retried_until_the_allocations_are_freed(
 
     await eventually(released, timeout=10)
     assert await allocations(client, "n1") == []
+
+
+async def test_a_command_line_is_refused_before_anything_is_allocated(
+    serve, redis, events, prefix, client, start_broker, broker_call, tmp_path
+):
+    # The allocation operator validates and launches through the process operator and its catalog.
+    await start_allocation(serve, redis, events, prefix)
+    await add_node(client, "n1", "sz")
+    await start_broker(operator="allocation", instance_types=TYPES)
+    b = broker_call
+    target = tmp_path / "ran"
+    image = f"/bin/sh -c 'touch {target}'"
+    refused = await b.error("init", {"user": U, "resource_id": "evil", "param": param(image)})
+    assert (refused.code, refused.details["field"]) == ("invalid_argument", "param.image")
+    assert (await b.error("launch", {"user": U, "resource_id": "evil", "filter": ONE})).code == "resource_not_found"
+    assert await allocations(client, "n1") == []
+    assert not target.exists() and not marked(prefix)
