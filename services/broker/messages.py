@@ -40,7 +40,7 @@ class Volume(Struct):
 
 
 class ResourceParam(Struct):
-    """crm's ResourceParam. For the `process` operator, `image` is the command template.
+    """crm's ResourceParam. For the `process` operator, `image` names an image of its catalog.
 
     Names of env variables, ports and volumes are checked by `model.check_param` (which names the key).
     """
