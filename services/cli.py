@@ -19,9 +19,9 @@ from services.settings import (
     add_metrics_port_flag,
     add_server_flags,
     log_level,
-    up_catalog,
     redis_maxmemory,
     state_dir,
+    up_catalog,
 )
 from services.supervisor import Supervisor, worker_argv
 
