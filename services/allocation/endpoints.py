@@ -19,6 +19,7 @@ from bus.errors import BerthError, InvalidArgument
 from bus.events import StreamSpec
 from bus.service import Command
 from schemas.common import Empty
+from services.allocation.errors import reply_too_large
 from services.allocation.manager import AllocationManager
 from services.allocation.messages import (
     NULL,
@@ -63,7 +64,6 @@ from services.allocation.messages import (
     SetNodeResourceUsage,
     WorkloadAllocation,
 )
-from services.allocation.errors import reply_too_large
 from services.allocation.placement import total_capacity
 from services.allocation.plugin import EngineInfo, keyed_field
 from services.allocation.plugin_set import Keyed, PluginSet, States, capacities, usages

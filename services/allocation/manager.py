@@ -376,9 +376,7 @@ class AllocationManager:
             return view.plan_each(count)
         return view.plan(strategy, count, self.fleet.views.contended)
 
-    async def _check_reply_fits(
-        self, plan: dict[str, int], ids: list[str], requests: Keyed, limit: int
-    ) -> None:
+    async def _check_reply_fits(self, plan: dict[str, int], ids: list[str], requests: Keyed, limit: int) -> None:
         """Refuse a plan whose answer NATS could not carry: placed and unanswered, it would hold
         capacity nobody knows of. The size is one instance's entry times the instances; the entry is
         computed (one instance on the plan's first node) only when even empty entries come near."""
@@ -482,6 +480,7 @@ class AllocationManager:
         self, nodenames: list[str] | None, labels: dict[str, str], offset: int, limit: int
     ) -> tuple[list[NodeRecord], int]:
         return await self.fleet.page(nodenames, labels, offset, limit)
+
 
 def _entry_size(entry: Allocation) -> int:
     return len(msgspec.msgpack.encode(entry)) + 1  # and a byte or so of the list around them
