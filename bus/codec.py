@@ -40,12 +40,104 @@ def _decoder(type_: Any) -> msgspec.msgpack.Decoder:
 
 def decode(data: bytes, type_: type[T]) -> T:
     """Decode `data` as `type_`; any failure is an `InvalidArgument` naming the field at fault."""
+    check_depth(data)
     try:
         return _decoder(type_).decode(data)
     except msgspec.ValidationError as error:
         raise invalid_argument_from(error, value=_untyped(data), type_=type_) from None
     except msgspec.DecodeError as error:
         raise InvalidArgument("$", f"not a MessagePack map: {error}") from None
+
+
+MAX_DEPTH = 32  # maps and lists inside one another (DESIGN.md §8); msgspec itself recurses
+# until Python's recursion limit, and code reading the decoded maps recurses too.
+# Bytes that may open a map or a list (fixmap, fixarray, array 16/32, map 16/32), and the others.
+_OPENERS = bytes([*range(0x80, 0xA0), 0xDC, 0xDD, 0xDE, 0xDF])
+_NOT_OPENERS = bytes(sorted(set(range(256)) - set(_OPENERS)))
+# Everything else by its first byte: (bytes of a length that follows, bytes besides that payload).
+_SCALARS = {
+    0xC0: (0, 0), 0xC2: (0, 0), 0xC3: (0, 0), 0xC4: (1, 0), 0xC5: (2, 0), 0xC6: (4, 0), 0xC7: (1, 1),
+    0xC8: (2, 1), 0xC9: (4, 1), 0xCA: (0, 4), 0xCB: (0, 8), 0xCC: (0, 1), 0xCD: (0, 2), 0xCE: (0, 4),
+    0xCF: (0, 8), 0xD0: (0, 1), 0xD1: (0, 2), 0xD2: (0, 4), 0xD3: (0, 8), 0xD4: (0, 2), 0xD5: (0, 3),
+    0xD6: (0, 5), 0xD7: (0, 9), 0xD8: (0, 17), 0xD9: (1, 0), 0xDA: (2, 0), 0xDB: (4, 0),
+}  # fmt: skip
+_TEXT = {0xD9, 0xDA, 0xDB, *range(0xA0, 0xC0)}
+
+
+def check_depth(data: bytes, limit: int = MAX_DEPTH) -> None:
+    """Refuse MessagePack nested deeper than `limit`, naming the path to the first map or list too deep.
+
+    Checked on the bytes, before decoding. Such nesting needs more than `limit` bytes that could open
+    a map or a list, which C counts at once; only then are the items walked (still not decoded)."""
+    if len(bytes(data).translate(None, _NOT_OPENERS)) <= limit:
+        return
+    path = _too_deep(bytes(data), limit)
+    if path is not None:
+        raise InvalidArgument(path.lstrip(".") or "$", f"nested deeper than {limit} maps and lists")
+
+
+def _too_deep(data: bytes, limit: int) -> str | None:
+    """The path (as `error_field` writes it) to a map or list at depth `limit` + 1, or None.
+
+    A frame per open map or list: [items in all (a map's keys and values), items read, is a map,
+    the step to its current item]. A malformed payload ends the walk: msgspec says what is wrong."""
+    frames: list[list] = []
+    at = 0
+    try:
+        while at < len(data):
+            is_key = bool(frames) and _enter_item(frames[-1])
+            opened = _opened(data, at)
+            if opened is not None:
+                if len(frames) == limit:
+                    return "".join(frame[3] for frame in frames)
+                frame, at = opened
+                frames.append(frame)
+            else:
+                start, at = _scalar(data, at)
+                if is_key and start is not None:
+                    frames[-1][3] = "." + data[start:at].decode(errors="replace")
+            while frames and frames[-1][1] == frames[-1][0]:
+                frames.pop()
+    except (IndexError, KeyError):
+        return None
+    return None
+
+
+def _enter_item(frame: list) -> bool:
+    """Count the next item of `frame` read; whether it is a map key (else its step is set here)."""
+    read = frame[1]
+    frame[1] += 1
+    if not frame[2]:
+        frame[3] = f"[{read}]"
+        return False
+    return read % 2 == 0
+
+
+def _opened(data: bytes, at: int) -> tuple[list, int] | None:
+    """A map or list starting at `at`: its new frame and where its items start; else None."""
+    first = data[at]
+    if 0x80 <= first <= 0x9F:
+        size, is_map, header = first & 0x0F, first < 0x90, 1
+    elif first in (0xDC, 0xDE):
+        size, is_map, header = int.from_bytes(data[at + 1:at + 3], "big"), first == 0xDE, 3
+    elif first in (0xDD, 0xDF):
+        size, is_map, header = int.from_bytes(data[at + 1:at + 5], "big"), first == 0xDF, 5
+    else:
+        return None
+    return [size * 2 if is_map else size, 0, is_map, ""], at + header
+
+
+def _scalar(data: bytes, at: int) -> tuple[int | None, int]:
+    """Where a scalar's text starts (None if it is no string) and where the scalar ends."""
+    first = data[at]
+    if first < 0x80 or first >= 0xE0:  # fixints
+        return None, at + 1
+    if 0xA0 <= first <= 0xBF:
+        return at + 1, at + 1 + (first & 0x1F)
+    length_bytes, fixed = _SCALARS[first]
+    start = at + 1 + length_bytes
+    length = int.from_bytes(data[at + 1:start], "big") if length_bytes else 0
+    return (start if first in _TEXT else None), start + fixed + length
 
 
 def decode_as(data: bytes, type_: type[T], field: str) -> T:

@@ -33,6 +33,10 @@ def _name(max_length: int) -> Any:
 
 NodeName = _name(253)  # a node's name: at most a DNS host name's length
 ShortName = _name(128)  # the broker's users and broker names
+# The longest subject a service publishes on that holds ids from a request (metric events). NATS
+# refuses a protocol line over its max_control_line (4 KiB by default) by closing the connection,
+# which would cut the worker off: half of it leaves room for the reply subject and the rest.
+MAX_SUBJECT_BYTES = 2048
 
 _ESCAPES = {"%": "%25", ".": "%2E", "*": "%2A", ">": "%3E"}
 

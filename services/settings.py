@@ -234,7 +234,9 @@ class AllocationServiceConfig:
         parser.add_argument("--max-share", type=int, default=int(env.get("BERTH_MAX_SHARE", "-1")),
                             help="most fragments per core, -1 for no limit (env BERTH_MAX_SHARE)")
         parser.add_argument("--max-deploy-count", type=int, default=int(env.get("BERTH_MAX_DEPLOY_COUNT", "10000")),
-                            help="storage plugin's capacity for requests without volumes (env BERTH_MAX_DEPLOY_COUNT)")
+                            help="the most instances one calculate-deploy or allocate asks for (more: "
+                            "invalid_argument), and the storage plugin's capacity for requests without volumes "
+                            "(env BERTH_MAX_DEPLOY_COUNT)")
         parser.add_argument("--wait-replicas", type=integer(0, 64), default=env.get("BERTH_WAIT_REPLICAS", "0"),
                             metavar="N", help="before answering, wait until N replicas of each Redis primary that "
                             "took the request's commits hold them (WAIT), else answer unavailable "
@@ -320,6 +322,7 @@ class MetricsServiceConfig:
     cgroup_paths: list[str] = field(default_factory=list)  # cgroups to sample besides the discovered ones
     insurance_seconds: float = 0.0  # 0: no staleness check; else at least 60 (katalyst's rule)
     notifier_lease: float = 30.0  # seconds a notifier registration lives unless renewed
+    max_notifiers: int = 1000  # BERTH_METRICS_MAX_NOTIFIERS: live notifier registrations per node
 
     @staticmethod
     def add_flags(parser: argparse.ArgumentParser, env: Env) -> None:
@@ -338,12 +341,16 @@ class MetricsServiceConfig:
                             help="reads of values older than this answer metric_expired (0: off; else at least 60)")
         parser.add_argument("--notifier-lease", type=seconds(1, 3600), default=30.0,
                             help="seconds a notifier registration lives unless renewed, when it asks for no lease")
+        parser.add_argument("--max-notifiers", type=integer(1, 1_000_000),
+                            default=env.get("BERTH_METRICS_MAX_NOTIFIERS", "1000"), metavar="N",
+                            help="live notifier registrations a node takes, more are invalid_argument "
+                            "(env BERTH_METRICS_MAX_NOTIFIERS)")
 
     @classmethod
     def from_flags(cls, args: argparse.Namespace) -> MetricsServiceConfig:
         return cls(node=args.node, interval=args.interval, provisioner_intervals=dict(args.provisioner_interval),
                    cgroup_paths=args.cgroup_path, insurance_seconds=args.insurance_seconds,
-                   notifier_lease=args.notifier_lease)
+                   notifier_lease=args.notifier_lease, max_notifiers=args.max_notifiers)
 
 
 AnyServiceConfig = AllocationServiceConfig | BrokerServiceConfig | MetricsServiceConfig

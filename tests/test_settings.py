@@ -211,6 +211,9 @@ def test_metrics_precedence_and_validation():
     )
     _, config = parse_worker("metrics", [], env={})
     assert (config.node, config.interval, config.notifier_lease) == (default_node(), 5.0, 30.0)
+    assert config.max_notifiers == 1000
+    assert parse_worker("metrics", [], env={"BERTH_METRICS_MAX_NOTIFIERS": "7"})[1].max_notifiers == 7
+    assert parse_worker("metrics", ["--max-notifiers", "5"], env={})[1].max_notifiers == 5
     for bad in (
         ["--node", "a.b"],
         ["--interval", "0.5"],

@@ -19,6 +19,7 @@ from bus.errors import BerthError, InvalidArgument
 from bus.events import StreamSpec
 from bus.service import Command
 from schemas.common import Empty
+from services.allocation.errors import reply_too_large
 from services.allocation.manager import AllocationManager
 from services.allocation.messages import (
     NULL,
@@ -177,11 +178,23 @@ def rename_field(error: BerthError, field: str) -> None:
 class AllocationEndpoints:
     """Handlers for one plugin (`plugin` set) or for the manager (all plugins, keyed maps)."""
 
-    def __init__(self, manager: AllocationManager, plugin: str | None = None, *, max_payload: int = 1 << 20) -> None:
+    def __init__(
+        self, manager: AllocationManager, plugin: str | None = None, *, max_payload: int = 1 << 20,
+        max_deploy_count: int = 10000,
+    ) -> None:
         self.manager = manager
         self.plugin = plugin
         self.names = [plugin] if plugin else list(manager.plugins)
         self.reply_bytes = max_payload - 4096  # what a listing's entries may take (headers, envelope)
+        self.max_deploy_count = max_deploy_count
+
+    def _deploy_count(self, count: int) -> int:
+        """A bound checked before any work: the plugins' calculations grow with the count."""
+        if count > self.max_deploy_count:
+            raise InvalidArgument(
+                "deploy_count", f"at most {self.max_deploy_count} (--max-deploy-count), got {count}"
+            )
+        return count
 
     def _in(self, value: Raw | None, field: str) -> Keyed:
         """Per-plugin values from the wire: the plugin's own map, or a map keyed by plugin."""
@@ -199,11 +212,16 @@ class AllocationEndpoints:
     # -- eru plugin commands ----------------------------------------------------------------
 
     async def calculate_deploy(self, req: CalculateDeploy) -> CalculateDeployReply:
+        count = self._deploy_count(req.deploy_count)
         requests = self._in(req.workload_resource_request, "workload_resource_request")
-        deployment = await self.manager.calculate_deploy(self.names, req.nodename, req.deploy_count, requests)
-        return CalculateDeployReply(
+        deployment = await self.manager.calculate_deploy(self.names, req.nodename, count, requests)
+        reply = CalculateDeployReply(
             [self._out(e) for e in deployment.engines_params], [self._out(w) for w in deployment.workloads_resource]
         )
+        size = len(msgspec.msgpack.encode(reply))
+        if size > self.reply_bytes:  # nothing was committed: refuse rather than send what NATS would drop
+            raise reply_too_large("deploy_count", size, self.reply_bytes, "calculate fewer instances at once")
+        return reply
 
     async def calculate_realloc(self, req: CalculateRealloc) -> CalculateReallocReply:
         current = self._in(req.workload_resource, "workload_resource")
@@ -285,6 +303,7 @@ class AllocationEndpoints:
     # -- manager-only commands ----------------------------------------------------------------
 
     async def allocate(self, req: AllocateWire) -> AllocateReply:
+        self._deploy_count(req.deploy_count)
         if req.nodename is not None:
             if bytes(req.nodenames) != bytes(NULL) or req.labels is not None:
                 raise InvalidArgument("nodename", "give one nodename, or nodenames and/or labels, not both")
@@ -293,7 +312,7 @@ class AllocationEndpoints:
             nodes = selection(req.nodenames, req.labels)
         placed = await self.manager.allocate(
             nodes, req.strategy, req.deploy_count, self._in(req.workload_resource_request, "workload_resource_request"),
-            req.workload_ids, req.request_id,
+            req.workload_ids, req.request_id, reply_bytes=self.reply_bytes,
         )
         return AllocateReply(placed)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from bus.errors import BerthError
+from bus.errors import BerthError, InvalidArgument
 
 if TYPE_CHECKING:
     from services.allocation.view import Selection
@@ -41,3 +41,12 @@ def workload_not_found(workload_id: str) -> BerthError:
 def node_busy(node: str) -> BerthError:
     """A node changed under every one of our attempts to commit to it."""
     return BerthError(f"node {node} is changing too fast; retry", code="busy", details={"nodename": node})
+
+
+def reply_too_large(field: str, size: int, limit: int, advice: str) -> BerthError:
+    """A reply (of about `size` bytes) that NATS could not carry, refused before anything is
+    committed; `field` is what makes it so large."""
+    return InvalidArgument(
+        field, f"the reply would take about {size} bytes, over the {limit} the server's max payload "
+        f"leaves: {advice}", reply_bytes=size, limit=limit,
+    )

@@ -20,7 +20,7 @@ from bus.idempotency import Claim, current_claim, own_claim
 from bus.outbox import VersionedOutboxes
 from services.allocation import telemetry
 from services.allocation.committer import Committer, NodeFilledUp, workload_ids
-from services.allocation.errors import no_node_matches, node_not_found, workload_not_found
+from services.allocation.errors import no_node_matches, node_not_found, reply_too_large, workload_not_found
 from services.allocation.fleet import Fleet
 from services.allocation.messages import Allocation, NodeEvent
 from services.allocation.plugin import DeployCapacity, EngineInfo, ResourcePlugin
@@ -298,11 +298,13 @@ class AllocationManager:
         request_id: str,
         *,
         replans: int = 20,
+        reply_bytes: int | None = None,
     ) -> list[Allocation]:
         """Place `count` instances on `nodes` (`count` on each for `each`); all or nothing.
 
         The plan is made from a snapshot of the nodes; if a node filled up before its commit, the
-        instances already placed are returned and we plan again from a fresh snapshot.
+        instances already placed are returned and we plan again from a fresh snapshot. A plan
+        whose answer would take more than `reply_bytes` is refused before it commits.
         """
         run = current_claim.get()
         attempt = run.attempt if run is not None and run.request_id == request_id else 0
@@ -324,6 +326,8 @@ class AllocationManager:
             try:
                 plan, reservation = await self._plan(nodes, strategy, count, requests)
                 ids = workload_ids(sum(plan.values()), given_ids, request_id, attempt)
+                if reply_bytes is not None:
+                    await self._check_reply_fits(plan, ids, requests, reply_bytes)
                 return await self.committer.place(plan, ids, requests, reservation)
             except BerthError as error:
                 if not await lost_run_given_back(error):
@@ -371,6 +375,27 @@ class AllocationManager:
         if strategy == "each":
             return view.plan_each(count)
         return view.plan(strategy, count, self.fleet.views.contended)
+
+    async def _check_reply_fits(self, plan: dict[str, int], ids: list[str], requests: Keyed, limit: int) -> None:
+        """Refuse a plan whose answer NATS could not carry: placed and unanswered, it would hold
+        capacity nobody knows of. The size is one instance's entry times the instances; the entry is
+        computed (one instance on the plan's first node) only when even empty entries come near."""
+        longest_id, longest_node = max(ids, key=len), max(plan, key=len)
+        floor = _entry_size(Allocation(longest_id, longest_node, {}, {}))
+        if len(ids) * floor * 32 > limit:  # a computed entry is rarely 32 times an empty one
+            entry = await self._sample_entry(next(iter(sorted(plan))), requests)
+            floor = _entry_size(Allocation(longest_id, longest_node, *entry)) if entry else floor
+        if len(ids) * floor > limit:
+            raise reply_too_large("deploy_count", len(ids) * floor, limit, "allocate fewer instances at once")
+
+    async def _sample_entry(self, node: str, requests: Keyed) -> tuple[Raw, Raw] | None:
+        """One instance's (workload resource, engine params) on `node`, or None when none fits
+        there now (the commit will say so)."""
+        try:
+            deployment = self.plugins.deploy(await self._load(node, list(self.plugins)), 1, requests)
+        except BerthError:
+            return None
+        return deployment.workloads_resource[0], deployment.engines_params[0]
 
     async def release(self, ids: list[str]) -> list[str]:
         """Return the workloads' resources to their nodes, once per request; ids nobody holds are
@@ -455,6 +480,11 @@ class AllocationManager:
         self, nodenames: list[str] | None, labels: dict[str, str], offset: int, limit: int
     ) -> tuple[list[NodeRecord], int]:
         return await self.fleet.page(nodenames, labels, offset, limit)
+
+
+def _entry_size(entry: Allocation) -> int:
+    return len(msgspec.msgpack.encode(entry)) + 1  # and a byte or so of the list around them
+
 
 def as_map(state: PluginState) -> Raw:
     """A plugin state as events carry it."""

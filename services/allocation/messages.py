@@ -22,7 +22,11 @@ NULL = msgspec.Raw(b"\xc0")
 WorkloadId = Annotated[str, Meta(min_length=1, max_length=256)]
 RequestId = Annotated[str, Meta(max_length=200)]
 DeployCount = Annotated[int, Meta(ge=1, le=1_000_000)]
-Labels = dict[Annotated[str, Meta(min_length=1, max_length=256)], Annotated[str, Meta(max_length=1024)]]
+MAX_LABELS = 128  # labels per node (and per selector): each node's labels are matched on every selection
+Labels = Annotated[
+    dict[Annotated[str, Meta(min_length=1, max_length=256)], Annotated[str, Meta(max_length=1024)]],
+    Meta(max_length=MAX_LABELS),
+]
 
 
 # -- the eru plugin commands (both levels) --------------------------------------------------

@@ -29,7 +29,7 @@ __all__ = ["NAME", "COMMANDS", "EVENTS", "STREAM", "build", "make_service"]
 
 def make_plugins(share_base: int = 100, max_share: int = -1, max_deploy_count: int = 10000) -> dict[str, ResourcePlugin]:
     plugins: list[ResourcePlugin] = [
-        CpuMemPlugin(share_base=share_base, max_share=max_share),
+        CpuMemPlugin(share_base=share_base, max_share=max_share, max_deploy_count=max_deploy_count),
         StoragePlugin(max_deploy_count=max_deploy_count),
         GpuPlugin(),
     ]
@@ -39,15 +39,16 @@ def make_plugins(share_base: int = 100, max_share: int = -1, max_deploy_count: i
 
 def make_service(
     manager: AllocationManager, prefix: str, idempotency: IdempotencyStore, concurrency: int = 64,
-    max_payload: int = 1 << 20, replicas: ReplicaWait | None = None,
+    max_payload: int = 1 << 20, replicas: ReplicaWait | None = None, max_deploy_count: int = 10000,
 ) -> Service:
     service = Service(
         f"{prefix}-allocation", prefix=prefix, concurrency=concurrency, idempotency=idempotency, replicas=replicas,
         description="node capacity, CPU/NUMA, memory, volume and GPU allocation (eru resource plugins)",
     )
-    service.bind(plugin_commands(None) + MANAGER_ONLY_COMMANDS, AllocationEndpoints(manager, max_payload=max_payload))
+    bounds = {"max_payload": max_payload, "max_deploy_count": max_deploy_count}
+    service.bind(plugin_commands(None) + MANAGER_ONLY_COMMANDS, AllocationEndpoints(manager, **bounds))
     for plugin in manager.plugins:
-        service.bind(plugin_commands(plugin), AllocationEndpoints(manager, plugin))
+        service.bind(plugin_commands(plugin), AllocationEndpoints(manager, plugin, **bounds))
     return service
 
 
@@ -63,4 +64,6 @@ async def build(ctx) -> Service:
     if config.wait_replicas:  # durable answers: commits and kept answers on replicas first (bus/replicas.py)
         replicas = ReplicaWait(ctx.redis, manager.store.base, config.wait_replicas, config.wait_timeout_ms)
     idempotency = IdempotencyStore(ctx.redis, prefix=ctx.prefix, replicas=replicas)
-    return make_service(manager, ctx.prefix, idempotency, ctx.common.concurrency, ctx.nc.max_payload, replicas)
+    return make_service(
+        manager, ctx.prefix, idempotency, ctx.common.concurrency, ctx.nc.max_payload, replicas, config.max_deploy_count
+    )

@@ -16,10 +16,11 @@ from typing import Annotated, Any, Literal
 
 from msgspec import UNSET, Meta, Struct, UnsetType, field
 
-from bus.subjects import DOTTED_NAME_REGEX, END, escape_token
+from bus.errors import InvalidArgument
+from bus.subjects import DOTTED_NAME_REGEX, END, MAX_SUBJECT_BYTES, escape_token
 from services.metrics.metrics_list import SCOPES
 from services.metrics.samples import Ids
-from services.metrics.store import AGGREGATORS, KINDS, PodRef, entity_key
+from services.metrics.store import AGGREGATORS, KINDS, MAX_CPU_ID, PodRef, entity_key
 
 Scope = Literal[
     "node", "numa", "cpu", "device", "network", "container", "container-numa", "pod-volume", "cgroup",
@@ -32,8 +33,9 @@ assert set(Aggregator.__args__) == set(AGGREGATORS)
 
 # Metric names become subject tokens (one per dot-separated part), so each part is a plain name.
 Metric = Annotated[str, Meta(pattern=DOTTED_NAME_REGEX, max_length=255)]
-Index = Annotated[int, Meta(ge=0, le=1_000_000)]
-Id = Annotated[str, Meta(min_length=1, max_length=4096)]
+Index = Annotated[int, Meta(ge=0, le=MAX_CPU_ID)]
+MAX_ID_LENGTH = 1024  # characters of a string id (device, nic, pod_uid, container, volume, cgroup_path)
+Id = Annotated[str, Meta(min_length=1, max_length=MAX_ID_LENGTH)]
 NotifierKey = Annotated[str, Meta(pattern=rf"^[0-9a-f]{{32}}{END}")]
 LeaseSeconds = Annotated[float, Meta(ge=1, le=3600)]
 RequestId = Annotated[str, Meta(min_length=1, max_length=200)]
@@ -89,7 +91,7 @@ class Aggregate(Struct, kw_only=True):
     metric: Metric
     pods: list[PodRef] = []
     numa_id: Index | UnsetType = UNSET  # kind pods-numa
-    cpuset: str | UnsetType = UNSET  # kind cores, e.g. "0-3,8"
+    cpuset: Annotated[str, Meta(max_length=65536)] | UnsetType = UNSET  # kind cores, e.g. "0-3,8"
 
 
 class Put(MetricRef, kw_only=True):
@@ -177,3 +179,18 @@ def event_subject(prefix: str, node: str, ref: MetricRef) -> str:
     """`<prefix>.events.metrics.<node>.<scope>[.<id>...].<metric>`, ids escaped to one token each."""
     ids = [escape_token(str(value)) for value in ref.entity()]
     return ".".join([prefix, "events", "metrics", node, ref.scope, *ids, ref.metric])
+
+
+def checked_subject(prefix: str, node: str, ref: MetricRef) -> str:
+    """`event_subject`, refused (naming the longest id) when over `MAX_SUBJECT_BYTES`: ids are escaped,
+    so an id within `MAX_ID_LENGTH` may still make too long a subject."""
+    subject = event_subject(prefix, node, ref)
+    size = len(subject.encode())
+    if size > MAX_SUBJECT_BYTES:
+        ids = ref.ids()
+        field = max(ids, key=lambda name: len(str(ids[name]))) if ids else "metric"
+        raise InvalidArgument(
+            field, f"the event subject would take {size} bytes (ids escaped), over {MAX_SUBJECT_BYTES}: "
+            "use shorter ids", limit=MAX_SUBJECT_BYTES,
+        )
+    return subject

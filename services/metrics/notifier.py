@@ -41,12 +41,12 @@ from redis.asyncio import Redis
 
 from bus import scripts
 from bus.codec import encode
-from bus.errors import BerthError
+from bus.errors import BerthError, InvalidArgument
 from bus.failpoints import failpoint
 from bus.idempotency import current_claim
 from bus.lease import Leases
 from services.metrics import telemetry
-from services.metrics.messages import Lease, MetricEvent, MetricRef, event_subject
+from services.metrics.messages import Lease, MetricEvent, MetricRef, checked_subject
 from services.metrics.store import Store
 
 log = logging.getLogger("berth.metrics.notifier")
@@ -82,6 +82,7 @@ class Registrations:
         self.redis = redis
         self.base = node_base(prefix, node)  # one hash tag: Redis-Cluster-safe scripts
         self.index = f"{self.base}:notifiers"
+        self._add = scripts.register(redis, "services.metrics", "notifier_add")
         self._live = scripts.register(redis, "services.metrics", "notifier_live")
         self._renew = scripts.register(redis, "services.metrics", "notifier_renew")
         self._remove = scripts.register(redis, "services.metrics", "notifier_remove")
@@ -89,14 +90,17 @@ class Registrations:
     def _key(self, key: str) -> str:
         return f"{self.base}:notifier:{key}"
 
-    async def add(self, ref: MetricRef, lease_seconds: float) -> str:
-        """Register; doing it again under the same request id rewrites the same registration."""
+    async def add(self, ref: MetricRef, lease_seconds: float, most: int) -> str:
+        """Register; doing it again under the same request id rewrites the same registration. A node
+        holding `most` live registrations takes no more: each costs the publisher work every round."""
         key = _registration_key()
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(self._key(key), mapping={"ref": encode(ref), "lease_ms": int(lease_seconds * 1000)})
-            pipe.pexpire(self._key(key), int(lease_seconds * 1000))
-            pipe.sadd(self.index, key)
-            await pipe.execute()
+        lease_ms = int(lease_seconds * 1000)
+        args = [key, encode(ref), lease_ms, most, f"{self.base}:notifier:"]
+        if not await self._add(keys=[self._key(key), self.index], args=args):
+            raise InvalidArgument(
+                "$", f"this node already has {most} notifier registrations, the most it takes "
+                "(--max-notifiers): deregister some first", limit=most,
+            )
         return key
 
     async def renew(self, key: str) -> float | None:
@@ -195,8 +199,10 @@ class Notifier:
         prefix: str,
         node: str,
         default_lease_seconds: float = 30.0,
+        max_registrations: int = 1000,
     ) -> None:
         self.nc = nc
+        self.max_registrations = max_registrations
         self.registrations = registrations
         self.publishing = publishing
         self.store = store
@@ -219,7 +225,7 @@ class Notifier:
         watch = self._watch(ref, 0.0)  # validates the ids before anything is stored
         lease_seconds = lease_seconds or self.default_lease_seconds
         asked = time.time()
-        key = await self.registrations.add(ref, lease_seconds)
+        key = await self.registrations.add(ref, lease_seconds, self.max_registrations)
         failpoint("after-commit")
         if self.publisher:
             async with self._lock:
@@ -323,7 +329,7 @@ class Notifier:
                 self._sent[subject] = self._unrecorded[subject] = data.time
 
     def _watch(self, ref: MetricRef, lease_ends: float) -> _Watch:
-        return _Watch(ref, ref.entity(), event_subject(self.prefix, self.node, ref), ref.ids(), lease_ends)
+        return _Watch(ref, ref.entity(), checked_subject(self.prefix, self.node, ref), ref.ids(), lease_ends)
 
     async def _refresh(self) -> None:
         """Re-read the registrations (caller holds the lock); only new ones are read in full."""

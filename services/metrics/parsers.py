@@ -134,12 +134,14 @@ def parse_cpu_max(text: str) -> CpuMax:
     return CpuMax(-1 if quota == "max" else int(quota), int(period))
 
 
-def parse_cpulist(text: str) -> list[int]:
+def parse_cpulist(text: str, *, max_id: int | None = None, max_cpus: int | None = None) -> list[int]:
     """A kernel CPU or node list such as "0-3,8,10-11" (also cpuset strings); "" is empty.
 
-    Raises ValueError on anything else, so callers can reject a bad cpuset from a request.
+    Raises ValueError on anything else, so callers can reject a bad cpuset from a request; with
+    `max_id` and `max_cpus` also on a list beyond them, found before any range is expanded (a
+    request's "0-4000000000" must not become four billion ints).
     """
-    ids: set[int] = set()
+    ranges = []
     for part in text.strip().split(","):
         if not part:
             continue
@@ -148,8 +150,12 @@ def parse_cpulist(text: str) -> list[int]:
         last = int(high) if dash else first
         if first < 0 or last < first:
             raise ValueError(f"bad range {part!r}")
-        ids.update(range(first, last + 1))
-    return sorted(ids)
+        if max_id is not None and last > max_id:
+            raise ValueError(f"CPU {last} is beyond the highest CPU id {max_id}")
+        ranges.append((first, last))
+    if max_cpus is not None and sum(last - first + 1 for first, last in ranges) > max_cpus:
+        raise ValueError(f"more than {max_cpus} CPUs")
+    return sorted({cpu for first, last in ranges for cpu in range(first, last + 1)})
 
 
 def parse_proc_stat(text: str) -> ProcStat:

@@ -32,6 +32,10 @@ MIN_INSURANCE_SECONDS = 60.0
 AGGREGATORS = ("sum", "avg")
 # aggregate kind -> the scope its inputs come from
 KINDS = {"pods": "container", "pods-numa": "container-numa", "cores": "cpu"}
+# A cpuset's bounds: ids as high as a `core_id` may be (messages.Index), and at most as many CPUs as
+# the largest Linux configuration (NR_CPUS 8192 on x86-64), so that no request expands further.
+MAX_CPU_ID = 1_000_000
+MAX_CPUSET_CPUS = 8192
 
 # id key -> the entity it names, for "which entity is missing" errors
 _ENTITY_NAMES = {
@@ -328,9 +332,9 @@ def _parse_cpuset(cpuset: str | Sequence[int] | None) -> list[int]:
         raise InvalidArgument("cpuset", "required for kind cores")
     if isinstance(cpuset, str):
         try:
-            return parse_cpulist(cpuset)
-        except ValueError:
-            raise InvalidArgument("cpuset", f"{cpuset!r} is not a CPU list like '0-3,8'") from None
+            return parse_cpulist(cpuset, max_id=MAX_CPU_ID, max_cpus=MAX_CPUSET_CPUS)
+        except ValueError as error:
+            raise InvalidArgument("cpuset", f"{cpuset[:100]!r} is not a CPU list like '0-3,8': {error}") from None
     cpus = list(cpuset)
     for cpu in cpus:
         if isinstance(cpu, bool) or not isinstance(cpu, int) or cpu < 0:

@@ -65,6 +65,7 @@ class MetricsWorker:
         self.notifier = Notifier(
             nc, Registrations(redis, prefix, node), Publishing(redis, prefix, node), self.store,
             prefix=prefix, node=node, default_lease_seconds=options.notifier_lease,
+            max_registrations=options.max_notifiers,
         )
         self.agent.on_round(self.notifier.wake)
         self.service = Service(
