@@ -5,6 +5,7 @@ does not confirm turns the answer into `unavailable`."""
 from __future__ import annotations
 
 import signal
+import time
 
 import pytest
 import redis as sync_redis
@@ -31,6 +32,10 @@ def test_wait_on_another_connection_does_not_cover_a_write(redis_cluster):
     replica = replica_of(redis_cluster, primary)
     with sync_redis.Redis(port=port(primary)) as writer, sync_redis.Redis(port=port(primary)) as waiter:
         writer.ping(), waiter.ping()  # both connected before the write, as a pool's connections are
+        # The replica is linked and caught up first (an earlier test may have restarted it).
+        deadline = time.monotonic() + 30
+        while writer.set(KEY, "caught-up") and writer.execute_command("WAIT", 1, 100) != 1:
+            assert time.monotonic() < deadline, "the replica never caught up"
         replica.proc.send_signal(signal.SIGSTOP)
         try:
             writer.set(KEY, "unreplicated")
