@@ -26,9 +26,6 @@ from schemas.common import Event
 
 log = logging.getLogger("berth.events")
 
-# How long an acknowledged publish waits for its stream. Short: the caller's answer waits for it,
-# and an event not acknowledged stays in its outbox for a sweep (`bus.outbox`).
-ACK_TIMEOUT = 2.0
 
 E = TypeVar("E")
 T = TypeVar("T")
@@ -133,12 +130,13 @@ class EventBus:
         event.type = suffix.rsplit(".", 1)[-1]
         await self.nc.publish(self.subject(suffix), encode(event))
 
-    async def publish_acked(self, suffix: str, data: bytes, msg_id: str) -> None:
-        """Publish encoded `data` on `<prefix>.events.<suffix>` and wait until its stream has it.
-        `msg_id` names the event: a second copy within the stream's duplicate window is dropped."""
+    async def publish_acked(self, suffix: str, data: bytes, msg_id: str) -> asyncio.Future:
+        """Publish encoded `data` on `<prefix>.events.<suffix>` now; the future returned resolves
+        when its stream has it (it may never: wait for it with a timeout). `msg_id` names the
+        event: a second copy within the stream's duplicate window is dropped."""
         if self._js is None:
             self._js = self.nc.jetstream()
-        await self._js.publish(self.subject(suffix), data, headers={"Nats-Msg-Id": msg_id}, timeout=ACK_TIMEOUT)
+        return await self._js.publish_async(self.subject(suffix), data, headers={"Nats-Msg-Id": msg_id})
 
     async def subscribe(
         self,

@@ -36,7 +36,9 @@ from schemas.common import Event
 
 log = logging.getLogger("berth.outbox")
 
-Entry = tuple[str, Any]  # (subject suffix below `<prefix>.events.`, body map)
+# How long the acknowledgements of one change's events are waited for; past it they stay in the
+# outbox for a sweep.
+ACK_TIMEOUT = 5.0
 _entries = msgspec.msgpack.Decoder(list[tuple[str, dict[str, Any]]])
 
 
@@ -55,24 +57,43 @@ class Outbox:
         self.events = events
         self.batch = batch
         self.stamp = stamp
+        self._settling: set[asyncio.Future] = set()  # acknowledgements being waited for
 
-    async def deliver(self, key: str, field: str | int, entries: bytes | None = None) -> bool:
-        """Publish the events journaled under `field` of outbox `key` (`entries`, else as stored),
-        then drop them. False if some were not acknowledged: they stay for a sweep."""
+    async def deliver(self, key: str, field: str | int, entries: bytes | None = None, *, wait: bool = False) -> bool:
+        """Publish the events journaled under `field` of outbox `key` (`entries`, else as stored)
+        now, and drop them from the outbox once every one is acknowledged. The events leave before
+        this returns, so an answer sent after it follows them; the acknowledgements are waited for
+        in the background, unless `wait`: then False says some were not, and stay for a sweep."""
         if entries is None:
             entries = await self.batch.execute_command("HGET", key, field)
             if entries is None:
                 return True  # delivered already
-        if self.events is not None:
-            stamp = {"version": int(field)} if self.stamp else {}
-            try:
-                await asyncio.gather(*(
-                    self.events.publish_acked(suffix, encode({**body, **stamp}), f"{key}:{field}:{n}")
-                    for n, (suffix, body) in enumerate(_entries.decode(entries))
-                ))
-            except Exception as error:  # NATS away, no stream, a timeout: a sweep tries again
-                log.warning("events of %s %s not acknowledged yet: %r", key, field, error)
-                return False
+        if self.events is None:
+            return True
+        stamp = {"version": int(field)} if self.stamp else {}
+        try:
+            acks = [
+                await self.events.publish_acked(suffix, encode({**body, **stamp}), f"{key}:{field}:{n}")
+                for n, (suffix, body) in enumerate(_entries.decode(entries))
+            ]
+        except Exception as error:  # NATS away: a sweep tries again
+            log.warning("events of %s %s not sent: %r", key, field, error)
+            return False
+        settled = asyncio.ensure_future(self._settle(key, field, acks))
+        if wait:
+            return await settled
+        self._settling.add(settled)
+        settled.add_done_callback(self._settling.discard)
+        return True
+
+    async def _settle(self, key: str, field: str | int, acks: list[asyncio.Future]) -> bool:
+        try:
+            await asyncio.wait_for(asyncio.gather(*acks), ACK_TIMEOUT)
+        except Exception as error:  # no stream, a timeout: a sweep sends them again
+            for ack in acks:
+                ack.cancel()
+            log.warning("events of %s %s not acknowledged: %r", key, field, error)
+            return False
         await self.batch.execute_command("HDEL", key, field)
         return True
 
@@ -80,7 +101,7 @@ class Outbox:
         """Deliver the fields of outbox `key` that are `due`, in `order`: (how many, all of them)."""
         held = await self.batch.execute_command("HGETALL", key)
         fields = sorted((f.decode() for f in held if due(f.decode())), key=order)
-        results = [await self.deliver(key, field, held[field.encode()]) for field in fields]
+        results = [await self.deliver(key, field, held[field.encode()], wait=True) for field in fields]
         return sum(results), all(results)
 
 
