@@ -142,6 +142,7 @@ def _nats_tls_config(path: Path, config: Path | None, tls: TlsFiles | None, *, c
         text += f"cluster: {json.dumps({'tls': files})}\n"
     if config is not None:
         text += Path(config).read_text()
+    path.parent.mkdir(parents=True, exist_ok=True)
     write_private(path, text)  # it holds the users' passwords when `config` does
     return path
 
