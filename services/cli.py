@@ -90,7 +90,8 @@ def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
             limit = memory_limit(args.redis_maxmemory)
             servers.append(
                 start_redis_cluster(state / "redis-cluster", config=redis_config, auth=redis_admin, extra=limit, tls=tls)
-                if args.cluster else start_redis(state / "redis", args.redis_port, config=redis_config, extra=limit, tls=tls)
+                if args.cluster
+                else start_redis(state / "redis", args.redis_port, config=redis_config, extra=limit, tls=tls)
             )
             args.redis = servers[-1].url
         client_url = creds.nats_url("client", args.nats) if creds and own_nats else args.nats

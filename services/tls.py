@@ -78,11 +78,12 @@ def _make_ca(files: TlsFiles) -> None:
     cert = (
         x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(_now() - datetime.timedelta(minutes=5)).not_valid_after(_now() + datetime.timedelta(days=CA_DAYS))
+        .not_valid_before(_now() - datetime.timedelta(minutes=5))
+        .not_valid_after(_now() + datetime.timedelta(days=CA_DAYS))
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
-                                     key_encipherment=False, data_encipherment=False, key_agreement=False,
-                                     encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(x509.KeyUsage(
+            digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False, key_encipherment=False,
+            data_encipherment=False, key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
         .sign(key, hashes.SHA256())
     )
     _write_key(files.ca_key, key)

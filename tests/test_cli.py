@@ -292,7 +292,8 @@ async def _allocates(options: dict) -> list[str]:
     """A node added and two workloads placed on it through NATS, as the client user: the workers serve."""
     nc = await nats.connect(**options)
     try:
-        await _call(nc, "berth.resource.add-node", {"nodename": "t1", "resource": {"cpumem": {"cpu": 4, "memory": "8G"}}})
+        node = {"nodename": "t1", "resource": {"cpumem": {"cpu": 4, "memory": "8G"}}}
+        await _call(nc, "berth.resource.add-node", node)
         placed = await _call(nc, "berth.resource.allocate", {
             "nodename": "t1", "deploy_count": 2, "request_id": f"tls-{os.getpid()}",
             "workload_resource_request": {"cpumem": {"cpu-bind": True, "cpu-request": 1}}})
