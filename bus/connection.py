@@ -5,12 +5,15 @@ not a crash; disconnects, reconnects and asynchronous errors (slow consumers abo
 never silent. A NATS cluster is given as a comma-separated list of URLs; the client also learns
 the other servers from the one it reaches, and moves to another when its server goes away.
 Credentials come as `user`/`password` options or in the URLs (`nats://user:password@host:port`).
+`tls://` URLs check the server's certificate against the CA file in `tls_ca` or `BERTH_TLS_CA`
+(the one `berth up` makes), else against the system's CAs.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import ssl
 from urllib.parse import unquote, urlsplit
 
 import nats
@@ -26,7 +29,9 @@ def nats_url(explicit: str | None = None) -> str:
     return explicit or os.environ.get("NATS_URL") or DEFAULT_NATS_URL
 
 
-async def connect(url: str | None = None, *, name: str = "berth", worker: bool = True, **options) -> Client:
+async def connect(
+    url: str | None = None, *, name: str = "berth", worker: bool = True, tls_ca: str | None = None, **options
+) -> Client:
     """Open a NATS connection. `worker=False` suits short-lived clients: they give up after a few tries."""
 
     async def on_error(error: Exception) -> None:
@@ -55,9 +60,19 @@ async def connect(url: str | None = None, *, name: str = "berth", worker: bool =
         connect_timeout=5,
     )
     settings.update(_url_credentials(settings["servers"]))
+    settings.update(_tls_context(settings["servers"], tls_ca))
     settings.update(options)
     nc = await nats.connect(**settings)
     return nc
+
+
+def _tls_context(servers: list[str], tls_ca: str | None) -> dict[str, ssl.SSLContext]:
+    """nats-py's `tls` option for `tls://` servers whose CA is given (nats-py's default context
+    knows the system's CAs only)."""
+    ca = tls_ca or os.environ.get("BERTH_TLS_CA")
+    if not ca or not any(server.startswith("tls://") for server in servers):
+        return {}
+    return {"tls": ssl.create_default_context(cafile=ca)}
 
 
 def _url_credentials(servers: list[str]) -> dict[str, str]:

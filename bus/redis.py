@@ -4,7 +4,9 @@ and automatic pipelining of the commands concurrent requests send.
 A `BlockingConnectionPool` makes a burst of requests wait for a connection instead of opening an
 unbounded number of them (DESIGN.md §1). A Redis Cluster is named by listing some of its nodes:
 `redis+cluster://[user:password@]host:port,host:port,...`; the client is redis-py's `RedisCluster`,
-which finds the rest and follows slots as they move (a failover included).
+which finds the rest and follows slots as they move (a failover included). Over TLS the schemes
+are `rediss://` and `rediss+cluster://`; the server's certificate is checked against the CA file
+in `tls_ca` or `BERTH_TLS_CA` (the one `berth up` makes), else the system's.
 
 A command sent on its own costs redis-py about 70 µs of CPU (pool checkout, health check, its own
 write and read, a timeout context); in a pipeline about 15 µs. `Pipelined` gathers the commands
@@ -30,7 +32,7 @@ from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
-CLUSTER_SCHEME = "redis+cluster://"
+CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -39,24 +41,37 @@ def redis_url(explicit: str | None = None) -> str:
     return explicit or os.environ.get("REDIS_URL") or DEFAULT_REDIS_URL
 
 
-def connect_redis(url: str | None = None, *, max_connections: int = 64, timeout: float = 10.0) -> Redis | RedisCluster:
+def tls_options(url: str, tls_ca: str | None = None) -> dict[str, Any]:
+    """redis-py options for a TLS URL (`rediss...`): the CA to check the server with, if one is given."""
+    if not url.startswith("rediss"):
+        return {}
+    ca = tls_ca or os.environ.get("BERTH_TLS_CA")
+    return {"ssl_ca_certs": ca} if ca else {}
+
+
+def connect_redis(
+    url: str | None = None, *, max_connections: int = 64, timeout: float = 10.0, tls_ca: str | None = None
+) -> Redis | RedisCluster:
     url = redis_url(url)
-    if url.startswith(CLUSTER_SCHEME):
-        return connect_cluster(url, max_connections=max_connections)
-    pool = BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=timeout, health_check_interval=30)
+    if url.startswith(CLUSTER_SCHEMES):
+        return connect_cluster(url, max_connections=max_connections, tls_ca=tls_ca)
+    pool = BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=timeout,
+                                           health_check_interval=30, **tls_options(url, tls_ca))
     return Redis(connection_pool=pool)
 
 
-def connect_cluster(url: str, *, max_connections: int = 64) -> RedisCluster:
-    """`redis+cluster://[user:password@]host:port,host:port,...`: any of the nodes is enough to start.
+def connect_cluster(url: str, *, max_connections: int = 64, tls_ca: str | None = None) -> RedisCluster:
+    """`redis[s]+cluster://[user:password@]host:port,host:port,...`: any of the nodes is enough to start.
 
     No retries on a connection error: redis-py's cluster pipeline would send its whole batch again
     after one node failed, so a commit that a healthy node had run ran twice (the second found its
     own workload ids taken and left them behind). The error goes to the caller instead, who
     answers `unavailable`, and the client retries with its `request_id`. Redirections (MOVED, ASK)
     are followed as before: they are not retries."""
-    parts = urlsplit("redis://" + url.removeprefix(CLUSTER_SCHEME).split(",", 1)[0])
-    hosts = url.removeprefix(CLUSTER_SCHEME).rsplit("@", 1)[-1].split("/", 1)[0].split(",")
+    rest = url.split("://", 1)[1]
+    parts = urlsplit("redis://" + rest.split(",", 1)[0])
+    hosts = rest.rsplit("@", 1)[-1].split("/", 1)[0].split(",")
+    tls = tls_options(url, tls_ca)
     nodes = [ClusterNode(host.rsplit(":", 1)[0], int(host.rsplit(":", 1)[1])) for host in hosts]
     return RedisCluster(
         startup_nodes=nodes,
@@ -65,6 +80,7 @@ def connect_cluster(url: str, *, max_connections: int = 64) -> RedisCluster:
         max_connections=max_connections,
         health_check_interval=30,
         retry=Retry(NoBackoff(), 0),
+        **({"ssl": True, **tls} if url.startswith("rediss") else {}),
     )
 
 

@@ -22,6 +22,7 @@ from services.settings import (
     redis_maxmemory,
     state_dir,
     up_catalog,
+    up_tls,
 )
 from services.supervisor import Supervisor, worker_argv
 
@@ -76,23 +77,25 @@ def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
     creds = prepare(state / "credentials", args.prefix) if not args.no_auth and (own_nats or own_redis) else None
     nats_config = creds.nats_config if creds else None
     redis_config, redis_admin = (creds.redis_config, creds.redis_admin) if creds else (None, None)
+    # TLS (unless --no-tls) with a CA of the deployment's own, made once (services/tls.py).
+    tls = _prepare_tls(state) if args.tls and (own_nats or own_redis) else None
+    tls_env = {"BERTH_TLS_CA": str(tls.ca)} if tls else {}
     servers = []
     try:
         if not args.nats:
-            servers.append(start_nats_cluster(state / "nats-cluster", config=nats_config) if args.cluster else start_nats(state / "nats", args.nats_port, config=nats_config))
+            servers.append(start_nats_cluster(state / "nats-cluster", config=nats_config, tls=tls) if args.cluster
+                           else start_nats(state / "nats", args.nats_port, config=nats_config, tls=tls))
             args.nats = servers[-1].url
         if not args.redis:
             limit = memory_limit(args.redis_maxmemory)
             servers.append(
-                start_redis_cluster(state / "redis-cluster", config=redis_config, auth=redis_admin, extra=limit)
-                if args.cluster else start_redis(state / "redis", args.redis_port, config=redis_config, extra=limit)
+                start_redis_cluster(state / "redis-cluster", config=redis_config, auth=redis_admin, extra=limit, tls=tls)
+                if args.cluster
+                else start_redis(state / "redis", args.redis_port, config=redis_config, extra=limit, tls=tls)
             )
             args.redis = servers[-1].url
         client_url = creds.nats_url("client", args.nats) if creds and own_nats else args.nats
-        print(f"NATS_URL={client_url}\nREDIS_URL={args.redis}\nstate: {state}", flush=True)
-        if creds:
-            print(f"credentials: {creds.directory} (NATS_URL is the client user's; every service's users, and "
-                  "Redis's administrator 'default', are in credentials.json)", flush=True)
+        _print_connection(args, state, creds if own_nats else None, tls)
         supervisor = Supervisor()
         scraped: list[str] = []  # the workers serving Prometheus metrics, in start order
         for name, module in available().items():
@@ -101,7 +104,7 @@ def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
             else:  # its own NATS user (a creds file) and Redis user (REDIS_URL in its environment)
                 argv, env = creds.worker_launch(name, args.nats, args.redis, nats_auth=own_nats, redis_auth=own_redis)
             # The processes the broker launches inherit the marker: stopped with the deployment.
-            env = {**os.environ, **(env or {}), DEPLOYMENT: str(state)}
+            env = {**os.environ, **(env or {}), **tls_env, DEPLOYMENT: str(state)}
             metrics = [] if args.no_metrics else _metrics_args(args.metrics_base_port or 0, len(scraped), args.metrics_addr)
             scraped += [name] if metrics else []
             own = _durable_args(args, name, own_redis) + _catalog_args(args, name)
@@ -114,7 +117,8 @@ def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
             port = args.dashboard_port or free_port()
             dashboard = [sys.executable, "-m", "services.cli", "dashboard", "--prefix", args.prefix,
                          "--port", str(port), "--quiet"]
-            supervisor.add("dashboard", dashboard, {**os.environ, "NATS_URL": client_url})  # no password on a command line
+            # no password on a command line
+            supervisor.add("dashboard", dashboard, {**os.environ, **tls_env, "NATS_URL": client_url})
             print(f"dashboard: http://127.0.0.1:{port}/", flush=True)
         print("berth is up; Ctrl-C stops everything", flush=True)
         if scraped:  # Prometheus metrics of every worker (bus/telemetry.py)
@@ -128,6 +132,27 @@ def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
         for server in reversed(servers):
             server.stop()
         print("berth stopped", flush=True)
+
+
+def _prepare_tls(state: Path):
+    from services.tls import prepare
+
+    return prepare(state / "tls")
+
+
+def _print_connection(args: argparse.Namespace, state: Path, creds, tls) -> None:
+    """What a client needs, as variables `berth call/status/events` read: the URLs, the client
+    user's creds file and the CA; never a password (stdout ends up in terminals and logs)."""
+    lines = [f"NATS_URL={args.nats}", f"REDIS_URL={args.redis}"]
+    if creds:
+        lines.append(f"BERTH_NATS_CREDS={creds.nats_creds('client')}")
+    if tls:
+        lines.append(f"BERTH_TLS_CA={tls.ca}")
+    lines.append(f"state: {state}")
+    if creds:
+        lines.append(f"credentials: {creds.directory} (BERTH_NATS_CREDS is the client user's; every service's "
+                     "users, and Redis's administrator 'default', are in credentials.json)")
+    print("\n".join(lines), flush=True)
 
 
 def _stop_launched(state: Path) -> None:
@@ -182,6 +207,9 @@ def parser() -> argparse.ArgumentParser:
                     "refused and answered `unavailable` (env BERTH_REDIS_MAXMEMORY, default 1gb; 0: none)")
     up.add_argument("--no-auth", action="store_true",
                     help="start the servers without users and permissions (default: a user per service, see README)")
+    up.add_argument("--no-tls", dest="tls", action="store_false", default=up_tls(),
+                    help="start the servers without TLS, for development (env BERTH_TLS=0; default: TLS with a "
+                    "CA of the state folder's own, see README)")
     up.add_argument("--cluster", action="store_true",
                     help="a 3-server NATS cluster and a 3-primary, 3-replica Redis Cluster instead of one of each")
     up.add_argument("--no-metrics", action="store_true", help="workers serve no Prometheus metrics")

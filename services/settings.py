@@ -55,6 +55,12 @@ def redis_maxmemory(env: Env | None = None) -> str:
     return _environ(env).get("BERTH_REDIS_MAXMEMORY", "1gb")
 
 
+def up_tls(env: Env | None = None) -> bool:
+    """Whether `berth up` starts its servers with TLS (`BERTH_TLS`, default on; `0`, `no`, `off` or
+    `false`: off, as `--no-tls`)."""
+    return _environ(env).get("BERTH_TLS", "1").strip().lower() not in ("0", "no", "off", "false")
+
+
 def up_catalog(env: Env | None = None) -> str | None:
     """`berth up`'s catalog of images the broker may run (`BERTH_CATALOG`, default: the development
     catalog.toml of the repository berth runs from; none in an installed package)."""
@@ -433,6 +439,9 @@ def add_client_flags(parser: argparse.ArgumentParser, env: Env | None = None) ->
     parser.add_argument("--nats-creds", default=env.get("BERTH_NATS_CREDS"), metavar="FILE",
                         help="user=... and password=... lines, as .berth/credentials/client.nats "
                         "(env BERTH_NATS_CREDS)")
+    parser.add_argument("--tls-ca", default=env.get("BERTH_TLS_CA"), metavar="FILE",
+                        help="CA that signed a tls:// server's certificate, as .berth/tls/ca.pem "
+                        "(env BERTH_TLS_CA; default: the system's CAs)")
     parser.add_argument("--prefix", default=env.get("BERTH_PREFIX", "berth"),
                         help="subject prefix (env BERTH_PREFIX, default berth)")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log to standard error (-vv: debug)")

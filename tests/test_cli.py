@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import re
 import signal
+import socket
+import ssl
+import stat
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
+import msgpack
+import nats
+import pytest
 import yaml
 
 from services.cli import parser
@@ -64,15 +73,40 @@ def _read_until(proc: subprocess.Popen, marker: str, timeout: float = 60) -> lis
     raise AssertionError(f"{marker!r} not seen; got {lines}")
 
 
-def _memory_policy(state: Path, address: str) -> tuple[int, str]:
-    """(maxmemory, maxmemory-policy) of a redis-server `berth up` started, asked as its administrator."""
+def _printed(lines: list[str]) -> dict[str, str]:
+    """The VARIABLE=value lines `berth up` prints: URLs, the client's creds file, the CA."""
+    return dict(line.split("=", 1) for line in lines if re.match(r"^[A-Z_]+=", line))
+
+
+def _redis_admin(state: Path, address: str, *, tls: bool = True):
+    """A redis-server `berth up` started, as its administrator (over TLS with the state's CA)."""
     import redis
 
     password = json.loads((state / "credentials" / "credentials.json").read_text())["redis"]["default"]
-    host, port = address.removeprefix("redis://").split("/")[0].rsplit(":", 1)
-    with redis.Redis(host=host, port=int(port), username="default", password=password) as admin:
+    host, port = address.split("://")[-1].split("/")[0].rsplit(":", 1)
+    options = {"ssl": True, "ssl_ca_certs": str(state / "tls" / "ca.pem")} if tls else {}
+    return redis.Redis(host=host, port=int(port), username="default", password=password, **options)
+
+
+def _memory_policy(state: Path, address: str) -> tuple[int, str]:
+    """(maxmemory, maxmemory-policy) of a redis-server `berth up` started, asked as its administrator."""
+    with _redis_admin(state, address) as admin:
         config = admin.config_get("maxmemory*")
     return int(config["maxmemory"]), config["maxmemory-policy"]
+
+
+def _client_options(printed: dict[str, str]) -> dict:
+    """nats.connect options for the client user `berth up` printed: its creds file and CA."""
+    import ssl
+
+    from services.credentials import read_creds_file
+
+    options = {"servers": printed["NATS_URL"].split(",")}
+    if "BERTH_NATS_CREDS" in printed:
+        options["user"], options["password"] = read_creds_file(printed["BERTH_NATS_CREDS"])
+    if "BERTH_TLS_CA" in printed:
+        options["tls"] = ssl.create_default_context(cafile=printed["BERTH_TLS_CA"])
+    return options
 
 
 def test_up_starts_everything_status_lists_it_and_ctrl_c_leaves_nothing(tmp_path):
@@ -84,17 +118,21 @@ def test_up_starts_everything_status_lists_it_and_ctrl_c_leaves_nothing(tmp_path
     )
     try:
         lines = _read_until(up, "berth is up")
-        urls = dict(line.split("=", 1) for line in lines if "_URL=" in line)
-        # credentials by default: the URL printed is the client user's (services/credentials.py)
-        assert urls["NATS_URL"].startswith("nats://client:") and urls["NATS_URL"].rsplit("@", 1)[1].startswith("127.0.0.1:")
-        assert urls["REDIS_URL"].startswith("redis://")
+        urls = _printed(lines)
+        # credentials and TLS by default: the client user's creds file and the CA, never a password
+        assert urls["NATS_URL"].startswith("tls://127.0.0.1:") and urls["REDIS_URL"].startswith("rediss://127.0.0.1:")
+        assert urls["BERTH_NATS_CREDS"] == str(state / "credentials" / "client.nats")
+        assert urls["BERTH_TLS_CA"] == str(state / "tls" / "ca.pem")
+        passwords = json.loads((state / "credentials" / "credentials.json").read_text())
+        printed = "\n".join(lines)
+        assert not any(p in printed for users in passwords.values() if isinstance(users, dict) for p in users.values())
         assert _memory_policy(state, urls["REDIS_URL"]) == (1 << 30, "noeviction")  # full: refuse, never evict
         assert _processes_mentioning(str(state))  # the embedded servers run from the state folder
         expected = {f"berth-{name}" for name in SERVICES if (ROOT / "services" / name / "worker.py").exists()}
         deadline = time.monotonic() + 30
         while True:
-            status = subprocess.run(
-                [*BERTH, "status", "--nats", urls["NATS_URL"]], capture_output=True, text=True, timeout=30, cwd=ROOT
+            status = subprocess.run(  # as a user would: the variables `berth up` printed
+                [*BERTH, "status"], capture_output=True, text=True, timeout=30, cwd=ROOT, env={**env, **urls}
             )
             assert status.returncode == 0, status.stderr
             running = {line.split()[0] for line in status.stdout.splitlines()[1:-1]}
@@ -139,11 +177,6 @@ def test_schema_export_of_a_service_module():
 def test_ctrl_c_on_up_stops_the_processes_the_broker_launched(tmp_path):
     """The `process` operator starts each instance in a session of its own (to outlive a broker
     restart); `berth up` stopping must stop them too."""
-    import asyncio
-
-    import msgpack
-    import nats
-
     from services.broker.operators.procfs import (
         DEPLOYMENT,
         is_running,
@@ -161,8 +194,8 @@ def test_ctrl_c_on_up_stops_the_processes_the_broker_launched(tmp_path):
     image = "http-server"  # of the development catalog.toml, which `berth up` gives the broker
     user = f"lc{os.getpid()}"  # the marker BERTH_INSTANCE=berth/<user>/r1/<index> finds this test's processes
 
-    async def launch(url: str) -> None:
-        nc = await nats.connect(url)
+    async def launch(options: dict) -> None:
+        nc = await nats.connect(**options)
         try:
             for command, payload in (
                 ("init", {"user": user, "resource_id": "r1", "param": {"ports": {"http": "tcp"}, "image": image}}),
@@ -179,8 +212,8 @@ def test_ctrl_c_on_up_stops_the_processes_the_broker_launched(tmp_path):
             await nc.close()
 
     try:
-        urls = dict(line.split("=", 1) for line in _read_until(up, "berth is up") if "_URL=" in line)
-        asyncio.run(launch(urls["NATS_URL"]))
+        urls = _printed(_read_until(up, "berth is up"))
+        asyncio.run(launch(_client_options(urls)))
         launched = set(marked_processes(f"berth/{user}/r1/").values())
         assert len(launched) == 2 and all("http_server.py" in _cmdline(pid) for pid in launched)
         started = {pid: start_time(pid) for pid in launched}
@@ -194,3 +227,139 @@ def test_ctrl_c_on_up_stops_the_processes_the_broker_launched(tmp_path):
 
 def _cmdline(pid: int) -> str:
     return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+
+
+async def _call(nc, subject: str, payload: dict) -> dict:
+    msg = await _answered(nc, subject, payload)
+    assert not (msg.headers or {}).get("Nats-Service-Error-Code"), msgpack.unpackb(msg.data)
+    return msgpack.unpackb(msg.data)
+
+
+async def _answered(nc, subject: str, payload: dict, wait: float = 60.0):
+    """The reply, once a worker serves the subject (workers start once JetStream has a leader)."""
+    deadline = asyncio.get_running_loop().time() + wait
+    while True:
+        try:
+            return await nc.request(subject, msgpack.packb(payload), timeout=5)
+        except nats.errors.NoRespondersError:
+            assert asyncio.get_running_loop().time() < deadline, f"nobody served {subject}"
+            await asyncio.sleep(0.2)
+
+
+# -- transport security (issue 17 item 6) -----------------------------------------------------------
+
+
+@contextmanager
+def _up(state: Path, *flags: str, env: dict[str, str] | None = None):
+    """`berth up` (no dashboard, no metrics) until it is up: the variables it printed and all it printed."""
+    env = {**{k: v for k, v in os.environ.items() if k not in ("NATS_URL", "REDIS_URL", "BERTH_TLS")}, **(env or {})}
+    up = subprocess.Popen([*BERTH, "up", "--no-dashboard", "--no-metrics", "--state", str(state), *flags], cwd=ROOT,
+                          stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        lines = _read_until(up, "berth is up")
+        yield _printed(lines), "\n".join(lines)
+    finally:
+        os.killpg(up.pid, signal.SIGINT)
+        assert up.wait(60) == 0
+
+
+def _host_port(url: str) -> tuple[str, int]:
+    host, port = url.split("://", 1)[1].split(",")[0].split("/")[0].rsplit(":", 1)
+    return host, int(port)
+
+
+def _nats_answers_in_clear(url: str, creds: str) -> bool:
+    """Whether nats-server answers a PING sent in clear after a CONNECT with the client's password."""
+    from services.credentials import read_creds_file
+
+    user, password = read_creds_file(creds)
+    connect = json.dumps({"user": user, "pass": password, "verbose": False, "pedantic": False})
+    received = b""
+    with socket.create_connection(_host_port(url), timeout=10) as sock:
+        received += sock.recv(4096)  # INFO
+        sock.sendall(f"CONNECT {connect}\r\nPING\r\n".encode())
+        try:
+            while chunk := sock.recv(4096):  # until the server answers, or closes the connection
+                received += chunk
+                if b"PONG" in received:
+                    break
+        except (ConnectionResetError, TimeoutError):
+            pass
+    return b"PONG" in received
+
+
+async def _allocates(options: dict) -> list[str]:
+    """A node added and two workloads placed on it through NATS, as the client user: the workers serve."""
+    nc = await nats.connect(**options)
+    try:
+        node = {"nodename": "t1", "resource": {"cpumem": {"cpu": 4, "memory": "8G"}}}
+        await _call(nc, "berth.resource.add-node", node)
+        placed = await _call(nc, "berth.resource.allocate", {
+            "nodename": "t1", "deploy_count": 2, "request_id": f"tls-{os.getpid()}",
+            "workload_resource_request": {"cpumem": {"cpu-bind": True, "cpu-request": 1}}})
+        return [a["nodename"] for a in placed["allocations"]]
+    finally:
+        await nc.close()
+
+
+async def test_up_serves_over_tls_only_with_its_own_ca(tmp_path):
+    import redis
+
+    state = tmp_path / "state"
+    with _up(state) as (printed, _):
+        ca = printed["BERTH_TLS_CA"]
+        assert printed["NATS_URL"].startswith("tls://") and printed["REDIS_URL"].startswith("rediss://")
+        assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in Path(ca).parent.iterdir()} == {
+            name: 0o600 for name in ("ca.pem", "ca.key", "server.pem", "server.key")}
+        # in clear: NATS does not answer (it wants TLS first), Redis closes the connection
+        assert not _nats_answers_in_clear(printed["NATS_URL"], printed["BERTH_NATS_CREDS"])
+        with _redis_admin(state, printed["REDIS_URL"], tls=False) as plain, pytest.raises(redis.ConnectionError):
+            plain.ping()
+        # over TLS with the CA: both answer, and the workers (on TLS themselves) serve
+        with _redis_admin(state, printed["REDIS_URL"]) as admin:
+            assert admin.ping()
+        assert await _allocates(_client_options(printed)) == ["t1", "t1"]
+        # over TLS without the CA: the server's certificate is not trusted
+        with pytest.raises((ssl.SSLCertVerificationError, nats.errors.NoServersError)):
+            await nats.connect(**{**_client_options(printed), "tls": ssl.create_default_context()},
+                               max_reconnect_attempts=0, allow_reconnect=False)
+        ca_made = Path(ca).read_bytes()
+    with _up(state) as (printed, _):  # the CA is made once: clients handed it keep trusting the deployment
+        assert Path(printed["BERTH_TLS_CA"]).read_bytes() == ca_made
+        nc = await nats.connect(**_client_options(printed))
+        try:
+            held = await _call(nc, "berth.resource.get-allocations", {"nodename": "t1"})
+        finally:
+            await nc.close()
+        assert len(held["allocations"]) == 2
+
+
+@pytest.mark.parametrize("off", [["--no-tls"], []], ids=["flag", "env"])
+async def test_up_without_tls_serves_in_clear(tmp_path, off):
+    import redis
+
+    state = tmp_path / "state"
+    with _up(state, *off, env={} if off else {"BERTH_TLS": "0"}) as (printed, _):
+        assert printed["NATS_URL"].startswith("nats://") and printed["REDIS_URL"].startswith("redis://")
+        assert "BERTH_TLS_CA" not in printed and not (state / "tls").exists()
+        assert _nats_answers_in_clear(printed["NATS_URL"], printed["BERTH_NATS_CREDS"])
+        with _redis_admin(state, printed["REDIS_URL"], tls=False) as plain:
+            assert plain.ping()
+        assert await _allocates(_client_options(printed)) == ["t1", "t1"]
+
+
+def test_compose_requires_auth_and_keeps_redis_off_the_host():
+    compose = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]
+    redis_servers = {name: spec for name, spec in compose.items() if spec.get("image", "").startswith("redis")}
+    nats_servers = {name: spec for name, spec in compose.items() if spec.get("image", "").startswith("nats")}
+    assert len(redis_servers) == 8 and len(nats_servers) == 4  # redis, redis-1..6, the cluster init; nats, nats-1..3
+    assert not any("ports" in spec for spec in redis_servers.values())
+    for name, spec in redis_servers.items():
+        if "redis-server" in spec["command"]:  # a server, not the init job
+            assert "--requirepass" in spec["command"] and "--masterauth" in spec["command"], name
+    for name, spec in nats_servers.items():
+        assert "--user" in spec["command"] and "--pass" in spec["command"], name
+    workers = [spec for spec in compose.values() if "build" in spec]
+    for spec in workers:  # and the workers log in
+        nats_url, redis_url = spec["environment"]["NATS_URL"], spec["environment"]["REDIS_URL"]
+        assert "${BERTH_NATS_PASSWORD" in nats_url and "${BERTH_REDIS_PASSWORD" in redis_url, spec["command"]

@@ -10,24 +10,33 @@ import signal
 import subprocess
 from contextlib import contextmanager
 
-import msgpack
 import nats
 import pytest
 
 from bus.events import EventBus, StreamSpec
 from services.servers import start_nats_cluster
 from tests.bus_helpers import until
-from tests.test_cli import BERTH, ROOT, _memory_policy, _processes_mentioning, _read_until
+from tests.test_cli import (
+    BERTH,
+    ROOT,
+    _call,
+    _client_options,
+    _memory_policy,
+    _printed,
+    _processes_mentioning,
+    _read_until,
+)
 
 
 @pytest.mark.slow
 async def test_up_cluster_serves_an_allocation_ctrl_c_stops_every_server_and_a_restart_keeps_the_data(tmp_path):
     state = tmp_path / "state"
     with _up_cluster(state) as (urls, redis_nodes):
-        assert urls["NATS_URL"].count("nats://") == 3 and urls["REDIS_URL"].startswith("redis+cluster://")
+        # TLS by default, routes and the Redis cluster bus included (the cluster forms over it)
+        assert urls["NATS_URL"].count("tls://") == 3 and urls["REDIS_URL"].startswith("rediss+cluster://")
         assert len(redis_nodes) == 6 and all(_processes_mentioning(node) for node in redis_nodes)
         assert {_memory_policy(state, node) for node in redis_nodes} == {(1 << 30, "noeviction")}
-        nc = await nats.connect(urls["NATS_URL"].split(","))
+        nc = await nats.connect(**_client_options(urls))
         try:
             add = {"nodename": "c1", "resource": {"cpumem": {"cpu": 4, "memory": "8G"}}}
             allocate = {"nodename": "c1", "deploy_count": 2, "request_id": "up-cluster-1",
@@ -43,7 +52,7 @@ async def test_up_cluster_serves_an_allocation_ctrl_c_stops_every_server_and_a_r
     # Redis Cluster, with what it held.
     with _up_cluster(state) as (urls, again):
         assert sorted(again) == sorted(redis_nodes)
-        nc = await nats.connect(urls["NATS_URL"].split(","))
+        nc = await nats.connect(**_client_options(urls))
         try:
             held = (await _call(nc, "berth.resource.get-allocations", {"nodename": "c1"}))["allocations"]
             assert sorted(a["workload_id"] for a in held) == sorted(a["workload_id"] for a in placed)
@@ -62,31 +71,14 @@ def _up_cluster(state):
     )
     try:
         lines = _read_until(up, "berth is up")
-        urls = dict(line.split("=", 1) for line in lines if "_URL=" in line)
-        redis_nodes = urls["REDIS_URL"].removeprefix("redis+cluster://").split(",")
+        urls = _printed(lines)
+        redis_nodes = urls["REDIS_URL"].split("://", 1)[1].split(",")
         yield urls, redis_nodes
     finally:
         os.killpg(up.pid, signal.SIGINT)
         assert up.wait(60) == 0
     assert _processes_mentioning(str(state)) == []
     assert not any(_processes_mentioning(node) for node in redis_nodes)
-
-
-async def _call(nc, subject: str, payload: dict) -> dict:
-    msg = await _answered(nc, subject, payload)
-    assert not (msg.headers or {}).get("Nats-Service-Error-Code"), msgpack.unpackb(msg.data)
-    return msgpack.unpackb(msg.data)
-
-
-async def _answered(nc, subject: str, payload: dict, wait: float = 60.0):
-    """The reply, once a worker serves the subject (workers start once JetStream has a leader)."""
-    deadline = asyncio.get_running_loop().time() + wait
-    while True:
-        try:
-            return await nc.request(subject, msgpack.packb(payload), timeout=5)
-        except nats.errors.NoRespondersError:
-            assert asyncio.get_running_loop().time() < deadline, f"nobody served {subject}"
-            await asyncio.sleep(0.2)
 
 
 async def test_the_events_stream_waits_for_a_cluster_whose_jetstream_does_not_answer(tmp_path, caplog):

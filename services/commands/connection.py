@@ -39,6 +39,7 @@ class Connection:
     def __init__(self, args: argparse.Namespace) -> None:
         self.url = nats_url(args.nats)
         self.creds = args.nats_creds
+        self.tls_ca = args.tls_ca
         self.errors: list[Exception] = []
         self.refused = asyncio.Event()  # the server sent a permissions violation
         self.lost = asyncio.Event()  # the connection closed (reconnecting gave up) before we closed it
@@ -74,7 +75,7 @@ class Connection:
             except (OSError, ValueError) as error:
                 raise CommandError(f"--nats-creds: {error}", EXIT_USAGE) from None
         try:
-            self.nc = await connect(self.url, name="berth-cli", worker=False, **options)
+            self.nc = await connect(self.url, name="berth-cli", worker=False, tls_ca=self.tls_ca, **options)
         except (NoServersError, OSError, NatsError, TimeoutError) as error:
             reason = self.errors[-1] if self.errors else error
             if "authorization" in str(reason).lower():
