@@ -22,9 +22,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from services.credentials import write_private
-from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from services.tls import TlsFiles

@@ -336,7 +336,6 @@ async def test_up_serves_over_tls_only_with_its_own_ca(tmp_path):
 
 @pytest.mark.parametrize("off", [["--no-tls"], []], ids=["flag", "env"])
 async def test_up_without_tls_serves_in_clear(tmp_path, off):
-    import redis
 
     state = tmp_path / "state"
     with _up(state, *off, env={} if off else {"BERTH_TLS": "0"}) as (printed, _):
