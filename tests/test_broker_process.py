@@ -1,5 +1,6 @@
 """The `process` operator's bookkeeping with real processes and Redis: a process started by a broker
-that died before recording it is adopted (not started twice), and a reused pid is never signalled."""
+that died before recording it is adopted (not started twice), a launch paused past its lease stops
+what it starts when it resumes, and a reused pid is never signalled."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ async def test_a_process_started_before_a_crash_is_adopted(redis, prefix, broker
     ops = operator(redis, prefix)
     port = free_port()
     # What a broker leaves behind when it dies between starting a process and recording its pid.
-    await ops.table.put("u", "r", 0, Slot(ports={"http": port}))
+    await ops.table.set_slot("u", "r", 0, None, Slot(ports={"http": port}))
     env = {**os.environ, "PORT_HTTP": str(port), "BERTH_INSTANCE": ops.marker("u", "r", 0)}
     orphan = subprocess.Popen([sys.executable, f"{ROOT}/tests/http_server.py", "--port", str(port)],
                               env=env, start_new_session=True)
@@ -59,6 +60,24 @@ async def test_a_process_started_before_a_crash_is_adopted(redis, prefix, broker
         orphan.wait()
 
 
+async def test_a_launch_resumed_after_a_takeover_stops_what_it_started(redis, prefix, broker_processes):
+    """Issue 21: a launch paused between recording its intent and starting its process, while
+    another launch of the resource took the instance over, must not leave a second process."""
+    paused, other = operator(redis, prefix), operator(redis, prefix)
+    spec = LaunchSpec("u", "r", PARAM, 1)
+    intent = Slot(ports={"http": free_port()})
+    await paused.table.set_slot("u", "r", 0, None, intent)  # the paused launch got this far
+    await other.launch(spec)  # finds no process of that intent: starts the instance on ports of its own
+    [(_, kept)] = marked(prefix).items()
+    assert (await other.table.load("u", "r"))[0].ports != intent.ports
+    # The paused launch resumes: it starts its process, finds the instance taken and stops it.
+    late = await asyncio.to_thread(paused._spawn, spec, 0, intent)
+    await paused._record(spec, 0, intent, late.pid)
+    assert await asyncio.to_thread(late.wait, 5) == -signal.SIGTERM
+    assert list(marked(prefix).values()) == [kept] and (await other.table.load("u", "r"))[0].pid == kept
+    await other.release("u", "r", 1)
+
+
 async def test_a_reused_pid_is_neither_ours_nor_signalled(redis, prefix):
     ops = operator(redis, prefix)
     sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
@@ -66,8 +85,8 @@ async def test_a_reused_pid_is_neither_ours_nor_signalled(redis, prefix):
     try:
         started = procfs.start_time(bystander.pid)
         # The record says this pid started at another time: the process it names has exited.
-        await ops.table.put("u", "old", 0, Slot(ports={"http": free_port()}, pid=bystander.pid,
-                                                pgid=bystander.pid, start_time=started - 1))
+        await ops.table.set_slot("u", "old", 0, None, Slot(ports={"http": free_port()}, pid=bystander.pid,
+                                                           pgid=bystander.pid, start_time=started - 1))
         info = await ops.status("u", "old")
         assert (info.status, info.message) == ("failed", "1 of 1 instances exited")
         assert await ops.running_instances("u", ["old"]) == [0]

@@ -14,7 +14,10 @@
 
 Each process is recorded in Redis (pid, start time, process group, ports, CPUs) before the launch
 returns; the intent is recorded before the process starts, so that a broker that dies in between
-is followed by one that finds the process by its marker instead of starting a second one.
+is followed by one that finds the process by its marker instead of starting a second one. Two
+launches of one resource may overlap (one paused past its launch lease, and the one that took it
+over): each records its intent and its process only over the slot it started from, so one keeps
+the instance and the other stops the process it started (`set_slot.lua`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import subprocess
 import msgspec
 from redis.asyncio import Redis
 
+from bus import scripts
 from bus.errors import InvalidArgument
 from services.broker.layout import key_base
 from services.broker.messages import BlockDetail, Endpoint, ResourceParam, ServiceInfo
@@ -108,6 +112,7 @@ class ProcessTable:
         self.base = key_base(prefix)
         self.slots_key = f"{self.base}:proc-slots"  # "<user>/<id>/<index>" of every instance
         self.ports_key = f"{self.base}:ports"  # ports handed out and not yet freed
+        self._set_slot = scripts.register(redis, "services.broker.operators", "set_slot")
 
     def _key(self, user: str, resource_id: str) -> str:
         return f"{self.base}:proc:{user}:{resource_id}"
@@ -128,11 +133,21 @@ class ProcessTable:
             for k, v in sorted(raw.items(), key=lambda kv: int(kv[0]))
         }
 
-    async def put(self, user: str, resource_id: str, index: int, slot: Slot) -> None:
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.hset(self._key(user, resource_id), str(index), msgspec.msgpack.encode(slot))
-        pipe.sadd(self.slots_key, f"{user}/{resource_id}/{index}")
-        await pipe.execute()
+    async def set_slot(
+        self, user: str, resource_id: str, index: int, seen: Slot | None, slot: Slot
+    ) -> Slot | None:
+        """Set instance `index` to `slot` if it is still `seen` (None: no slot); the slot as it is
+        now (`slot` when set; None once the resource was released)."""
+        now = await self._set_slot(
+            keys=[self._key(user, resource_id), self.slots_key],
+            args=[
+                str(index),
+                f"{user}/{resource_id}/{index}",
+                msgspec.msgpack.encode(seen) if seen is not None else b"",
+                msgspec.msgpack.encode(slot),
+            ],
+        )
+        return msgspec.msgpack.decode(now, type=Slot) if now else None
 
     async def delete(self, user: str, resource_id: str, slots: dict[int, Slot]) -> None:
         pipe = self.redis.pipeline(transaction=True)
@@ -143,6 +158,10 @@ class ProcessTable:
             if ports:
                 pipe.srem(self.ports_key, *ports)
         await pipe.execute()
+
+    async def free_ports(self, ports: list[int]) -> None:
+        if ports:
+            await self.redis.srem(self.ports_key, *ports)
 
     async def count(self) -> int:
         return await self.redis.scard(self.slots_key)
@@ -215,28 +234,46 @@ class ProcessOperator:
             slot = slots.get(index)
             if slot is not None and slot.pid:
                 continue
-            if slot is None:
-                slot = Slot(ports=await self._free_ports(spec.param.ports), cpus=(cpus or {}).get(index, []))
-                await self.table.put(spec.user, spec.resource_id, index, slot)
-            else:
-                # Only an intent: a launch died after recording it. Its process may exist.
+            if slot is not None:
+                # Only an intent: a launch died (or paused) after recording it. Its process may exist.
                 if found is None:
                     found = self._marked(spec.user, spec.resource_id)
                 pid = found.get(index)
                 if pid is not None:
                     await self._record(spec, index, slot, pid)
                     continue
+            intent = await self._intent(spec, index, slot, (cpus or {}).get(index, []))
+            if intent is None:
+                continue  # another launch of this resource took the instance meanwhile
             # Starting a process blocks until it has exec'ed, which takes long on a busy machine:
             # in a thread, so that the event loop keeps serving (apply latency).
             async with self._starting:
-                proc = await asyncio.to_thread(self._spawn, spec, index, slot)
+                proc = await asyncio.to_thread(self._spawn, spec, index, intent)
             self._children[proc.pid] = proc
-            await self._record(spec, index, slot, proc.pid)
+            await self._record(spec, index, intent, proc.pid)
 
-    async def _record(self, spec: LaunchSpec, index: int, slot: Slot, pid: int) -> None:
+    async def _intent(self, spec: LaunchSpec, index: int, seen: Slot | None, cpus: list[int]) -> Slot | None:
+        """Record the intent to start instance `index` in place of `seen` (no slot, or an intent
+        whose process never started); None if another launch changed the slot first. Its ports are
+        new, not `seen`'s: the launch that recorded `seen` may only be paused, and start its process
+        on those ports when it resumes (before it finds it lost the instance; `seen`'s ports stay
+        handed out for that reason)."""
+        intent = Slot(ports=await self._free_ports(spec.param.ports), cpus=cpus)
+        if await self.table.set_slot(spec.user, spec.resource_id, index, seen, intent) == intent:
+            return intent
+        await self.table.free_ports(list(intent.ports.values()))
+        return None
+
+    async def _record(self, spec: LaunchSpec, index: int, intent: Slot, pid: int) -> None:
+        """Record `pid` as instance `index`, started from `intent`. If another launch of the
+        resource took the instance meanwhile, or the resource was released, the process is stopped
+        instead: no instance may run twice, nor run untracked."""
         started = procfs.start_time(pid) or 0
-        slot = msgspec.structs.replace(slot, pid=pid, pgid=pid, start_time=started)
-        await self.table.put(spec.user, spec.resource_id, index, slot)
+        slot = msgspec.structs.replace(intent, pid=pid, pgid=pid, start_time=started)
+        now = await self.table.set_slot(spec.user, spec.resource_id, index, intent, slot)
+        if now is None or now.pid != pid:
+            await procfs.stop_group(pid, started, self.stop_grace)
+            self._reap()
 
     async def _free_ports(self, names: dict[str, str]) -> dict[str, int]:
         ports: dict[str, int] = {}
