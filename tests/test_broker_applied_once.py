@@ -78,7 +78,7 @@ async def test_launch_retried_after_a_crash_finishes_that_launch(spawn_worker, b
 
 
 async def test_apply_retried_after_a_crash_answers_the_resource_it_sold(spawn_worker, broker_call, broker_processes,
-                                                                       redis, prefix):
+                                                                       nc, prefix):
     b = broker_call
     first = await healthy(spawn_worker)
     await b("add-broker", const_broker(U, "pool", 1))
@@ -91,6 +91,12 @@ async def test_apply_retried_after_a_crash_answers_the_resource_it_sold(spawn_wo
     assert record["status"] == "running" and record["broker_resource_id"]  # the first run sold it
     answer = await b("apply", payload)  # not application_already_launched
     assert answer == {"broker_resource_id": record["broker_resource_id"]}  # the caller holds what it was sold
+
+    async def sale_published():  # the first run died before publishing: a replica's sweep does
+        sold = await stream_events(nc, f"{prefix}.events.broker.{U}.pool.sold")
+        return [(e["resource_id"], e["caller_id"]) for e in sold]
+
+    assert await eventually(sale_published) == [(record["broker_resource_id"], "caller")]
     await b("remove-broker", {"user": U, "name": "pool"})
     await b("release", {"user": U, "resource_id": "caller"})
     await eventually(lambda: asyncio.sleep(0, not marked_pids(prefix)))

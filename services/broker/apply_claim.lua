@@ -4,13 +4,17 @@
 -- named by the ids it pops (keys it cannot declare in advance; on a Redis Cluster this works only
 -- because every broker key shares the declared keys' slot).
 -- KEYS[1] the caller's record, KEYS[2] the index, KEYS[3] the brokers' version, KEYS[4] where the
--- request keeps its answer (as bus.cas's `once` step does), then per candidate broker (in the
--- user's order): its idle zset, sold set and demand zset.
+-- request keeps its answer (as bus.cas's `once` step does), KEYS[5] the events outbox
+-- (bus/outbox.py), then per candidate broker (in the user's order): its idle zset, sold set and
+-- demand zset.
 -- ARGV[1] the brokers' version the candidates were chosen at, ARGV[2] now, ARGV[3] key prefix of
 -- the user's records, ARGV[4] the caller's index member, ARGV[5] a demand member, ARGV[6] the
 -- request run's lease end (ms of server time; 0: no request claim, nothing fenced or kept),
--- ARGV[7] seconds the kept answer lives, ARGV[8..] the caller record's fields (broker_resource_id
--- and created_at are filled in here).
+-- ARGV[7] seconds the kept answer lives, ARGV[8] the outbox field of the sale's events, ARGV[9] a
+-- placeholder for the sold resource's id (its prefix as long as the id is), ARGV[10 .. 9 +
+-- candidates] per candidate the events of a sale by it, with the placeholder where the sold id
+-- goes (the same length: the encoding holds),
+-- then the caller record's fields (broker_resource_id and created_at are filled in here).
 -- Returns {-3} (the run's lease ended: a retry may have taken it over), {-4, resource id} (an
 -- earlier run of the request sold it), {-2} (stale brokers' version), {-1, status} (the caller is
 -- launched already), {0} (every candidate's pool is empty) or {position from 1, resource id,
@@ -30,8 +34,9 @@ if live and (status ~= 'init' or redis.call('HGET', KEYS[1], 'launched') == '1')
 local version = tonumber(redis.call('HGET', KEYS[1], 'version') or '0')
 local created = ARGV[2]
 if live then created = redis.call('HGET', KEYS[1], 'created_at') end
-for b = 0, (#KEYS - 4) / 3 - 1 do
-  local idle, sold, demand = KEYS[5 + 3 * b], KEYS[6 + 3 * b], KEYS[7 + 3 * b]
+local candidates = (#KEYS - 5) / 3
+for b = 0, candidates - 1 do
+  local idle, sold, demand = KEYS[6 + 3 * b], KEYS[7 + 3 * b], KEYS[8 + 3 * b]
   redis.call('ZADD', demand, ARGV[2], ARGV[5])
   while true do
     local oldest = redis.call('ZPOPMIN', idle)
@@ -45,8 +50,15 @@ for b = 0, (#KEYS - 4) / 3 - 1 do
       redis.call('SADD', sold, id)
       redis.call('DEL', KEYS[1])
       redis.call('HSET', KEYS[1], 'version', version + 1, 'broker_resource_id', id, 'created_at', created,
-                 unpack(ARGV, 8))
+                 unpack(ARGV, 10 + candidates))
       redis.call('ZADD', KEYS[2], 'NX', created, ARGV[4])
+      local template, placeholder = ARGV[10 + b], string.sub(ARGV[9], 1, #id)
+      local at = string.find(template, placeholder, 1, true)
+      while at do  -- every occurrence, as plain text
+        template = string.sub(template, 1, at - 1) .. id .. string.sub(template, at + #id)
+        at = string.find(template, placeholder, at + #id, true)
+      end
+      redis.call('HSET', KEYS[5], ARGV[8], template)
       if fence > 0 then
         redis.call('HSET', KEYS[4], 'r', id, 'v', version + 1)
         redis.call('EXPIRE', KEYS[4], ARGV[7])

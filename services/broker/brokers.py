@@ -9,11 +9,16 @@ happen in one Redis script, so two replicas never sell one resource twice.
 
 from __future__ import annotations
 
+import secrets
+
+import msgspec
+
 from bus.errors import BerthError
+from bus.outbox import journal
 from services.broker import errors, model, telemetry, transitions
 from services.broker.messages import InstanceFilter
 from services.broker.model import BrokerConfig, Resource, now
-from services.broker.publisher import Publisher
+from services.broker.publisher import Publisher, pool_event, status_event
 from services.broker.store import BrokerStore
 
 # Reloads of the broker list one apply tolerates while brokers are being added or removed.
@@ -54,7 +59,7 @@ class BrokerRegistry:
         eligible = [b for b in fitting if b.instance >= max(instance_filter.least_instance, 1)]
         t = now()
         sold = transitions.sold(caller, t)
-        claim = await self.store.claim(sold, eligible, self._version, t) if eligible else None
+        claim = await self._claim_one(sold, eligible, t) if eligible else None
         if claim is None:
             if await self.store.brokers_version() != self._version:
                 return None
@@ -65,15 +70,27 @@ class BrokerRegistry:
             return None
         if claim.taken:
             raise errors.already_launched(caller.resource_id, claim.taken)
-        for broker in eligible[: claim.position - 1] if claim.position else eligible:
-            await self.publish.pool(broker.user, broker.name, "miss", caller.resource_id)
         if not claim.position:
+            for broker in eligible:
+                await self.publish.pool(broker.user, broker.name, "miss", caller.resource_id)
             await self._refuse(eligible, t)
-        winner, sold = eligible[claim.position - 1], claim.record
-        await self.publish.pool(winner.user, winner.name, "hit", sold.broker_resource_id, caller.resource_id)
-        await self.publish.pool(winner.user, winner.name, "sold", sold.broker_resource_id, caller.resource_id)
-        await self.publish.status(sold)
-        return sold
+        await self.store.outbox.deliver(self.store.keys.outbox, claim.field, claim.announced)
+        return claim.record
+
+    async def _claim_one(self, sold: Resource, eligible: list[BrokerConfig], t: float):
+        """The claim script's answer; a sale's events are journaled with it: for each candidate,
+        the misses of the brokers before it, its hit and sale, and the caller's new status."""
+        placeholder = secrets.token_hex(64)
+        sales = []
+        for position, winner in enumerate(eligible):
+            sold_id = placeholder[: model.pool_resource_id_length(winner.name)]
+            events = [pool_event(b.user, b.name, "miss", sold.resource_id) for b in eligible[:position]]
+            events += [pool_event(winner.user, winner.name, kind, sold_id, sold.resource_id) for kind in ("hit", "sold")]
+            events.append(status_event(msgspec.structs.replace(sold, broker_resource_id=sold_id)))
+            sales.append(journal(events))
+        # Each candidate's placeholder is a prefix as long as its ids, so the script swaps in the
+        # sold id without changing the encoding.
+        return await self.store.claim(sold, eligible, self._version, t, sales, placeholder)
 
     async def _refuse(self, eligible: list[BrokerConfig], t: float) -> None:
         names = [b.name for b in eligible]

@@ -124,7 +124,7 @@ class Launching(Part):
             raise errors.broker_not_enough(available, broker.instance, broker.name)
         t = now()
         record = transitions.pool_resource(
-            broker, f"b{broker.name}-{secrets.token_hex(4)}", block, t, t + self.timing.ready_timeout
+            broker, model.pool_resource_id(broker.name), block, t, t + self.timing.ready_timeout
         )
         return await self._write_launch(
             record,

@@ -7,6 +7,7 @@ Nothing here does I/O: the resource commands load records, ask these functions (
 from __future__ import annotations
 
 import re
+import secrets
 import time
 from typing import Any, TypeVar
 
@@ -118,6 +119,16 @@ def check_param(param: ResourceParam) -> None:
         for name in names:
             if not pattern.match(name) or len(name) > 128:
                 raise InvalidArgument(f"param.{field}", f"key {name!r} must be {rule}")
+
+
+def pool_resource_id(broker_name: str) -> str:
+    """The id of a new resource in a broker's pool: `b<broker>-<8 hex digits>`."""
+    return f"b{broker_name}-{secrets.token_hex(4)}"
+
+
+def pool_resource_id_length(broker_name: str) -> int:
+    """How long every id `pool_resource_id` gives for this broker is."""
+    return len(broker_name) + 10
 
 
 def now() -> float:

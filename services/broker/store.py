@@ -49,6 +49,8 @@ class Claim(msgspec.Struct):
     record: Resource | None = None
     taken: str = ""
     stale: bool = False
+    announced: bytes = b""  # the sale's events, journaled in the outbox under `field`
+    field: str = ""
 
 
 _STALE_REASONS = {"version": "version", "fits": "capacity", "exists": "missing"}
@@ -150,19 +152,23 @@ class BrokerStore:
         return await self.redis.hget(self.keys.applied(run.marker), "r")
 
     async def claim(
-        self, caller: Resource, brokers: list[BrokerConfig], brokers_version: int, now: float
+        self, caller: Resource, brokers: list[BrokerConfig], brokers_version: int, now: float,
+        sales: list[bytes], placeholder: str,
     ) -> Claim:
         """Give `caller` the oldest idle resource of the first of `brokers` that has one, in one step.
         The candidates were chosen from the brokers as of `brokers_version`; if they changed since,
         nothing happens (`Claim.stale`). A caller that is launched already is refused (`Claim.taken`).
         Under a request's claim the sale is its answer, kept and fenced as `commit`'s `answer` is:
-        an earlier run's sale is `AlreadyApplied` (its resource id).
+        an earlier run's sale is `AlreadyApplied` (its resource id). `sales`: per broker, the
+        events of a sale by it (`bus.outbox.journal`), with `placeholder` for the sold id; the
+        script journals the winner's in the outbox with the sale.
         """
         run = own_claim()
         keys = [self.keys.record(caller.user, caller.resource_id), self.keys.index, self.keys.brokers_version,
-                self.keys.applied(run.marker if run else "-")]
+                self.keys.applied(run.marker if run else "-"), self.keys.outbox]
         for broker in brokers:
             keys += [self.keys.pool(broker.user, broker.name, part) for part in ("idle", "sold", "demand")]
+        field = self.outbox.field()
         while True:
             args = [
                 str(brokers_version),
@@ -172,6 +178,9 @@ class BrokerStore:
                 uuid.uuid4().hex,
                 run.lease_end if run else 0,
                 APPLIED_TTL,
+                field,
+                placeholder,
+                *sales,
                 *encode_fields(caller, skip=("broker_resource_id", "created_at")),
             ]
             if run is not None:
@@ -192,10 +201,11 @@ class BrokerStore:
             return Claim()
         if run is not None:
             failpoint("after-commit")
-        sold = msgspec.structs.replace(
-            caller, broker_resource_id=result[1].decode(), version=int(result[2]), created_at=float(result[3])
-        )
-        return Claim(position=code, record=sold)
+        sold_id = result[1].decode()
+        sold = msgspec.structs.replace(caller, broker_resource_id=sold_id, version=int(result[2]),
+                                       created_at=float(result[3]))
+        announced = sales[code - 1].replace(placeholder[: len(sold_id)].encode(), sold_id.encode())
+        return Claim(position=code, record=sold, announced=announced, field=field)
 
     async def index_refs(self) -> list[tuple[str, str]]:
         """(user, resource_id) of every record, oldest first (released ones expire: see `forget`)."""
