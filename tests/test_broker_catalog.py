@@ -6,12 +6,24 @@ the operator's own variables."""
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from services.broker.operators.catalog import Catalog, CatalogError
-from tests.broker_helpers import HTTP, SERVER, const_broker, eventually, marked, param, server, tracked_pids
+from tests.broker_helpers import (
+    HTTP,
+    ROOT,
+    SERVER,
+    const_broker,
+    eventually,
+    marked,
+    param,
+    server,
+    tracked_pids,
+)
 
 pytest_plugins = ["tests.broker_fixtures"]
 
@@ -140,11 +152,25 @@ async def test_a_request_value_stays_one_argument(start_broker, broker_call, red
     assert not target.exists()
 
 
+NOBODY_CATALOG = """
+[images.http-server-nobody]
+argv = ["python3", "$CATALOG_DIR/http_server.py", "--port", "$PORT_HTTP"]
+env = { PYTHONDONTWRITEBYTECODE = "1" }
+user = "nobody"
+"""
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="only root starts a process as another user")
 async def test_an_image_with_a_user_runs_as_that_user_without_the_brokers_groups(
     start_broker, broker_call, redis, prefix
 ):
-    await start_broker()
+    # The user must reach the server's file: the checkout may sit in a folder only root may enter
+    # (a clone into `mktemp -d`), so the entry and its server go to a folder anyone may read.
+    readable = Path(tempfile.mkdtemp(prefix="berth-nobody-"))
+    readable.chmod(0o755)
+    shutil.copy(ROOT / "tests" / "http_server.py", readable / "http_server.py")
+    (readable / "catalog.toml").write_text(NOBODY_CATALOG)
+    await start_broker(catalog=str(readable / "catalog.toml"))
     b = broker_call
     await b("init", {"user": U, "resource_id": "r", "param": param("http-server-nobody")})
     await b("launch", {"user": U, "resource_id": "r", "filter": ONE})
