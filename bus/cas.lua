@@ -7,7 +7,11 @@
 -- ARGV[1] the version field.
 -- ARGV[2] the tombstone field, or '' for none: a record holding it does not exist (its version
 --   reads as 0), but its stored version goes on counting when it is written again.
--- ARGV[3] the version the caller read (0: the record must not exist).
+-- ARGV[3] the version the caller read (0: the record must not exist), optionally followed by
+--   `:<tag read>:<new tag>`: the record's `tag` field must then be the one read ('' for none), and
+--   the write sets the new one. A version alone does not name one write after a Redis failover:
+--   the replica may lack the primary's last writes, and a new write can give a version again
+--   that a reader had seen with other content; a random tag per write tells them apart.
 -- ARGV[4] how the record is written:
 --   'update'    set, then delete, the fields given; a tombstone comes back to life (its tombstone
 --               field and its expiry go);
@@ -43,7 +47,10 @@ local counted = tonumber(stored[1] or '0')
 local gone = tombstone ~= '' and stored[2]
 local current = counted
 if gone then current = 0 end
-if current ~= tonumber(ARGV[3]) then return {'version', tostring(current)} end
+local expected, read_tag, new_tag = string.match(ARGV[3], '^(%d+):([^:]*):(.*)$')
+if not expected then expected = ARGV[3] end
+if current ~= tonumber(expected) then return {'version', tostring(current)} end
+if read_tag and (redis.call('HGET', record, 'tag') or '') ~= read_tag then return {'version', tostring(current)} end
 
 local i = 6
 local function section()
@@ -120,5 +127,6 @@ else  -- 'tombstone'
   redis.call('DEL', record)
   redis.call('HSET', record, version_field, after, tombstone, 1)
 end
+if new_tag and mode ~= 'tombstone' then redis.call('HSET', record, 'tag', new_tag) end
 if tonumber(ARGV[5]) > 0 then redis.call('EXPIRE', record, ARGV[5]) end
 return {'ok', tostring(after)}

@@ -184,11 +184,15 @@ class VersionedHash:
         unset: Sequence[str] = (),
         mode: str = UPDATE,
         ttl: int = 0,
+        tags: tuple[str, str] | None = None,
     ) -> Awaitable[Any]:
         """`commit` in two halves: this sends it (in a batch: queued now, after the commands queued
         before it) and returns its raw answer, for `outcome`. `fields` are the record's field,
         value, ... pairs, flattened; `unset` fields to delete (UPDATE); `mode` UPDATE, REPLACE or
-        TOMBSTONE; `ttl` seconds the record lives after the write (0: no expiry is set)."""
+        TOMBSTONE; `ttl` seconds the record lives after the write (0: no expiry is set); `tags`:
+        (the `tag` field read with `expected`, '' for none; the tag this write sets): the record
+        must still hold the tag read, so that a version seen before a Redis failover and given
+        again after it is not taken for the same write."""
         if mode not in _MODES:
             raise ValueError(f"not a compare-and-set mode: {mode!r}")
         if mode == TOMBSTONE and not self.tombstone_field:
@@ -206,7 +210,7 @@ class VersionedHash:
                 at = position[target] = len(keys)
             flat += (name, at, *step[2:])
         args = [
-            self.version_field, self.tombstone_field, expected, mode, ttl,
+            self.version_field, self.tombstone_field, f"{expected}:{tags[0]}:{tags[1]}" if tags else expected, mode, ttl,
             len(fields), *fields, len(unset), *unset, *flat,
         ]
         if self.batch is not None:

@@ -200,3 +200,17 @@ async def test_before_refuses_a_write_once_the_writers_lease_has_ended(redis, pr
                              fields=["s", "2"])
     assert refused.value.reason == "before" and int(refused.value.subject) >= now_ms  # the server's clock
     assert await snapshot(redis, prefix) == before
+
+
+async def test_a_version_given_again_with_another_tag_is_refused(redis, prefix, keys):
+    """After a Redis failover a version can come back with other content: the write's tag tells."""
+    records = cas.VersionedHash(redis)
+    assert await records.commit(keys.record, 0, fields=["s", "seen"], tags=("", "t1")) == 1
+    await redis.hset(keys.record, mapping={"s": "after a failover", "tag": "t9"})  # version 1, another write
+    before = await snapshot(redis, prefix)
+    with pytest.raises(cas.Conflict) as refused:
+        await records.commit(keys.record, 1, [cas.sadd(keys.pool, "x")], fields=["s", "from t1"], tags=("t1", "t2"))
+    assert (refused.value.reason, refused.value.subject) == ("version", "1")
+    assert await snapshot(redis, prefix) == before
+    assert await records.commit(keys.record, 1, fields=["s", "ok"], tags=("t9", "t10")) == 2
+    assert await redis.hmget(keys.record, ["s", "tag"]) == [b"ok", b"t10"]

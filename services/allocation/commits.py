@@ -161,7 +161,7 @@ class DeployBatches:
                             journal=journal([(f"resource.{node}.allocated", NodeEvent(nodename=node, workload_ids=ids))]))
             failpoint("before-commit")
             try:
-                version = await self.store.commit(node, record.version, change)
+                version = await self.store.commit(node, record.version, change, record.tag)
             except LeaseExpired:
                 # A run's lease ended (its worker paused?): renew each; a run taken over is refused.
                 await self.store.unindex_workloads(ids)

@@ -112,7 +112,7 @@ class Committer:
                 change.once, change.fence = (run.marker, msgspec.msgpack.encode(result)), run.lease_end
             failpoint("before-commit")
             try:
-                version = await self.store.commit(node, version, change)
+                version = await self.store.commit(node, version, change, record.tag if record else "")
             except AlreadyApplied as kept:  # an earlier run applied it: its answer is the answer
                 return await self._replayed(node, kept, once)
             except LeaseExpired:
@@ -149,7 +149,7 @@ class Committer:
             raw = {} if record is None else {n: v for n, v in record.raw.items() if n not in change.remove_plugins}
             raw.update(change.plugins)
             labels = change.labels if change.labels is not None else record.labels if record else {}
-            after = NodeRecord(node, version, labels, raw)
+            after = NodeRecord(node, version, labels, raw, change.tag)
             fleet.views.committed(after)
         if fleet.directory.note(after, node):
             fleet.views.relabelled(node, None if after is None else after.labels)

@@ -24,6 +24,7 @@ that a crash between steps can only leave an index entry without a record, which
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -64,6 +65,7 @@ class NodeRecord:
     version: int
     labels: dict[str, str]
     raw: dict[str, bytes]
+    tag: str = ""  # names the write that made this version (bus/cas.lua: versions repeat after a failover)
 
     @cached_property
     def plugins(self) -> dict[str, PluginState]:
@@ -87,6 +89,7 @@ class Change:
     # A request applied at most once: (its marker, the answer to keep beside the record for a retry).
     once: tuple[str, bytes] | None = None
     journal: bytes | None = None  # the change's events, for the node's outbox (`bus.outbox.journal`)
+    tag: str = ""  # set by the commit: the tag of the version it wrote
     fence: int = 0  # the writing run's lease end (ms of server time); 0: not fenced
 
     def is_empty(self) -> bool:
@@ -173,7 +176,7 @@ class NodeStore:
             return None
         raw = {key[len(PLUGIN_FIELD):].decode(): value for key, value in fields.items() if key.startswith(b"p:")}
         labels = _decode_map(fields[b"labels"]) if b"labels" in fields else {}
-        return NodeRecord(name, int(fields.get(b"v", b"0")), labels, raw)
+        return NodeRecord(name, int(fields.get(b"v", b"0")), labels, raw, fields.get(b"tag", b"").decode())
 
     async def load(self, node: str) -> NodeRecord | None:
         return self._parse(node, await self.batch.execute_command("HGETALL", self.record_key(node)))
@@ -235,8 +238,9 @@ class NodeStore:
 
     # -- writing ---------------------------------------------------------------------------
 
-    async def commit(self, node: str, version: int, change: Change) -> int:
-        """Write `change` if the record is still at `version` (0: must not exist). Returns the new version."""
+    async def commit(self, node: str, version: int, change: Change, tag: str = "") -> int:
+        """Write `change` if the record is still at `version` (0: must not exist) and `tag` (the
+        read record's). Returns the new version; the new tag is `change.tag`."""
         record, ledger = self.record_key(node), self.ledger_key(node)
         # Guards in the order of their reports: additions, removals, replacements; writes: additions,
         # replacements, removals.
@@ -273,7 +277,9 @@ class NodeStore:
             before.append(self.batch.execute_command("HSET", self.workloads_key, *_pairs(change.index)))
         if change.journal is not None:  # the pointer first: a crash in between leaves a pointer, not lost events
             before.append(self.batch.execute_command("ZADD", self.pending_key, time.time(), node))
-        sent = self._records.send(record, version, steps, fields=fields, unset=unset, mode=mode, ttl=ttl)
+        change.tag = secrets.token_hex(6)
+        sent = self._records.send(record, version, steps, fields=fields, unset=unset, mode=mode, ttl=ttl,
+                                  tags=(tag, change.tag))
         answer = (await asyncio.gather(*before, sent))[-1]
         self.wrote(node)  # applied or refused: waiting on a refused one too costs only a redundant WAIT
         try:
