@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -101,3 +102,8 @@ async def stream_events(nc, subject: str) -> list[dict[str, Any]]:
             found.append(msgpack.unpackb(msg.data, strict_map_key=False))
     finally:
         await sub.unsubscribe()
+
+
+def stopped(pid: int) -> bool:
+    """The process is stopped (SIGSTOP): its state in /proc is T."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"

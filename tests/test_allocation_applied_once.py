@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from pathlib import Path
 
 import pytest
 from nats.micro.request import ERROR_CODE_HEADER
 
 from bus.codec import encode
 from bus.errors import BusError
-from tests.bus_helpers import EventLog, until
+from tests.bus_helpers import EventLog, stopped, until
 
 GiB = 1 << 30
 NODE = {"nodename": "d1", "resource": {"cpumem": {"cpu": 8, "memory": "16G"}}}
@@ -106,10 +105,6 @@ async def retried(client, subject: str, payload: dict) -> dict:
             if error.code != "timeout":
                 raise
     raise AssertionError(f"{subject} was never answered")
-
-
-def stopped(pid: int) -> bool:
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
 
 
 async def test_a_run_paused_past_its_lease_writes_nothing_after_its_retry_answered(node, spawn_worker, client, nc,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from pathlib import Path
 
 import pytest
 from nats.micro.request import ERROR_CODE_HEADER
@@ -19,7 +18,7 @@ from nats.micro.request import ERROR_CODE_HEADER
 from bus.codec import encode
 from bus.errors import BusError
 from tests.broker_helpers import FAST_ARGS, all_tracked_once, const_broker, eventually, marked_pids, param
-from tests.bus_helpers import stream_events
+from tests.bus_helpers import stopped, stream_events
 
 pytest_plugins = ["tests.broker_fixtures"]
 
@@ -147,10 +146,6 @@ async def past_the_paused(b, command: str, payload: dict) -> dict:
         except BusError as error:
             assert error.code == "timeout"
     raise AssertionError(f"{command} was never answered")
-
-
-def stopped(pid: int) -> bool:
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
 
 
 async def test_an_apply_paused_past_its_lease_neither_sells_nor_answers_against_its_retry(

@@ -10,12 +10,12 @@ import signal
 from tests.broker_helpers import (
     FAST_ARGS,
     SERVER,
+    all_tracked_once,
     const_broker,
     eventually,
     marked_pids,
     param,
     server,
-    tracked_pids,
 )
 
 pytest_plugins = ["tests.broker_fixtures"]
@@ -32,14 +32,6 @@ def apply(resource_id: str) -> dict:
 async def lease_holder_pid(redis, prefix: str, name: str) -> int | None:
     holder = await redis.get(f"{prefix}:broker:{{{prefix}}}:lease:{U}:{name}")
     return int(holder.decode().split(":")[1]) if holder else None
-
-
-async def all_tracked(redis, prefix: str) -> list[tuple[str, int]]:
-    """What runs equals what the broker recorded: no orphan, no duplicate."""
-    running, tracked = marked_pids(prefix), await tracked_pids(redis, prefix)
-    assert running == tracked
-    assert len({marker for marker, _ in running}) == len(running)
-    return running
 
 
 async def release_everything(b, redis, prefix: str) -> None:
@@ -82,7 +74,7 @@ async def test_pool_keeps_refilling_when_the_lease_holder_is_killed(
     await eventually(taken_over, timeout=10)
     pool = await b.wait_idle(U, "ha", 2, timeout=20)
     assert (pool["idle"], pool["warming"], pool["sold"]) == (2, 0, 2)
-    running = await all_tracked(redis, prefix)
+    running = await all_tracked_once(redis, prefix)
     assert len(running) == 4  # two sold, two idle
     # The survivor serves the next apply too.
     await b("apply", apply("c2"))
@@ -103,7 +95,7 @@ async def test_restart_of_every_replica_forgets_nothing(
     sold = (await b("apply", apply("caller")))["broker_resource_id"]
     await b.wait_idle(U, "pool", 3)
     await b.wait_running(U, "cold")
-    before = await all_tracked(redis, prefix)
+    before = await all_tracked_once(redis, prefix)
     assert len(before) == 6  # 3 idle + 1 sold + 2 cold
 
     for worker in first:
@@ -117,7 +109,7 @@ async def test_restart_of_every_replica_forgets_nothing(
         spawn_worker(BROKER, *FAST_ARGS)
     pool = await b.wait_idle(U, "pool", 3)
     assert (pool["idle"], pool["warming"], pool["sold"]) == (3, 0, 1)
-    assert await all_tracked(redis, prefix) == before
+    assert await all_tracked_once(redis, prefix) == before
     # Pool rounds after the restart launch nothing again. The sentinel: one more resource asked for
     # now must be the first and only launch of the new replicas, and its readiness (a later round
     # of the same loop) must come with no other launch before it.
@@ -127,7 +119,7 @@ async def test_restart_of_every_replica_forgets_nothing(
         _, event = await events.next(timeout=20)
         kinds.append(event["type"])
     assert kinds == ["launched", "ready"]
-    after = await all_tracked(redis, prefix)
+    after = await all_tracked_once(redis, prefix)
     [added] = [p for p in after if p not in before]
     assert [p for p in after if p != added] == before
     assert (await b("get-resource", {"user": U, "resource_id": "caller"}))["broker_resource_id"] == sold
@@ -205,7 +197,7 @@ async def test_every_status_recovers_after_all_replicas_are_killed(
     assert [p for p in marked_pids(prefix) if "/steady/" in p[0]] == steady_before
     assert (await b("get-resource", {"user": U, "resource_id": sold}))["broker_sold"] is True
     assert (await b("get-service-info", {"user": U, "resource_id": "buyer"}))["status"] == "running"
-    running_now = await all_tracked(redis, prefix)
+    running_now = await all_tracked_once(redis, prefix)
     # steady 1, slow 1, burst 5 x 2, sold 1, ready pool 1, warmup pool 2: nothing more, nothing less.
     assert len(running_now) == 1 + 1 + 10 + 1 + 1 + 2
     await b("launch", {"user": U, "resource_id": "fresh", "filter": ONE})  # init survives as init
