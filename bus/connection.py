@@ -59,7 +59,7 @@ async def connect(
         allow_reconnect=True,
         connect_timeout=5,
     )
-    settings.update(_url_credentials(settings["servers"]))
+    settings.update(url_credentials(settings["servers"]))
     settings.update(_tls_context(settings["servers"], tls_ca))
     settings.update(options)
     nc = await nats.connect(**settings)
@@ -75,7 +75,7 @@ def _tls_context(servers: list[str], tls_ca: str | None) -> dict[str, ssl.SSLCon
     return {"tls": ssl.create_default_context(cafile=ca)}
 
 
-def _url_credentials(servers: list[str]) -> dict[str, str]:
+def url_credentials(servers: list[str]) -> dict[str, str]:
     """`user`/`password` options from the first URL that carries `user:password@`.
 
     nats-py sends a URL's credentials to that server only; a cluster's other servers, learned from

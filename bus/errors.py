@@ -4,8 +4,8 @@ A handler raises a `BerthError` (or a subclass); the service runtime turns it in
 `Nats-Service-Error-Code` / `Nats-Service-Error` headers and the `{"error": {...}}` body.
 The client turns such a reply back into a `BusError` carrying the same code.
 
-Here are the errors every service shares: `InvalidArgument`, the runtime's `Unavailable` and
-`internal`, and the client's `RequestTimeout` and `NoResponders`. Each service owns its own codes
+Here are the errors every service shares: `InvalidArgument`, `PermissionDenied`, the runtime's
+`Unavailable` and `internal`, and the client's `RequestTimeout` and `NoResponders`. Each service owns its own codes
 and defines them next to its code (`services/broker/errors.py`, `services/metrics/errors.py`; the
 allocation service raises `BerthError(code=...)` where it refuses); their statuses follow §8.
 
@@ -26,6 +26,7 @@ _STATUS: dict[str, int] = {
     "not_leader": 503,
     "no_responders": 503,  # nobody listens on the subject (the client's own)
     "timeout": 504,  # no reply in time (the client's own)
+    "permission_denied": 403,  # the caller's role or identity may not do this (bus.callers)
     # DESIGN.md §8 "HTTP-like statuses", where the shape alone would say 500
     "node_not_empty": 409,
     "insufficient_capacity": 409,
@@ -99,6 +100,12 @@ class InvalidArgument(BerthError):
 
     def __init__(self, field: str, reason: str, *, code: str | None = None, **details: Any) -> None:
         super().__init__(f"{field}: {reason}", code=code, field=field, details=details)
+
+
+class PermissionDenied(BerthError):
+    """The caller may not do this: a command above its role, or someone else's work (bus.callers)."""
+
+    code = "permission_denied"
 
 
 class Unavailable(BerthError):

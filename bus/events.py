@@ -72,9 +72,13 @@ class EventSubscription(Generic[E]):
 
 
 class EventBus:
-    def __init__(self, nc: Client, *, prefix: str = "berth") -> None:
+    """`js_domain`: the streams' JetStream API is at `$JS.<js_domain>.API` (where the streams live
+    in another NATS account, see services/accounts.py); None: the connection's own `$JS.API`."""
+
+    def __init__(self, nc: Client, *, prefix: str = "berth", js_domain: str | None = None) -> None:
         self.nc = nc
         self.prefix = prefix
+        self.js_domain = js_domain
         self._js = None  # the JetStream context, made on first use
 
     def stream_name(self, spec: StreamSpec) -> str:
@@ -92,7 +96,7 @@ class EventBus:
         again and adds what is still missing. On a NATS cluster that is still starting, or whose
         JetStream leader just went away, every step is asked again until JetStream answers, for
         `wait` seconds at most."""
-        js = self.nc.jetstream()
+        js = self.nc.jetstream(domain=self.js_domain)
         deadline = asyncio.get_running_loop().time() + wait
         wanted = [self.subject(subject) for subject in spec.subjects]
         config = StreamConfig(
@@ -135,7 +139,7 @@ class EventBus:
         when its stream has it (it may never: wait for it with a timeout). `msg_id` names the
         event: a second copy within the stream's duplicate window is dropped."""
         if self._js is None:
-            self._js = self.nc.jetstream()
+            self._js = self.nc.jetstream(domain=self.js_domain)
         return await self._js.publish_async(self.subject(suffix), data, headers={"Nats-Msg-Id": msg_id})
 
     async def subscribe(

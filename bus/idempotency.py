@@ -46,6 +46,7 @@ log = logging.getLogger("berth.idempotency")
 # succeed when tried again.
 _NOT_KEPT = frozenset({"400", "500"})
 _UNAVAILABLE = msgspec.msgpack.encode("unavailable")
+MAX_REQUEST_ID = 200
 
 
 def _kept(status: str | None, body: bytes) -> bool:
@@ -141,6 +142,12 @@ class IdempotencyStore:
         self._held: dict[str, Claim] = {}  # claims this process holds now, by key
         self._renewal: asyncio.TimerHandle | None = None
 
+    @staticmethod
+    def check(request_id: str) -> None:
+        """Refuse an id beyond the contract's bound (a request Struct that does not bound it)."""
+        if len(request_id) > MAX_REQUEST_ID:
+            raise InvalidArgument("request_id", f"must be at most {MAX_REQUEST_ID} characters")
+
     def key(self, scope: str, request_id: str) -> str:
         return f"{self.prefix}:idem:{scope}:{request_id}"
 
@@ -157,8 +164,6 @@ class IdempotencyStore:
         `undo` gives back the effect of an answer that could not be kept because this run lost its
         claim (its lease ran out while it worked, and a retry took over): the retry's answer counts.
         """
-        if len(request_id) > 200:
-            raise InvalidArgument("request_id", "must be at most 200 characters")
         key = self.key(scope, request_id)
         token = uuid.uuid4().hex
         taken = await self._take(key, token, hashlib.sha1(payload).digest(), request_id)

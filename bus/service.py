@@ -16,6 +16,9 @@ What the runtime adds to `nats.micro`:
 - domain errors (`BerthError`) become the error headers and body of DESIGN.md §2; a store that
   cannot be reached, or is out of memory, becomes `unavailable` (503, retry); anything else becomes
   `internal` with the traceback logged;
+- the caller's identity and role (`bus.callers`): a command above the caller's role is refused
+  `permission_denied` before anything else; handlers read the caller from `current_caller`, and a
+  `request_id` is the caller's own (two tenants' ids never meet);
 - optional idempotency by `request_id` (see `bus.idempotency`);
 - optional durable answers: the Redis writes a request noted are on N replicas before it is
   answered, else it answers `unavailable` (see `bus.replicas`);
@@ -43,9 +46,10 @@ from nats.micro.service import Endpoint as MicroEndpoint
 from nats.micro.service import Service as MicroService
 from redis import exceptions as redis_errors
 
+from bus.callers import Caller, Role, caller_of, current_caller
 from bus.codec import decode, encode
 from bus.connection import subscriptions_in_place
-from bus.errors import BerthError, Unavailable
+from bus.errors import BerthError, PermissionDenied, Unavailable
 from bus.idempotency import IdempotencyStore, Reply
 from bus.replicas import ReplicaWait, collecting
 from bus.tasks import cancel_and_wait
@@ -80,6 +84,7 @@ class EndpointSpec:
     idempotent: bool
     broadcast: bool = False
     undo: Callable[[Any, bytes], Awaitable[None]] | None = None
+    role: Role = Role.ADMIN
 
 
 @dataclass(frozen=True)
@@ -101,6 +106,15 @@ class Command:
     # For an idempotent command, the method that gives back the effect of an answer (the request and
     # the encoded answer) that could not be kept because its run lost the claim to a retry.
     undo: str | None = None
+    # The least role that may call it (bus.callers); None: readers for a command that changes
+    # nothing, admins for one that does (a new command is closed until it says who may call it).
+    role: Role | None = None
+
+    @property
+    def least_role(self) -> Role:
+        if self.role is not None:
+            return self.role
+        return Role.ADMIN if self.idempotent else Role.READER
 
 
 def error_reply(error: BerthError) -> Reply:
@@ -163,12 +177,13 @@ class Service:
         idempotent: bool = False,
         broadcast: bool = False,
         undo: Callable[[Any, bytes], Awaitable[None]] | None = None,
+        role: Role = Role.ADMIN,
     ) -> None:
         if idempotent and self.idempotency is None:
             raise ValueError(f"endpoint {subject} is idempotent but the service has no idempotency store")
         endpoint_name = name or subject.replace(".", "-")
         self.specs.append(
-            EndpointSpec(endpoint_name, subject, request, response, handler, idempotent, broadcast, undo)
+            EndpointSpec(endpoint_name, subject, request, response, handler, idempotent, broadcast, undo, role)
         )
 
     def bind(self, commands: list[Command], target: object) -> None:
@@ -178,7 +193,7 @@ class Service:
             self.add_endpoint(
                 command.subject, command.wire or command.request, command.response, handler,
                 idempotent=command.idempotent, broadcast=command.broadcast,
-                undo=getattr(target, command.undo) if command.undo else None,
+                undo=getattr(target, command.undo) if command.undo else None, role=command.least_role,
             )
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -267,17 +282,24 @@ class Service:
 
     async def _serve(self, spec: EndpointSpec, request: Request) -> None:
         started = time.perf_counter_ns()
-        reply = await self._answer(spec, request.data)
+        reply = await self._answer(spec, request.data, caller_of(request.headers))
         try:
             await request.respond(reply.body, headers=reply.headers)
         except Exception as error:  # no reply subject, or the connection is closing
             log.warning("%s: could not reply: %r", spec.subject, error)
         self._account(spec, time.perf_counter_ns() - started, reply)
 
-    async def _answer(self, spec: EndpointSpec, data: bytes) -> Reply:
+    async def _answer(self, spec: EndpointSpec, data: bytes, caller: Caller) -> Reply:
+        if not caller.may(spec.role):
+            return error_reply(PermissionDenied(
+                f"{spec.subject} needs the {spec.role.label} role; {caller} may not call it",
+                details={"role": spec.role.label}))
+        current_caller.set(caller)  # this task's own context: it ends with the request
         try:
             req = decode(data, spec.request)
             if spec.idempotent and getattr(req, "request_id", None):
+                self.idempotency.check(req.request_id)
+                req.request_id = caller.qualified(req.request_id)
                 undo = (lambda reply: spec.undo(req, reply.body)) if spec.undo else None
                 return await self.idempotency.run(
                     self._idempotency_scope(spec), req.request_id, data, lambda: self._call(spec, req), undo

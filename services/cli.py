@@ -94,7 +94,9 @@ def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
                 else start_redis(state / "redis", args.redis_port, config=redis_config, extra=limit, tls=tls)
             )
             args.redis = servers[-1].url
-        client_url = creds.nats_url("client", args.nats) if creds and own_nats else args.nats
+        # The dashboard reads as an identity of its own, a reader (services/credentials.py).
+        dashboard_url = creds.nats_url("dashboard", args.nats) if creds and own_nats else args.nats
+        js_env = {"BERTH_JS_DOMAIN": args.prefix} if creds and own_nats else {}
         _print_connection(args, state, creds if own_nats else None, tls)
         supervisor = Supervisor()
         scraped: list[str] = []  # the workers serving Prometheus metrics, in start order
@@ -118,7 +120,7 @@ def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
             dashboard = [sys.executable, "-m", "services.cli", "dashboard", "--prefix", args.prefix,
                          "--port", str(port), "--quiet"]
             # no password on a command line
-            supervisor.add("dashboard", dashboard, {**os.environ, **tls_env, "NATS_URL": client_url})
+            supervisor.add("dashboard", dashboard, {**os.environ, **tls_env, **js_env, "NATS_URL": dashboard_url})
             print(f"dashboard: http://127.0.0.1:{port}/", flush=True)
         print("berth is up; Ctrl-C stops everything", flush=True)
         if scraped:  # Prometheus metrics of every worker (bus/telemetry.py)
@@ -141,17 +143,19 @@ def _prepare_tls(state: Path):
 
 
 def _print_connection(args: argparse.Namespace, state: Path, creds, tls) -> None:
-    """What a client needs, as variables `berth call/status/events` read: the URLs, the client
-    user's creds file and the CA; never a password (stdout ends up in terminals and logs)."""
+    """What a client needs, as variables `berth call/status/events` read: the URLs, the admin
+    identity's creds file, where the streams are, and the CA; never a password (stdout ends up in
+    terminals and logs)."""
     lines = [f"NATS_URL={args.nats}", f"REDIS_URL={args.redis}"]
     if creds:
-        lines.append(f"BERTH_NATS_CREDS={creds.nats_creds('client')}")
+        lines += [f"BERTH_NATS_CREDS={creds.nats_creds('admin')}", f"BERTH_JS_DOMAIN={args.prefix}"]
     if tls:
         lines.append(f"BERTH_TLS_CA={tls.ca}")
     lines.append(f"state: {state}")
     if creds:
-        lines.append(f"credentials: {creds.directory} (BERTH_NATS_CREDS is the client user's; every service's "
-                     "users, and Redis's administrator 'default', are in credentials.json)")
+        lines.append(f"credentials: {creds.directory} (BERTH_NATS_CREDS is the admin identity's; `berth user add "
+                     "NAME --role tenant|reader|admin` makes more; the services' users, and Redis's administrator "
+                     "'default', are in credentials.json)")
     print("\n".join(lines), flush=True)
 
 
@@ -162,6 +166,46 @@ def _stop_launched(state: Path) -> None:
 
     if stopped := asyncio.run(stop_deployment(str(state))):
         print(f"stopped {stopped} launched process groups", flush=True)
+
+
+def cmd_user(args: argparse.Namespace, extra: list[str]) -> int:
+    """`berth user add|list|remove`: the identities of a `berth up` state folder; a change is
+    written into its NATS configuration and the running servers read it again."""
+    from bus.callers import ROLES
+    from services.credentials import load
+    from services.servers import reload_nats
+
+    state = Path(args.state).resolve()
+    directory = state / "credentials"
+    if not (directory / "credentials.json").exists():
+        raise SystemExit(f"berth user: {state} has no credentials yet: start `berth up --state {args.state}` once")
+    creds = load(directory)
+    if args.action == "list":
+        rows = [(i.name, i.role.label, str(creds.nats_creds(i.name))) for i in sorted(creds.identities.values(),
+                                                                                      key=lambda i: i.name)]
+        width = max(len(name) for name, _, _ in rows) if rows else 4
+        print("\n".join([f"{'name':<{width}}  role    creds file"] +
+                        [f"{name:<{width}}  {role:<6}  {path}" for name, role, path in rows]))
+        return 0
+    try:
+        if args.action == "add":
+            creds = creds.with_identity(args.name, ROLES[args.role])
+        else:
+            creds = creds.without_identity(args.name)
+    except ValueError as error:
+        raise SystemExit(f"berth user: {error}") from None
+    except KeyError:
+        raise SystemExit(f"berth user: no identity named {args.name!r}") from None
+    creds.write()
+    told = reload_nats(state)
+    running = f"; {told} running nats-server(s) reloaded" if told else "; no nats-server of it runs now"
+    if args.action == "add":
+        identity = creds.identities[args.name]
+        print(f"{identity.name}: role {identity.role.label}, creds file {creds.nats_creds(identity.name)}{running}")
+        print(f"BERTH_NATS_CREDS={creds.nats_creds(identity.name)}")
+    else:
+        print(f"{args.name}: removed (what it owns stays; an admin may release it){running}")
+    return 0
 
 
 def cmd_worker(args: argparse.Namespace, extra: list[str]) -> int:
@@ -221,6 +265,18 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--catalog", default=up_catalog(), metavar="PATH",
                     help="images the broker may run (env BERTH_CATALOG; default: the repository's catalog.toml)")
     up.set_defaults(run=cmd_up)
+
+    user = sub.add_parser("user", help="identities of a `berth up` deployment: add, list, remove")
+    user.add_argument("--state", default=state_dir(), help="the state folder of `berth up`")
+    actions = user.add_subparsers(dest="action", required=True)
+    add = actions.add_parser("add", help="a new identity (or a new role for one), with a creds file of its own")
+    add.add_argument("name", help="letters, digits, '_' and '-', at most 64")
+    add.add_argument("--role", required=True, choices=["admin", "tenant", "reader"],
+                     help="admin: everything; tenant: places, releases and reads its own work; reader: reads")
+    actions.add_parser("list", help="every identity, its role and creds file")
+    remove = actions.add_parser("remove", help="take an identity away (its connections are closed)")
+    remove.add_argument("name")
+    user.set_defaults(run=cmd_user)
 
     worker = sub.add_parser("worker", help="run N processes of one service")
     worker.add_argument("service", choices=sorted(SERVICES))

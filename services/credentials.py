@@ -1,37 +1,18 @@
-"""Credentials of a berth deployment: a NATS user per service with subject permissions, a client
-user that may ask but not serve, and a Redis ACL user per service limited to its own keys.
+"""Credentials of a berth deployment: a NATS user per service and per identity (an account of its
+own, see services/accounts.py), and a Redis ACL user per service limited to its own keys.
 
-`berth up` calls `prepare(<state>/credentials, prefix)`, which keeps random passwords in
-`credentials.json` (made once, reused on every start, so URLs handed out stay valid) and renders,
-from the passwords and the prefix, on every start:
+`berth up` calls `prepare(<state>/credentials, prefix)`, which keeps random passwords and the
+identities in `credentials.json` (made once, reused on every start, so creds files handed out stay
+valid) and renders, from them and the prefix, on every start and on every `berth user` change:
 
-    nats-server.conf     `authorization { users = [...] }`, for nats-server -c
+    nats-server.conf     the NATS accounts and users (services/accounts.py), for nats-server -c
     redis.conf           `aclfile`, plus `masteruser`/`masterauth` for replicas, for redis-server
     users.acl            the Redis users (SHA-256 password hashes)
-    <user>.nats          `user=...` / `password=...` for a worker's `--nats-creds`
+    <user>.nats          `user=...` / `password=...`: a worker's `--nats-creds`, an identity's creds file
 
-Every file is readable by its owner only (the folder too).
-
-What each NATS user may do (P = the prefix, S = the service):
-
-- a service subscribes to its own command subjects (P.resource.>, P.broker.>, P.metrics.>), to
-  `$SRV.PING|INFO|STATS` and `$SRV.*.P-S[.*]` (micro discovery) and to its own inbox root
-  `_INBOX_P-S.>` (the runner sets that inbox prefix, so replies to its own requests are private);
-  allocation also to P.events.resource.> (its change watch);
-- a service publishes its events (P.events.resource.>, P.events.broker.>, P.events.metrics.>),
-  replies to clients (`_INBOX.>`) and to the services that call it (allocation to
-  `_INBOX_P-broker.>`), the JetStream API calls of `EventBus.ensure_stream` on its own stream only
-  (`$JS.API.STREAM.INFO|CREATE|UPDATE.<stream>`), and to its own inbox (`_INBOX_P-S.>`); the broker
-  also sends requests to allocation (P.resource.>);
-- the client user publishes requests (P.resource.>, P.broker.>, P.metrics.>, `$SRV.>`) and
-  read-only JetStream calls on the events streams (stream info, message get, consumers and their
-  acks), subscribes to P.events.> and `_INBOX.>`; it may not subscribe to a command subject (serve)
-  nor publish on P.events.> (fake an event) nor on `_INBOX.>` (forge a reply).
-
-Replies are allowed by subject (`_INBOX...`), not with nats-server's `allow_responses`: a response
-permission lets a service publish once on *any* reply subject a request names, which overrides
-the service's own allow and deny lists, so a client could have a service publish its answer onto
-another service's event subjects or onto the JetStream API (`$JS.API.STREAM.PURGE...`).
+A first start makes two identities: `admin` (the operator's, printed by `berth up`) and
+`dashboard` (a reader, for the dashboard `berth up` starts). Every file is readable by its owner
+only (the folder too).
 
 Redis: each service user gets `~P:S:*` and `~P:idem:P-S:*` and no pub/sub channel; every command
 except the dangerous and admin ones, pub/sub, KEYS/SCAN/RANDOMKEY (key names of other services),
@@ -47,25 +28,18 @@ import hashlib
 import json
 import os
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from urllib.parse import quote, urlsplit, urlunsplit
 
-SERVICES = ("allocation", "broker", "metrics")
-CLIENT = "client"
-NATS_USERS = (*SERVICES, CLIENT)
+from bus.callers import ROLES, Role
+from services import accounts
+from services.accounts import SERVICES, Identity
+
 REDIS_ADMIN = "default"
 REDIS_USERS = (*SERVICES, REDIS_ADMIN)
-
-# The first subject token (below the prefix) of each service's commands, and of its events.
-COMMAND_TOKEN = {"allocation": "resource", "broker": "broker", "metrics": "metrics"}
-EVENT_TOKEN = {"allocation": "resource", "broker": "broker", "metrics": "metrics"}
-# The events stream each service keeps its events in (`StreamSpec.name` of its worker module).
-STREAM = {"allocation": "events", "broker": "events", "metrics": "metrics"}
-# The services each service sends requests to.
-CALLS = {"allocation": (), "broker": ("allocation",), "metrics": ()}
-# The service whose events each service watches.
-WATCHES = {"allocation": ("allocation",), "broker": (), "metrics": ()}
+# The identities a first start makes: the operator's, and the reader `berth up`'s dashboard runs as.
+FIRST_IDENTITIES = {"admin": Role.ADMIN, "dashboard": Role.READER}
 
 REDIS_COMMANDS = (
     "+@all", "-@dangerous", "-@admin", "-@pubsub",
@@ -73,100 +47,6 @@ REDIS_COMMANDS = (
     "-scan", "-randomkey",
     "-client", "+client|id", "+client|getname", "+client|setname",
 )
-
-
-def inbox_prefix(prefix: str, service: str) -> str:
-    """The inbox root of a service's own requests (nats-py `inbox_prefix`); not under `_INBOX.`,
-    so the client user, who may subscribe to `_INBOX.>`, never sees what a service is answered."""
-    return f"_INBOX_{prefix}-{service}"
-
-
-def stream_names(prefix: str) -> list[str]:
-    return sorted({f"{prefix}-{name}" for name in STREAM.values()})
-
-
-# -- NATS --------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Permissions:
-    publish_allow: tuple[str, ...]
-    subscribe_allow: tuple[str, ...]
-    publish_deny: tuple[str, ...] = ()
-    subscribe_deny: tuple[str, ...] = ()
-
-    def config(self) -> dict:
-        def side(allow: tuple[str, ...], deny: tuple[str, ...]) -> dict:
-            return {"allow": list(allow), **({"deny": list(deny)} if deny else {})}
-
-        return {
-            "publish": side(self.publish_allow, self.publish_deny),
-            "subscribe": side(self.subscribe_allow, self.subscribe_deny),
-        }
-
-
-def service_permissions(prefix: str, service: str) -> Permissions:
-    name = f"{prefix}-{service}"
-    stream = f"{prefix}-{STREAM[service]}"
-    own_inbox = f"{inbox_prefix(prefix, service)}.>"
-    callers = [caller for caller in SERVICES if service in CALLS[caller]]
-    publish = [
-        f"{prefix}.events.{EVENT_TOKEN[service]}.>",
-        "_INBOX.>",  # replies to clients
-        *(f"{inbox_prefix(prefix, caller)}.>" for caller in callers),  # replies to calling services
-        own_inbox,  # bus.connection.subscriptions_in_place probes its own inbox
-        *(f"$JS.API.STREAM.{verb}.{stream}" for verb in ("INFO", "CREATE", "UPDATE")),
-        *(f"{prefix}.{COMMAND_TOKEN[callee]}.>" for callee in CALLS[service]),
-    ]
-    subscribe = [
-        f"{prefix}.{COMMAND_TOKEN[service]}.>",
-        *(f"{prefix}.events.{EVENT_TOKEN[watched]}.>" for watched in WATCHES[service]),
-        "$SRV.PING", "$SRV.INFO", "$SRV.STATS", f"$SRV.*.{name}", f"$SRV.*.{name}.*",
-        own_inbox,
-    ]
-    return Permissions(tuple(publish), tuple(subscribe))
-
-
-def client_permissions(prefix: str) -> Permissions:
-    commands = [f"{prefix}.{token}.>" for token in dict.fromkeys(COMMAND_TOKEN.values())]
-    jetstream = ["$JS.API.INFO", "$JS.API.STREAM.NAMES", "$JS.API.STREAM.LIST"]
-    for stream in stream_names(prefix):
-        jetstream += [
-            f"$JS.API.STREAM.INFO.{stream}",
-            f"$JS.API.STREAM.MSG.GET.{stream}",
-            f"$JS.API.DIRECT.GET.{stream}",
-            f"$JS.API.DIRECT.GET.{stream}.>",
-            f"$JS.API.CONSUMER.CREATE.{stream}",
-            f"$JS.API.CONSUMER.CREATE.{stream}.>",
-            f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.*",
-            f"$JS.API.CONSUMER.INFO.{stream}.*",
-            f"$JS.API.CONSUMER.DELETE.{stream}.*",
-            f"$JS.API.CONSUMER.NAMES.{stream}",
-            f"$JS.API.CONSUMER.LIST.{stream}",
-            f"$JS.API.CONSUMER.MSG.NEXT.{stream}.*",
-            f"$JS.ACK.{stream}.>",
-            f"$JS.FC.{stream}.>",
-        ]
-    return Permissions(
-        publish_allow=(*commands, "$SRV.>", *jetstream),
-        subscribe_allow=(f"{prefix}.events.>", "_INBOX.>"),
-        publish_deny=(f"{prefix}.events.>", "_INBOX.>"),
-        subscribe_deny=(*commands, "$SRV.>"),
-    )
-
-
-def nats_permissions(prefix: str, user: str) -> Permissions:
-    return client_permissions(prefix) if user == CLIENT else service_permissions(prefix, user)
-
-
-def nats_config(prefix: str, passwords: dict[str, str]) -> str:
-    """A nats-server configuration holding the users (JSON is valid nats-server syntax)."""
-    users = [
-        {"user": user, "password": passwords[user], "permissions": nats_permissions(prefix, user).config()}
-        for user in NATS_USERS
-    ]
-    body = json.dumps({"users": users}, indent=2)
-    return f"# written by berth up for prefix {prefix!r}; rewritten on every start\nauthorization: {body}\n"
 
 
 # -- Redis -------------------------------------------------------------------------------------
@@ -260,8 +140,9 @@ def write_private(path: Path, text: str) -> None:
 class Credentials:
     directory: Path
     prefix: str
-    nats_passwords: dict[str, str]
+    nats_passwords: dict[str, str]  # the services' NATS users
     redis_passwords: dict[str, str]
+    identities: dict[str, Identity]
 
     @property
     def nats_config(self) -> Path:
@@ -280,10 +161,14 @@ class Credentials:
         return REDIS_ADMIN, self.redis_passwords[REDIS_ADMIN]
 
     def nats_creds(self, user: str) -> Path:
+        """The creds file of a service's or an identity's NATS user."""
         return self.directory / f"{user}.nats"
 
+    def nats_password(self, user: str) -> str:
+        return self.identities[user].password if user in self.identities else self.nats_passwords[user]
+
     def nats_url(self, user: str, url: str) -> str:
-        return nats_url_with(url, user, self.nats_passwords[user])
+        return nats_url_with(url, user, self.nats_password(user))
 
     def redis_url(self, user: str, url: str) -> str:
         return redis_url_with(url, user, self.redis_passwords[user])
@@ -293,12 +178,12 @@ class Credentials:
     ) -> tuple[list[str], dict[str, str]]:
         """A worker's arguments and extra environment: its NATS user as a creds file (a path on the
         command line), its Redis URL with credentials in the environment, as any URL that carries a
-        password (a command line is visible to every local user). `nats_auth`/`redis_auth`: False
-        for a server that is not ours (its URL is passed as given)."""
+        password (a command line is visible to every local user), and where it reaches the streams.
+        `nats_auth`/`redis_auth`: False for a server that is not ours (its URL is passed as given)."""
         argv = ["--prefix", self.prefix]
         env: dict[str, str] = {}
         if nats_auth:
-            argv += ["--nats-creds", str(self.nats_creds(service))]
+            argv += ["--nats-creds", str(self.nats_creds(service)), "--js-domain", self.prefix]
         if redis_auth:
             redis_url = self.redis_url(service, redis_url)
         for option, variable, url in (("--nats", "NATS_URL", nats_url), ("--redis", "REDIS_URL", redis_url)):
@@ -308,33 +193,64 @@ class Credentials:
                 argv += [option, url]
         return argv, env
 
+    def with_identity(self, name: str, role: Role) -> Credentials:
+        """These credentials with identity `name` added (a new password), or given `role`."""
+        accounts.check_name(name)
+        known = self.identities.get(name)
+        identity = replace(known, role=role) if known else Identity(name, role, _password())
+        return replace(self, identities={**self.identities, name: identity})
+
+    def without_identity(self, name: str) -> Credentials:
+        if name not in self.identities:
+            raise KeyError(name)
+        return replace(self, identities={k: v for k, v in self.identities.items() if k != name})
+
     def write(self) -> None:
-        """Render every file from the passwords and the prefix."""
+        """Render every file from the passwords, the identities and the prefix; a creds file of a
+        user that is gone is removed."""
         self.directory.mkdir(parents=True, exist_ok=True)
         os.chmod(self.directory, 0o700)
-        document = {"version": 1, "nats": self.nats_passwords, "redis": self.redis_passwords}
+        identities = {i.name: {"role": i.role.label, "password": i.password} for i in self.identities.values()}
+        document = {"version": 2, "prefix": self.prefix, "nats": self.nats_passwords,
+                    "redis": self.redis_passwords, "identities": identities}
         write_private(self.directory / "credentials.json", json.dumps(document, indent=2) + "\n")
-        write_private(self.nats_config, nats_config(self.prefix, self.nats_passwords))
+        write_private(self.nats_config, accounts.render(self.prefix, self.nats_passwords, list(self.identities.values())))
         write_private(self.redis_acl, redis_acl(self.prefix, self.redis_passwords))
         write_private(self.redis_config, redis_config(self.redis_acl, self.redis_passwords[REDIS_ADMIN]))
-        for user in NATS_USERS:
-            write_private(self.nats_creds(user), f"user={user}\npassword={self.nats_passwords[user]}\n")
+        users = {**{service: self.nats_passwords[service] for service in SERVICES},
+                 **{i.name: i.password for i in self.identities.values()}}
+        for user, password in users.items():
+            write_private(self.nats_creds(user), f"user={user}\npassword={password}\n")
+        for stale in self.directory.glob("*.nats"):
+            if stale.stem not in users:
+                stale.unlink()
 
 
 def _password() -> str:
     return secrets.token_urlsafe(24)  # 192 bits; URL-safe, so it goes into URLs unescaped
 
 
-def prepare(directory: Path, prefix: str) -> Credentials:
-    """The deployment's credentials: the passwords kept in `directory/credentials.json` (new ones
-    for users it lacks), every file rendered again for `prefix`."""
+def load(directory: Path, prefix: str | None = None) -> Credentials:
+    """The credentials kept in `directory/credentials.json` (new passwords for users it lacks, and
+    the first identities when it has none), without writing anything; `prefix` None: the one they
+    were last written for (`berth user` keeps the prefix `berth up` used)."""
     directory = Path(directory)
     stored: dict = {}
     path = directory / "credentials.json"
     if path.exists():
         stored = json.loads(path.read_text())
-    nats = {user: stored.get("nats", {}).get(user) or _password() for user in NATS_USERS}
+    prefix = prefix or stored.get("prefix") or "berth"
+    nats = {user: stored.get("nats", {}).get(user) or _password() for user in SERVICES}
     redis = {user: stored.get("redis", {}).get(user) or _password() for user in REDIS_USERS}
-    credentials = Credentials(directory, prefix, nats, redis)
+    kept = stored.get("identities")
+    if kept is None:  # a first start (or credentials of a berth before identities)
+        kept = {name: {"role": role.label, "password": _password()} for name, role in FIRST_IDENTITIES.items()}
+    identities = {name: Identity(name, ROLES[entry["role"]], entry["password"]) for name, entry in kept.items()}
+    return Credentials(directory, prefix, nats, redis, identities)
+
+
+def prepare(directory: Path, prefix: str) -> Credentials:
+    """The deployment's credentials (`load`), every file rendered again for `prefix`."""
+    credentials = load(directory, prefix)
     credentials.write()
     return credentials

@@ -58,10 +58,11 @@ def configure_logging(level: str = "INFO") -> None:
 def nats_options(common: CommonConfig, service: str) -> dict[str, str]:
     """The worker's NATS credentials (a creds file first, then user and password) and inbox root.
 
-    The inbox root is the service's own (`services.credentials.inbox_prefix`), not `_INBOX`: with
+    The inbox root is the service's own (`services.accounts.inbox_prefix`), not `_INBOX`: with
     the permissions `berth up` writes, only this service may subscribe to it, so the answers to its
-    requests (JetStream API, calls to other services) are not visible to clients."""
-    from services.credentials import inbox_prefix, read_creds_file
+    requests (JetStream API, calls to other services) are not visible to anyone else."""
+    from services.accounts import inbox_prefix
+    from services.credentials import read_creds_file
 
     options = {"inbox_prefix": common.nats_inbox_prefix or inbox_prefix(common.prefix, service)}
     user, password = common.nats_user, common.nats_password
@@ -102,7 +103,7 @@ async def run(module, common: CommonConfig, config: AnyServiceConfig | None) -> 
 async def _serve(module, common: CommonConfig, config: AnyServiceConfig | None, metrics: MetricsServer | None) -> None:
     nc = await connect(common.nats, name=f"{common.prefix}-{module.NAME}", **nats_options(common, module.NAME))
     redis = await ready(connect_redis(common.redis, max_connections=common.concurrency + 8))
-    events = EventBus(nc, prefix=common.prefix)
+    events = EventBus(nc, prefix=common.prefix, js_domain=common.js_domain)
     await events.ensure_stream(module.STREAM, memory=common.memory_stream)
     ctx = WorkerContext(common=common, config=config, nc=nc, redis=redis, events=events, prefix=common.prefix)
     try:

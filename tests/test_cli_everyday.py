@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bus.callers import Role
 from bus.connection import subscriptions_in_place
 from schemas.common import Event
 from services.credentials import prepare
@@ -405,12 +406,14 @@ def test_no_log_line_on_standard_output_even_when_verbose(spawn_worker, nats_url
     assert quiet.returncode == 0 and quiet.stderr == ""
 
 
-def test_as_the_client_user_berth_up_gives_out(tmp_path):
-    """On servers with the users and permissions `berth up` writes, the client user can call, list,
-    ask for status and replay events from the stream; a wrong password and a subject it may not
-    publish on are told apart from a service that does not answer (exit 5, not 3)."""
+def test_as_the_identities_berth_up_gives_out(tmp_path):
+    """On servers with berth's accounts, the admin identity can call, list, ask for status and
+    replay events from the stream (through a pull consumer of its own), a tenant replays what it
+    may see and is refused the rest; a wrong password and a subject it may not publish on are told
+    apart from a service that does not answer (exit 5, not 3)."""
     prefix = new_prefix()
-    creds = prepare(tmp_path / "credentials", prefix)
+    creds = prepare(tmp_path / "credentials", prefix).with_identity("ten", Role.TENANT)
+    creds.write()
     nats = start_nats(tmp_path / "nats", config=creds.nats_config)
     redis = start_redis(tmp_path / "redis", appendonly=False, config=creds.redis_config)
     workers = []
@@ -423,32 +426,41 @@ def test_as_the_client_user_berth_up_gives_out(tmp_path):
                 prefix,
                 "--nats-creds",
                 str(creds.nats_creds("allocation")),
+                "--js-domain",
+                prefix,
             )
         )
-        client = creds.nats_url("client", nats.url)  # nats://client:<password>@host:port
-        password = creds.nats_passwords["client"]
+        client = creds.nats_url("admin", nats.url)  # nats://admin:<password>@host:port
+        password = creds.identities["admin"].password
+        domain = ["--js-domain", prefix]
 
         added = berth(client, prefix, "call", "resource.add-node", json.dumps(N1))
         assert added.returncode == 0, added.stderr
-        replayed = berth(client, prefix, "events", "--since", "1h", "--count", "3")
+        replayed = berth(client, prefix, "events", "--since", "1h", "--count", "3", *domain)
         assert replayed.returncode == 0, replayed.stderr
         lines = [json.loads(line) for line in replayed.stdout.splitlines()]
         assert [(line["stream"], line["seq"], line["event"]["type"]) for line in lines] == [
             (f"{prefix}-events", seq, "added") for seq in (1, 2, 3)
         ]
+        tenant = creds.nats_url("ten", nats.url)
+        own = berth(tenant, prefix, "events", "resource.*.added", "--since", "1h", "--count", "3", *domain)
+        assert own.returncode == 0, own.stderr
+        assert [json.loads(line)["seq"] for line in own.stdout.splitlines()] == [1, 2, 3]
+        everything = berth(tenant, prefix, "events", "resource.>", "--since", "1h", "--count", "1", *domain)
+        assert everything.returncode == 5 and "not allowed" in everything.stderr
         assert berth(client, prefix, "nodes").stdout.splitlines()[1].split()[0] == "n1"
         assert berth(client, prefix, "status").stdout.splitlines()[1].split()[:2] == [
             f"{prefix}-allocation",
             "1",
         ]
         with_file = berth(
-            nats.url, prefix, "call", "resource.plugins", "--nats-creds", str(creds.nats_creds("client"))
+            nats.url, prefix, "call", "resource.plugins", "--nats-creds", str(creds.nats_creds("admin"))
         )
         assert with_file.returncode == 0, with_file.stderr
 
         wrong = berth(client.replace(password, "not-the-password"), prefix, "call", "resource.plugins")
         assert wrong.returncode == 5 and "cannot connect to NATS" in wrong.stderr
-        assert "not-the-password" not in wrong.stderr and "client:***@" in wrong.stderr
+        assert "not-the-password" not in wrong.stderr and "admin:***@" in wrong.stderr
 
         # only services may publish events: the server refuses, and the command says so at once
         refused = berth(client, prefix, "call", "events.resource.n1.added", "{}", "--timeout", "60")

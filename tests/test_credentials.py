@@ -1,90 +1,38 @@
 """Credentials (services/credentials.py): a nats-server and a redis-server started with the users
 `berth up` writes, real workers on their own users, and what a user without rights cannot do.
-
-The three workers take their NATS user three ways: allocation a creds file (`--nats-creds`), the
-broker NATS_USER/NATS_PASSWORD, metrics `user:password@` in the URL; each its own Redis URL.
+What identities and roles may do on the bus is in tests/test_tenancy.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import importlib
 import os
 import socket
 import stat
-import time
-import uuid
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-import msgpack
 import pytest
 import pytest_asyncio
 import redis as sync_redis
 from nats.errors import Error as NatsError
-from nats.errors import NoRespondersError
-from nats.js.errors import NotFoundError
 from redis.backoff import NoBackoff
 from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 from redis.retry import Retry
 
 from bus import discovery
-from bus.client import BusClient
-from bus.connection import connect, subscriptions_in_place
+from bus.callers import Role
+from bus.connection import connect
 from bus.redis import Pipelined, connect_redis
-from services import credentials
-from services.credentials import inbox_prefix, prepare
-from services.servers import start_nats, start_redis, start_redis_cluster
-from tests.broker_helpers import CATALOG, HTTP, SERVER
-from tests.conftest import start_worker, stop_workers
-
-NODE = "cred-node"
-
-
-class Deployment:
-    def __init__(self, directory: Path) -> None:
-        self.prefix = f"t{uuid.uuid4().hex[:10]}"
-        self.creds = prepare(directory / "credentials", self.prefix)
-        self.nats = start_nats(directory / "nats", config=self.creds.nats_config)
-        self.redis = start_redis(directory / "redis", appendonly=False, config=self.creds.redis_config)
-        self.workers = []
-
-    def start_workers(self) -> None:
-        c, p = self.creds, self.prefix
-        launches = [
-            ("services.allocation.worker", self.nats.url, c.redis_url("allocation", self.redis.url),
-             ["--nats-creds", str(c.nats_creds("allocation"))], None),
-            ("services.broker.worker", self.nats.url, c.redis_url("broker", self.redis.url), ["--catalog", str(CATALOG)],
-             {"NATS_USER": "broker", "NATS_PASSWORD": c.nats_passwords["broker"]}),
-            ("services.metrics.worker", c.nats_url("metrics", self.nats.url), c.redis_url("metrics", self.redis.url),
-             ["--node", NODE, "--interval", "1"], None),
-        ]
-        with ThreadPoolExecutor(len(launches)) as pool:
-            started = [pool.submit(start_worker, module, nats, redis, p, *args, env=env)
-                       for module, nats, redis, args, env in launches]
-            self.workers = [future.result() for future in started]
-
-    def admin(self) -> sync_redis.Redis:
-        user, password = self.creds.redis_admin
-        return sync_redis.Redis(port=self.redis_port, username=user, password=password)
-
-    def redis_as(self, user: str) -> sync_redis.Redis:
-        return sync_redis.Redis(port=self.redis_port, username=user, password=self.creds.redis_passwords[user])
-
-    @property
-    def redis_port(self) -> int:
-        return int(self.redis.url.rsplit(":", 1)[1].split("/")[0])
-
-    def stop(self) -> None:
-        stop_workers(self.workers)
-        self.nats.stop()
-        self.redis.stop()
+from services import accounts, credentials
+from services.credentials import load, prepare
+from services.servers import start_redis_cluster
+from tests.accounts_helpers import NODE, Deployment
+from tests.broker_helpers import HTTP, SERVER
 
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
-    d = Deployment(tmp_path_factory.mktemp("credentials"))
+    d = Deployment(tmp_path_factory.mktemp("credentials"), {"u1": Role.TENANT})
     try:
         d.start_workers()
         yield d
@@ -92,70 +40,40 @@ def deployment(tmp_path_factory):
         d.stop()
 
 
-class Errors:
-    """A NATS connection's asynchronous errors (permissions violations), to wait for."""
-
-    def __init__(self) -> None:
-        self.queue: asyncio.Queue[str] = asyncio.Queue()
-
-    async def callback(self, error: Exception) -> None:
-        await self.queue.put(str(error).lower())
-
-    async def expect(self, *fragments: str, timeout: float = 5.0) -> str:
-        async with asyncio.timeout(timeout):
-            while True:
-                message = await self.queue.get()
-                if all(fragment.lower() in message for fragment in fragments):
-                    return message
-
-
-async def connect_as(d: Deployment, user: str, errors: Errors | None = None, **options):
-    if user != credentials.CLIENT:
-        options.setdefault("inbox_prefix", inbox_prefix(d.prefix, user))
-    if errors is not None:
-        options["error_cb"] = errors.callback
-    return await connect(d.creds.nats_url(user, d.nats.url), name=f"test-{user}", worker=False, **options)
-
-
-@pytest_asyncio.fixture
-async def client_nc(deployment):
-    errors = Errors()
-    nc = await connect_as(deployment, "client", errors)
-    nc.errors = errors
-    yield nc
-    await nc.close()
-
-
 # -- every service works on its own users ---------------------------------------------------------
 
 
-async def test_every_service_answers_the_client_user_and_writes_only_its_own_keys(deployment, client_nc):
-    d, client = deployment, BusClient(client_nc, prefix=deployment.prefix, timeout=10)
-    added = await client.request("resource.add-node", {"nodename": "n1", "resource": {"cpumem": {"cpu": 4, "memory": "8G"}}})
-    assert added["capacity"]["cpumem"]["cpu"] == 4
-    placed = await client.request("resource.allocate", {
-        "nodename": "n1", "deploy_count": 2, "request_id": "creds-1",
-        "workload_resource_request": {"cpumem": {"cpu-bind": True, "cpu-request": 1}},
-    })
-    assert [a["nodename"] for a in placed["allocations"]] == ["n1", "n1"]
-    assert await client.request("broker.list-brokers", {}) == {"brokers": []}
-    param = {"city": "sz", "platform": "linux", "image": SERVER, "ports": HTTP, "worker_version": "v1"}
-    await client.request("broker.init", {"user": "u1", "resource_id": "r1", "param": param, "request_id": "creds-3"})
-    assert (await client.request("broker.get-resource", {"user": "u1", "resource_id": "r1"}))["status"] == "init"
-    synced = await client.request(f"metrics.{NODE}.has-synced", {})
-    assert {"synced", "failed", "interval_seconds"} <= set(synced)
-    lease = await client.request(f"metrics.{NODE}.register-notifier",
-                                 {"scope": "node", "metric": "mem.total.system", "request_id": "creds-2"})
-    assert lease["key"]
-    # discovery works for the client user, and lists every service
-    names = {ping.name for ping in await discovery.ping(client_nc)}
-    assert {f"{d.prefix}-{s}" for s in credentials.SERVICES} <= names
+async def test_every_service_answers_on_its_own_users_and_writes_only_its_own_keys(deployment):
+    d = deployment
+    client, tenant = await d.client("admin"), await d.client("u1")
+    try:
+        added = await client.request("resource.add-node", {"nodename": "n1", "resource": {"cpumem": {"cpu": 4, "memory": "8G"}}})
+        assert added["capacity"]["cpumem"]["cpu"] == 4
+        placed = await tenant.request("resource.allocate", {
+            "nodename": "n1", "deploy_count": 2, "request_id": "creds-1",
+            "workload_resource_request": {"cpumem": {"cpu-bind": True, "cpu-request": 1}},
+        })
+        assert [a["nodename"] for a in placed["allocations"]] == ["n1", "n1"]
+        assert await client.request("broker.list-brokers", {}) == {"brokers": []}
+        param = {"city": "sz", "platform": "linux", "image": SERVER, "ports": HTTP, "worker_version": "v1"}
+        await tenant.request("broker.init", {"user": "u1", "resource_id": "r1", "param": param, "request_id": "creds-3"})
+        assert (await tenant.request("broker.get-resource", {"user": "u1", "resource_id": "r1"}))["status"] == "init"
+        synced = await client.request(f"metrics.{NODE}.has-synced", {})
+        assert {"synced", "failed", "interval_seconds"} <= set(synced)
+        lease = await client.request(f"metrics.{NODE}.register-notifier",
+                                     {"scope": "node", "metric": "mem.total.system", "request_id": "creds-2"})
+        assert lease["key"]
+        # discovery works for an identity, and lists every service
+        names = {ping.name for ping in await discovery.ping(tenant.nc)}
+        assert {f"{d.prefix}-{s}" for s in accounts.SERVICES} <= names
+    finally:
+        await d.close_connections()
 
-    keys = {k.decode() for k in d.admin().scan_iter(match=f"{d.prefix}:*", count=1000)}
-    for service in credentials.SERVICES:
+    keys = {k.decode() for k in d.redis_admin().scan_iter(match=f"{d.prefix}:*", count=1000)}
+    for service in accounts.SERVICES:
         own = [k for k in keys if any(_glob(k, p) for p in credentials.redis_key_patterns(d.prefix, service))]
         assert {k.split(":")[1] for k in own} == {service, "idem"}, own  # records and kept answers
-    patterns = [p for s in credentials.SERVICES for p in credentials.redis_key_patterns(d.prefix, s)]
+    patterns = [p for s in accounts.SERVICES for p in credentials.redis_key_patterns(d.prefix, s)]
     assert all(any(_glob(k, p) for p in patterns) for k in keys), keys  # nobody wrote outside its space
 
 
@@ -163,86 +81,11 @@ def _glob(key: str, pattern: str) -> bool:
     return key.startswith(pattern.removesuffix("*"))
 
 
-# -- NATS: what the client user cannot do ---------------------------------------------------------
-
-
-async def test_the_client_user_cannot_serve_a_command(deployment, client_nc):
-    d = deployment
-    served, unserved = f"{d.prefix}.resource.add-node", f"{d.prefix}.resource.no-such-command"
-    for subject in (served, unserved):
-        await client_nc.subscribe(subject)
-        await client_nc.errors.expect("permissions violation for subscription", subject)
-    # Refused by the server: a subject only this client would serve has no responder.
-    with pytest.raises(NoRespondersError):
-        await client_nc.request(unserved, msgpack.packb({}), timeout=5)
-    # The same subscription by a user with the right to serve does answer (so the above is the refusal).
-    allocation = await connect_as(d, "allocation")
-    try:
-        async def serve(msg) -> None:
-            await msg.respond(b"served")
-
-        sub = await allocation.subscribe(unserved, cb=serve)
-        await subscriptions_in_place(allocation)
-        assert (await client_nc.request(unserved, b"", timeout=5)).data == b"served"
-        await sub.unsubscribe()
-    finally:
-        await allocation.close()
-
-
-async def test_the_client_user_cannot_publish_a_fake_event(deployment, client_nc):
-    d = deployment
-    events = await client_nc.subscribe(f"{d.prefix}.events.resource.>")  # the client may watch events
-    fake = f"{d.prefix}.events.resource.x.added"
-    await client_nc.publish(fake, msgpack.packb({"type": "added", "time": time.time(), "nodename": "x"}))
-    await client_nc.errors.expect("permissions violation for publish", fake)
-    # Sentinel: allocation publishes a real event after it. Had the fake gone through, this very
-    # connection would have received it first (the server handles a connection's messages in order).
-    await BusClient(client_nc, prefix=d.prefix).request(
-        "resource.add-node", {"nodename": "sentinel", "resource": {"cpumem": {"cpu": 1, "memory": "1G"}}}, timeout=10)
-    first = await events.next_msg(timeout=5)
-    assert first.subject == f"{d.prefix}.events.resource.sentinel.added"
-    assert msgpack.unpackb(first.data)["nodename"] == "sentinel"
-    # nor is it in the events stream (read with the client's replay rights)
-    js = client_nc.jetstream()
-    with pytest.raises(NotFoundError):
-        await js.get_last_msg(f"{d.prefix}-events", fake)
-    assert (await js.get_last_msg(f"{d.prefix}-events", first.subject)).subject == first.subject
-    await events.unsubscribe()
-
-
-async def test_the_client_user_replays_events_from_the_stream(deployment, client_nc):
-    d, js = deployment, client_nc.jetstream()
-    await BusClient(client_nc, prefix=d.prefix).request(
-        "resource.add-node", {"nodename": "replayed", "resource": {"cpumem": {"cpu": 1, "memory": "1G"}}}, timeout=10)
-    subject = f"{d.prefix}.events.resource.replayed.added"
-    pull = await js.pull_subscribe(subject, stream=f"{d.prefix}-events")  # an ephemeral pull consumer
-    [msg] = await pull.fetch(1, timeout=5)
-    await msg.ack()
-    assert msgpack.unpackb(msg.data)["nodename"] == "replayed"
-    await pull.unsubscribe()
-    ordered = await js.subscribe(subject, ordered_consumer=True)  # a push consumer on an inbox
-    assert msgpack.unpackb((await ordered.next_msg(timeout=5)).data)["nodename"] == "replayed"
-    await ordered.unsubscribe()
-    await client_nc.flush()
-    assert client_nc.errors.queue.empty()  # no call above was refused
-
-
-async def test_a_client_cannot_make_a_service_answer_onto_another_service_events(deployment, client_nc):
-    """Why replies are allowed by subject and not with `allow_responses`: a request names any reply
-    subject, and a response permission would let allocation publish onto the broker's events."""
-    d = deployment
-    events = await client_nc.subscribe(f"{d.prefix}.events.broker.>")
-    ping = f"$SRV.PING.{d.prefix}-allocation"
-    await client_nc.publish(ping, b"", reply=f"{d.prefix}.events.broker.u.b.sold")
-    # Sentinel: the same service answers a second ping, sent after it, to the client's inbox; the
-    # service handles the pings in order, so the first answer, had it been let through, came first.
-    assert (await client_nc.request(ping, b"", timeout=5)).data
-    assert events.pending_msgs == 0
-    await events.unsubscribe()
+# -- NATS ----------------------------------------------------------------------------------------
 
 
 async def test_nats_refuses_a_connection_without_credentials_or_with_a_wrong_password(deployment):
-    wrong = deployment.creds.nats_url("client", deployment.nats.url).replace("@", "x@")
+    wrong = deployment.creds.nats_url("admin", deployment.nats.url).replace("@", "x@")
     for url in (deployment.nats.url, wrong):
         with pytest.raises(NatsError, match="Authorization Violation"):
             await connect(url, worker=False, allow_reconnect=False, max_reconnect_attempts=0)
@@ -253,7 +96,7 @@ async def test_nats_refuses_a_connection_without_credentials_or_with_a_wrong_pas
 
 def test_a_service_user_cannot_read_another_services_keys(deployment):
     d, p = deployment, deployment.prefix
-    admin = d.admin()
+    admin = d.redis_admin()
     broker_key, metrics_key = f"{p}:broker:{{{p}}}:index", f"{p}:metrics:{{{NODE}}}:secret"
     broker_answer = f"{p}:idem:{p}-broker:broker.apply:r1"
     for key in (broker_key, metrics_key, broker_answer):
@@ -324,6 +167,41 @@ def test_files_are_private_and_passwords_survive_a_restart_with_rules_for_the_ne
     assert '"two.resource.>"' in second.nats_config.read_text() and "one." not in second.nats_config.read_text()
     assert "~two:allocation:*" in second.redis_acl.read_text()
     assert credentials.read_creds_file(second.nats_creds("broker")) == ("broker", second.nats_passwords["broker"])
+    assert {name: i.role for name, i in second.identities.items()} == {"admin": Role.ADMIN, "dashboard": Role.READER}
+    assert second.identities == first.identities  # the same passwords: creds files handed out stay valid
+
+
+def test_berth_user_adds_lists_and_removes_identities_of_a_state_folder(tmp_path):
+    """`berth user` on a state folder (no server running: the configuration is written for the next
+    start), keeping the prefix `berth up` used."""
+    import subprocess
+    import sys
+
+    prepare(tmp_path / "credentials", "kept")
+
+    def berth(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "services.cli", "user", "--state", str(tmp_path), *args],
+                              capture_output=True, text=True, timeout=60)
+
+    added = berth("add", "alice", "--role", "tenant")
+    assert added.returncode == 0, added.stderr
+    creds = load(tmp_path / "credentials")
+    alice = creds.identities["alice"]
+    assert alice.role == Role.TENANT and alice.password not in added.stdout  # the file's path, never the password
+    assert f"BERTH_NATS_CREDS={creds.nats_creds('alice')}" in added.stdout
+    assert credentials.read_creds_file(creds.nats_creds("alice")) == ("alice", alice.password)
+    config = creds.nats_config.read_text()
+    assert '"tenant_alice"' in config and '"kept.resource.>"' in config
+    assert berth("add", "alice", "--role", "reader").returncode == 0  # a new role, the same password
+    assert load(tmp_path / "credentials").identities["alice"] == accounts.Identity("alice", Role.READER, alice.password)
+    listed = berth("list").stdout.splitlines()
+    assert [line.split()[:2] for line in listed[1:]] == [["admin", "admin"], ["alice", "reader"], ["dashboard", "reader"]]
+    for bad in ("allocation", "resource", "a.b", "x" * 65):
+        refused = berth("add", bad, "--role", "tenant")
+        assert refused.returncode != 0 and "berth user:" in refused.stderr, bad
+    assert berth("remove", "alice").returncode == 0
+    assert "alice" not in load(tmp_path / "credentials").identities and not creds.nats_creds("alice").exists()
+    assert berth("remove", "alice").returncode != 0
 
 
 def test_a_worker_gets_no_secret_on_its_command_line(tmp_path):
@@ -343,10 +221,10 @@ def test_a_worker_gets_no_secret_on_its_command_line(tmp_path):
 
 
 def test_the_streams_and_subjects_the_permissions_name_are_the_services_own():
-    for service in credentials.SERVICES:
+    for service in accounts.SERVICES:
         module = importlib.import_module(f"services.{service}.worker")
-        assert module.STREAM.name == credentials.STREAM[service]
-        assert {subject.split(".")[0] for subject in module.STREAM.subjects} == {credentials.EVENT_TOKEN[service]}
+        assert module.STREAM.name == accounts.STREAM[service]
+        assert {subject.split(".")[0] for subject in module.STREAM.subjects} == {accounts.EVENT_TOKEN[service]}
         tokens = {command.subject.split(".")[0] for command in module.COMMANDS}
-        assert tokens == {credentials.COMMAND_TOKEN[service]}
-        assert {pattern.split(".")[0] for pattern in module.EVENTS} == {credentials.EVENT_TOKEN[service]}
+        assert tokens == {accounts.COMMAND_TOKEN[service]}
+        assert {pattern.split(".")[0] for pattern in module.EVENTS} == {accounts.EVENT_TOKEN[service]}

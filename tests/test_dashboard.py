@@ -4,7 +4,7 @@
 services coming up, a node added during the test, the usage an allocation takes, a warm pool
 filling and selling, and a metrics agent's samples. Every wait on the page is one of Playwright's
 expectations (it retries until its deadline), never a sleep. A second test runs the dashboard's bus
-side as the client user, on servers with the permissions `berth up` writes.
+side as the reader identity `berth up` makes for it, on servers with berth's accounts.
 """
 
 from __future__ import annotations
@@ -19,12 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from bus.client import BusClient
-from bus.connection import connect
 from services.dashboard.live import Live
 from tests.broker_helpers import FAST_ARGS, const_broker, eventually, marked, param
-from tests.test_credentials import NODE as AGENT
-from tests.test_credentials import Deployment
+from tests.accounts_helpers import NODE as AGENT
+from tests.accounts_helpers import Deployment
 
 pytest_plugins = ["tests.broker_fixtures"]
 
@@ -175,20 +173,20 @@ async def test_the_page_follows_services_nodes_allocations_pools_and_metrics(
     await eventually(none_left)
 
 
-async def test_the_client_user_is_all_the_dashboard_needs(tmp_path, caplog):
-    """On servers with `berth up`'s users and permissions, the dashboard (as the client user) reads
-    every part: past events from the stream, services, nodes, pools and an agent's metrics."""
+async def test_a_reader_is_all_the_dashboard_needs(tmp_path, caplog):
+    """On servers with `berth up`'s accounts, the dashboard (as the reader identity `berth up` makes
+    for it) reads every part: past events from the stream, services, nodes, pools and an agent's
+    metrics."""
     deployment = Deployment(tmp_path)
     live = None
     try:
         deployment.start_workers()
-        client_url = deployment.creds.nats_url("client", deployment.nats.url)
-        nc = await connect(client_url, worker=False)
-        client = BusClient(nc, prefix=deployment.prefix)
+        client = await deployment.client("admin")
         await client.request(
             "resource.add-node", {"nodename": "early", "resource": {"cpumem": {"cpu": 2, "memory": "2G"}}}
         )
-        live = Live(client_url, deployment.prefix)
+        reader_url = deployment.creds.nats_url("dashboard", deployment.nats.url)
+        live = Live(reader_url, deployment.prefix, js_domain=deployment.prefix)
         await live.start()
         feed = live.feed()
 
@@ -212,10 +210,10 @@ async def test_the_client_user_is_all_the_dashboard_needs(tmp_path, caplog):
         await until(lambda s: s["nodes"]["nodes"][0]["bars"][0]["used"] == 1)
         await until(lambda s: s["pools"]["available"] is True)
         await until(lambda s: len(s["series"].get(AGENT, {}).get("cpu.load.1min.system", [])) >= 2)
-        await nc.close()
     finally:
         if live is not None:
             await live.stop()
+        await deployment.close_connections()
         deployment.stop()
     refused = [r.getMessage() for r in caplog.records if "permissions violation" in r.getMessage()]
     assert refused == []

@@ -44,7 +44,7 @@ async def test_up_cluster_serves_an_allocation_ctrl_c_stops_every_server_and_a_r
             await _call(nc, "berth.resource.add-node", add)
             placed = (await _call(nc, "berth.resource.allocate", allocate))["allocations"]
             assert [a["nodename"] for a in placed] == ["c1", "c1"]
-            info = await nc.jetstream().stream_info("berth-events")
+            info = await nc.jetstream(domain=urls["BERTH_JS_DOMAIN"]).stream_info("berth-events")
             assert info.config.num_replicas == 3
         finally:
             await nc.close()

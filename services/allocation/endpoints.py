@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 
+from bus.callers import Role
 from bus.errors import BerthError, InvalidArgument
 from bus.events import StreamSpec
 from bus.service import Command
@@ -96,9 +97,9 @@ WIRE_TYPES = {GetNodesDeployCapacity: GetNodesDeployCapacityWire}
 
 MANAGER_ONLY_COMMANDS = [
     Command("resource.allocate", Allocate, AllocateReply, "allocate", idempotent=True, wire=AllocateWire,
-            undo="undo_allocate"),
-    Command("resource.release", ReleaseWorkloads, ReleaseReply, "release", idempotent=True),
-    Command("resource.realloc", Realloc, ReallocReply, "realloc", idempotent=True),
+            undo="undo_allocate", role=Role.TENANT),
+    Command("resource.release", ReleaseWorkloads, ReleaseReply, "release", idempotent=True, role=Role.TENANT),
+    Command("resource.realloc", Realloc, ReallocReply, "realloc", idempotent=True, role=Role.TENANT),
     Command("resource.list-nodes", ListNodes, ListNodesReply, "list_nodes"),
     Command("resource.get-allocations", GetAllocations, AllocationsReply, "get_allocations"),
     Command("resource.set-node-labels", SetNodeLabels, Empty, "set_node_labels", idempotent=True),

@@ -5,6 +5,7 @@ Each handler only translates between the wire Structs and the resource commands 
 
 from __future__ import annotations
 
+from bus.callers import Role
 from bus.events import StreamSpec
 from bus.service import Command
 from schemas.common import Empty
@@ -42,13 +43,13 @@ from services.broker.pools import PoolKeeper
 from services.broker.resources import BrokerResources
 
 COMMANDS = [
-    Command("broker.init", Init, Empty, "init", idempotent=True),
-    Command("broker.launch", Launch, LaunchReply, "launch", idempotent=True),
-    Command("broker.scale", Scale, LaunchReply, "scale", idempotent=True),
+    Command("broker.init", Init, Empty, "init", idempotent=True, role=Role.TENANT),
+    Command("broker.launch", Launch, LaunchReply, "launch", idempotent=True, role=Role.TENANT),
+    Command("broker.scale", Scale, LaunchReply, "scale", idempotent=True, role=Role.TENANT),
     Command("broker.get-service-info", ResourceRef, ServiceInfo, "get_service_info"),
     Command("broker.is-service-preparing", ResourceRef, Preparing, "is_service_preparing"),
-    Command("broker.release", Release, Empty, "release", idempotent=True),
-    Command("broker.apply", Apply, ApplyReply, "apply", idempotent=True),
+    Command("broker.release", Release, Empty, "release", idempotent=True, role=Role.TENANT),
+    Command("broker.apply", Apply, ApplyReply, "apply", idempotent=True, role=Role.TENANT),
     Command("broker.add-broker", AddBroker, BrokerView, "add_broker", idempotent=True),
     Command("broker.remove-broker", RemoveBroker, RemovedBroker, "remove_broker", idempotent=True),
     Command("broker.list-brokers", ListBrokers, BrokerList, "list_brokers"),

@@ -12,7 +12,7 @@ from nats.aio.client import Client
 from nats.errors import Error as NatsError
 from nats.errors import NoServersError
 
-from bus.connection import connect, nats_url
+from bus.connection import connect, nats_url, url_credentials
 from bus.tasks import cancel_and_wait
 from services.commands.exits import EXIT_UNREACHABLE, EXIT_USAGE, CommandError
 from services.credentials import read_creds_file
@@ -45,6 +45,7 @@ class Connection:
         self.lost = asyncio.Event()  # the connection closed (reconnecting gave up) before we closed it
         self.closing = False
         self.nc: Client | None = None
+        self.user: str | None = None  # the NATS user we log in as: with berth's accounts, our identity
 
     async def __aenter__(self) -> Client:
         async def on_error(error: Exception) -> None:
@@ -74,6 +75,7 @@ class Connection:
                 options["user"], options["password"] = read_creds_file(self.creds)
             except (OSError, ValueError) as error:
                 raise CommandError(f"--nats-creds: {error}", EXIT_USAGE) from None
+        self.user = options.get("user") or url_credentials(self.url.split(",")).get("user")
         try:
             self.nc = await connect(self.url, name="berth-cli", worker=False, tls_ca=self.tls_ca, **options)
         except (NoServersError, OSError, NatsError, TimeoutError) as error:

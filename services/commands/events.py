@@ -1,9 +1,9 @@
 """`berth events`: events as JSON lines, live, and replayed first with `--since`.
 
 `berth events --since` replays from JetStream and then goes on live through the *same* consumer:
-for each stream that keeps subjects of the pattern (found by subject), one ordered consumer that
+for each stream that keeps subjects of the pattern (found by subject), one pull consumer that
 starts at the given time, filtered to the pattern, delivers the stored events in stream order and
-then every new one as the stream stores it. There is no hand-over between a replay and a live
+then every new one as the stream stores it (`Replay`). There is no hand-over between a replay and a live
 subscription, so nothing is missed or seen twice at the boundary. Subjects of the pattern that no
 stream keeps come from a plain subscription, which skips every subject a stream delivers.
 """
@@ -26,12 +26,14 @@ from nats.aio.client import Client
 from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
-from nats.js.api import ConsumerConfig, DeliverPolicy
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError, ServiceUnavailableError
 
 from bus.connection import subscriptions_in_place
 from bus.tasks import cancel_and_wait
 from services.commands.connection import Connection, describe
 from services.commands.exits import EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, CommandError, add_command
+from services.accounts import CONSUMER_SLOTS, streams
 from services.commands.output import decode_msgpack, emit, to_json
 
 log = logging.getLogger("berth.cli")
@@ -131,11 +133,16 @@ def intersect(first: str, second: str) -> str | None:
     return ".".join(out)
 
 
-async def streams_for(nc: Client, subject: str, timeout: float) -> list[tuple[str, list[str]]]:
-    """(name, subjects) of every stream that keeps subjects `subject` matches."""
+async def streams_for(nc: Client, subject: str, args: argparse.Namespace) -> list[tuple[str, list[str]]]:
+    """(name, subjects) of every stream that keeps subjects `subject` matches: asked of JetStream,
+    or, where the streams live in an account of their own (`--js-domain`), berth's own streams
+    (an identity may not list them)."""
+    if args.js_domain:
+        return [(name, subjects) for name, subjects in streams(args.prefix).items()
+                if any(intersect(subject, kept) for kept in subjects)]
     try:
         msg = await nc.request(
-            "$JS.API.STREAM.NAMES", json.dumps({"subject": subject}).encode(), timeout=timeout
+            "$JS.API.STREAM.NAMES", json.dumps({"subject": subject}).encode(), timeout=args.timeout
         )
     except NoRespondersError:
         raise CommandError("cannot replay: this NATS server has no JetStream", EXIT_UNREACHABLE) from None
@@ -148,7 +155,7 @@ async def streams_for(nc: Client, subject: str, timeout: float) -> list[tuple[st
         raise CommandError(
             f"cannot replay: JetStream: {answer['error'].get('description')}", EXIT_UNREACHABLE
         )
-    js = nc.jetstream(timeout=timeout)
+    js = nc.jetstream(timeout=args.timeout)
     found = []
     for name in answer.get("streams") or []:
         try:
@@ -157,6 +164,76 @@ async def streams_for(nc: Client, subject: str, timeout: float) -> list[tuple[st
             raise CommandError(f"cannot replay: stream {name}: {describe(error)}", EXIT_UNREACHABLE) from None
         found.append((name, list(info.config.subjects or [])))
     return found
+
+
+class Replay:
+    """One stream's events since a time, then its new ones as it stores them, through one pull
+    consumer: in stream order, none missed or seen twice.
+
+    With berth's accounts an identity may hold only the consumers named `<name>-<k>`
+    (services/accounts.py): the replay takes the first of them that is free. A consumer that goes
+    away (a server restart) is made again from the next sequence."""
+
+    BATCH = 256
+    WAIT = 5.0  # seconds a fetch waits for new events
+    IDLE = 30.0  # a consumer nobody fetches from is removed after this long (a killed `berth events`)
+
+    def __init__(self, js, stream: str, filters: list[str], start: datetime, slots: list[str] | None) -> None:
+        self.js, self.stream, self.filters, self.slots = js, stream, filters, slots
+        self.position: dict[str, Any] = {"deliver_policy": DeliverPolicy.BY_START_TIME, "opt_start_time": start}
+        self.pull = None
+
+    async def open(self) -> None:
+        filters = {"filter_subject": self.filters[0]} if len(self.filters) == 1 else {"filter_subjects": self.filters}
+        for name in self.slots or [None]:
+            if name is not None and await self._taken(name):
+                continue
+            config = ConsumerConfig(name=name, ack_policy=AckPolicy.NONE, inactive_threshold=self.IDLE,
+                                    **filters, **self.position)
+            try:
+                info = await self.js.add_consumer(self.stream, config)
+            except ServiceUnavailableError as error:
+                if error.code is not None:  # JetStream itself is not ready: not a refusal
+                    raise
+                # nobody answers that subject: the identity's account has no import for it
+                raise CommandError(
+                    f"cannot replay {', '.join(self.filters)} from {self.stream}: not allowed (a tenant's consumers "
+                    "filter only the events it may see: give a narrower pattern)", EXIT_UNREACHABLE) from None
+            self.pull = await self.js.pull_subscribe_bind(info.name, stream=self.stream)
+            return
+        raise CommandError(f"cannot replay from {self.stream}: every consumer of yours ({', '.join(self.slots)}) "
+                           "is in use", EXIT_UNREACHABLE)
+
+    async def _taken(self, name: str) -> bool:
+        try:
+            await self.js.consumer_info(self.stream, name)
+            return True
+        except NotFoundError:
+            return False
+
+    async def deliver(self, printer: EventPrinter) -> None:
+        """Fetch and print until cancelled."""
+        while True:
+            try:
+                batch = await self.pull.fetch(self.BATCH, timeout=self.WAIT)
+            except NatsTimeout:
+                continue
+            except (NotFoundError, NoRespondersError):  # the consumer is gone: again, from the next event
+                log.info("the consumer on %s went away; making it again", self.stream)
+                await self.pull.unsubscribe()
+                await self.open()
+                continue
+            for msg in batch:
+                sequence = msg.metadata.sequence.stream
+                self.position = {"deliver_policy": DeliverPolicy.BY_START_SEQUENCE, "opt_start_seq": sequence + 1}
+                printer.print(msg.subject, msg.data, stream=self.stream, seq=sequence)
+
+    async def close(self) -> None:
+        if self.pull is not None:
+            try:
+                await self.js.delete_consumer(self.stream, self.pull._consumer)
+            except Exception as error:  # it times out by itself (IDLE)
+                log.info("deleting the consumer: %r", error)
 
 
 class EventPrinter:
@@ -199,59 +276,36 @@ async def events_command(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     subscriptions = []
+    replays: list[Replay] = []
+    fetching: list[asyncio.Future] = []
     kept: list[str] = []  # subjects the streams deliver: the live subscription skips them
     connection = Connection(args)
     async with connection as nc:
         try:
             if start is not None:
-                streams = await connection.unless_refused(streams_for(nc, subject, args.timeout))
-                if not streams:
-                    print(
-                        f"berth events: no stream keeps {subject}: live events only",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                js = nc.jetstream(timeout=args.timeout)
-                for name, stream_subjects in streams:
-                    filters = sorted(
-                        {
-                            kept_part
-                            for stream_subject in stream_subjects
-                            if (kept_part := intersect(subject, stream_subject))
-                        }
-                    )
+                kept_by = await connection.unless_refused(streams_for(nc, subject, args))
+                if not kept_by:
+                    print(f"berth events: no stream keeps {subject}: live events only", file=sys.stderr, flush=True)
+                js = nc.jetstream(timeout=args.timeout, domain=args.js_domain)
+                slots = ([f"{connection.user}-{k}" for k in range(CONSUMER_SLOTS)]
+                         if args.js_domain and connection.user else None)
+                for name, stream_subjects in kept_by:
+                    filters = sorted({part for kept in stream_subjects if (part := intersect(subject, kept))})
                     if not filters:
                         continue
-                    config = ConsumerConfig(
-                        deliver_policy=DeliverPolicy.BY_START_TIME,
-                        opt_start_time=start,
-                        **(
-                            {"filter_subject": filters[0]}
-                            if len(filters) == 1
-                            else {"filter_subjects": filters}
-                        ),
-                    )
-
-                    async def deliver(msg, name=name) -> None:
-                        printer.print(msg.subject, msg.data, stream=name, seq=msg.metadata.sequence.stream)
-
+                    replay = Replay(js, name, filters, start, slots)
                     try:
-                        subscriptions.append(
-                            await connection.unless_refused(
-                                js.subscribe(
-                                    filters[0], stream=name, config=config, ordered_consumer=True, cb=deliver
-                                )
-                            )
-                        )
+                        await connection.unless_refused(replay.open())
+                    except NotFoundError:  # berth's stream of a service that never ran
+                        print(f"berth events: no stream {name} (yet): live events only for {', '.join(filters)}",
+                              file=sys.stderr, flush=True)
+                        continue
                     except (NatsError, NatsTimeout) as error:
-                        raise CommandError(
-                            f"cannot replay from {name}: {describe(error)}", EXIT_UNREACHABLE
-                        ) from None
-                    # The consumer exists. Should the ordered consumer ever restart it (after a missed
-                    # heartbeat), it starts from the next sequence, where a start time is not allowed.
-                    config.opt_start_time = None
+                        raise CommandError(f"cannot replay from {name}: {describe(error)}", EXIT_UNREACHABLE) from None
+                    replays.append(replay)
                     kept += stream_subjects
                     log.info("replaying %s from %s since %s", filters, name, start.isoformat())
+                fetching = [asyncio.ensure_future(replay.deliver(printer)) for replay in replays]
 
             async def live(msg) -> None:
                 if not any(subject_matches(stream_subject, msg.subject) for stream_subject in kept):
@@ -261,11 +315,17 @@ async def events_command(args: argparse.Namespace) -> int:
             await connection.unless_refused(subscriptions_in_place(nc, args.timeout, as_client=True))
             log.info("live on %s", subject)
             waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(printer.done.wait())]
+            waiters += fetching  # a replay that fails ends the command with its error
             try:  # until Ctrl-C, --count, or the server refusing our subscriptions
                 await connection.unless_refused(asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED))
+                for replay in fetching:
+                    if replay.done() and not replay.cancelled() and replay.exception():
+                        raise replay.exception()
             finally:
                 await cancel_and_wait(*waiters)
         finally:
+            for replay in replays:
+                await replay.close()
             for subscription in subscriptions:
                 try:
                     await subscription.unsubscribe()

@@ -85,16 +85,11 @@ class _Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-async def serve(
-    nats_url: str | None,
-    prefix: str = "berth",
-    host: str = "127.0.0.1",
-    port: int = 0,
-    announce: Callable[[str], None] | None = print,
-) -> None:
+async def serve(config: DashboardConfig, announce: Callable[[str], None] | None = print) -> None:
     """Serve until SIGTERM or SIGINT. Port 0 takes a free one; `announce` gets the page's URL
     once the port listens (connections made from then on wait for the server, none is refused)."""
-    live = Live(nats_url, prefix)
+    host, port = config.host, config.port
+    live = Live(config.nats, config.prefix, js_domain=config.js_domain)
     config = uvicorn.Config(
         make_app(live), log_config=None, log_level="warning", access_log=False, timeout_graceful_shutdown=2
     )
@@ -120,5 +115,5 @@ async def serve(
 
 def run(config: DashboardConfig) -> int:
     announce = None if config.quiet else lambda line: print(line, flush=True)
-    asyncio.run(serve(config.nats, config.prefix, config.host, config.port, announce))
+    asyncio.run(serve(config, announce))
     return 0

@@ -52,6 +52,7 @@ class Live:
         nats_url: str | None,
         prefix: str = "berth",
         *,
+        js_domain: str | None = None,
         refresh: float = 5.0,
         resync: float = 30.0,
         lease_seconds: float = 30.0,
@@ -61,6 +62,7 @@ class Live:
     ) -> None:
         self.nats_url = nats_url
         self.prefix = prefix
+        self.js_domain = js_domain  # where the streams' API is (bus.events.EventBus)
         self._events_root = f"{prefix}.events."
         self.refresh, self.resync = refresh, resync
         self.max_agents = max_agents
@@ -341,7 +343,7 @@ class Live:
         empty (best effort: without the stream, the list starts with the next event)."""
         stream = f"{self.prefix}-events"
         try:
-            js = self.nc.jetstream()
+            js = self.nc.jetstream(domain=self.js_domain)
             state = (await js.stream_info(stream)).state
             if not state.messages:
                 return

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from msgspec import UNSET
 
+from bus.callers import Role
 from bus.events import StreamSpec
 from bus.failpoints import failpoint
 from bus.service import Command
@@ -43,10 +44,13 @@ def commands(node: str) -> list[Command]:
         # Every agent of the node keeps its own store, so every one of them must receive a put (and
         # each keeps its own answers to request ids: see `Service._idempotency_scope`).
         Command(f"{group}.put", Put, MetricValue, "put", idempotent=True, broadcast=True),
-        Command(f"{group}.register-notifier", RegisterNotifier, Lease, "register_notifier", idempotent=True),
-        Command(f"{group}.renew-notifier", NotifierRequest, Lease, "renew_notifier", idempotent=True),
+        Command(f"{group}.register-notifier", RegisterNotifier, Lease, "register_notifier", idempotent=True,
+                role=Role.READER),
+        Command(f"{group}.renew-notifier", NotifierRequest, Lease, "renew_notifier", idempotent=True,
+                role=Role.READER),
         Command(
-            f"{group}.deregister-notifier", NotifierRequest, Deregistered, "deregister_notifier", idempotent=True
+            f"{group}.deregister-notifier", NotifierRequest, Deregistered, "deregister_notifier", idempotent=True,
+            role=Role.READER,
         ),
         Command(f"{group}.has-synced", Empty, Synced, "has_synced"),
         Command(f"{group}.list", ListMetrics, Entries, "list"),

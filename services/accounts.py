@@ -1,0 +1,267 @@
+"""The NATS accounts of a berth deployment: who is who on the bus, and what each may reach.
+
+`berth up` starts nats-server with the configuration `nats_config` renders (services/credentials.py
+writes it, `berth user add|remove` renders it again and reloads the server):
+
+- `SERVICES` holds the workers' users (`allocation`, `broker`, `metrics`), each limited to what it
+  serves and publishes. It exports the command subjects (`P.resource.>`, `P.broker.>`,
+  `P.metrics.>`) and `$SRV.>` discovery as services, and `P.events.>` as a stream.
+- `STREAMS` holds the JetStream streams (`P-events`, `P-metrics`) and nothing else. The services
+  publish their events into it through a service import (so a publish is acknowledged by the
+  stream), and call its stream API through imports under `$JS.P.API` (`js_api`).
+- every identity (`berth user add NAME --role admin|tenant|reader`) is an account of its own,
+  `<role>_<name>` (bus/callers.py reads the role and the name back from it), with one user of the
+  same name. It imports the command subjects with `share: true`, so every request it sends carries
+  a `Nats-Request-Info` header that the server writes: the services learn who asks from the
+  server, never from the caller. Its inbox, its replies and its subscriptions are its own account's:
+  nobody else sees them, and a reply subject it names is one of its own account's subjects (a
+  request cannot make a service publish an event anywhere but back to its sender).
+- an identity reads the event subjects its role may see (`visible_events`: a tenant sees node-level
+  changes, its own broker events and the metrics; admins and readers see everything), and the
+  streams through `CONSUMER_SLOTS` pull consumers per stream named `<name>-<k>`: it may create,
+  read, acknowledge and delete those and no other consumer, and a tenant's consumers only filter
+  what it may see (the filter travels in the API subject, which the export checks). A consumer's
+  deliveries stay in `STREAMS`, where nothing listens, so a push consumer delivers nowhere.
+
+P is the subject prefix. Workers send their own requests from `_INBOX_P-<service>` (`inbox_prefix`);
+replies to an identity's requests go to `_R_.>` subjects, which the server maps back to the
+identity's account.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from bus.callers import NAME, Role, account_name
+
+SERVICES = ("allocation", "broker", "metrics")
+SERVICES_ACCOUNT = "SERVICES"
+STREAMS_ACCOUNT = "STREAMS"
+# Pull consumers an identity may hold on each stream at once.
+CONSUMER_SLOTS = 8
+
+# The first subject token (below the prefix) of each service's commands, and of its events.
+COMMAND_TOKEN = {"allocation": "resource", "broker": "broker", "metrics": "metrics"}
+EVENT_TOKEN = {"allocation": "resource", "broker": "broker", "metrics": "metrics"}
+# The events stream each service keeps its events in (`StreamSpec.name` of its worker module).
+STREAM = {"allocation": "events", "broker": "events", "metrics": "metrics"}
+# The services each service sends requests to.
+CALLS = {"allocation": (), "broker": ("allocation",), "metrics": ()}
+# The service whose events each service watches.
+WATCHES = {"allocation": ("allocation",), "broker": (), "metrics": ()}
+# Allocation events that describe a node, not anyone's workloads: what a tenant sees of them.
+NODE_EVENT_KINDS = ("added", "removed", "capacity", "labels")
+# Names an identity may not take: the workers' users, and `resource`, which as a broker user would
+# make `P.events.broker.resource.>` (every resource's status events) its own broker events.
+RESERVED_NAMES = frozenset((*SERVICES, "resource"))
+
+
+def inbox_prefix(prefix: str, service: str) -> str:
+    """The inbox root of a service's own requests (nats-py `inbox_prefix`), private to it."""
+    return f"_INBOX_{prefix}-{service}"
+
+
+def js_api(prefix: str) -> str:
+    """Where services and identities reach the streams' JetStream API: nats-py `jetstream(domain=
+    prefix)`, the nats CLI's `--js-domain <prefix>` (the plain `$JS.API` of an account without
+    JetStream is answered by the server itself: "JetStream not enabled")."""
+    return f"$JS.{prefix}.API"
+
+
+def streams(prefix: str) -> dict[str, list[str]]:
+    """Each stream and the event subjects it keeps."""
+    kept: dict[str, list[str]] = {}
+    for service in SERVICES:
+        kept.setdefault(f"{prefix}-{STREAM[service]}", []).append(f"{prefix}.events.{EVENT_TOKEN[service]}.>")
+    return kept
+
+
+def check_name(name: str) -> None:
+    if not NAME.fullmatch(name):
+        raise ValueError(f"{name!r}: an identity's name is 1 to 64 characters of letters, digits, '_' and '-'")
+    if name in RESERVED_NAMES:
+        raise ValueError(f"{name!r} is reserved (taken by berth: {', '.join(sorted(RESERVED_NAMES))})")
+
+
+@dataclass(frozen=True)
+class Identity:
+    """A caller of the bus: a NATS account and user of its own (see the module docstring)."""
+
+    name: str
+    role: Role
+    password: str
+
+    @property
+    def account(self) -> str:
+        return account_name(self.role, self.name)
+
+
+# -- what an identity sees ---------------------------------------------------------------------------
+
+
+def visible_events(prefix: str, identity: Identity) -> list[str]:
+    """The event subjects `identity` receives, by stream: its subscriptions, and what its consumers
+    may filter."""
+    return [subject for subjects in consumer_filters(prefix, identity).values() for subject in subjects]
+
+
+def consumer_filters(prefix: str, identity: Identity) -> dict[str, list[str]]:
+    """Per stream, the filter subjects `identity`'s consumers may take (each a pattern of subjects);
+    a stream's whole subject list means any filter, the stream's default included."""
+    events, metrics = f"{prefix}-events", f"{prefix}-metrics"
+    kept = streams(prefix)
+    if identity.role != Role.TENANT:
+        return kept
+    root, me = f"{prefix}.events", identity.name
+    return {
+        events: [*(f"{root}.resource.*.{kind}" for kind in NODE_EVENT_KINDS),
+                 f"{root}.broker.{me}.>", f"{root}.broker.resource.{me}.>"],
+        metrics: kept[metrics],
+    }
+
+
+# -- permissions of the users ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Permissions:
+    publish_allow: tuple[str, ...]
+    subscribe_allow: tuple[str, ...]
+
+    def config(self) -> dict:
+        return {"publish": {"allow": list(self.publish_allow)}, "subscribe": {"allow": list(self.subscribe_allow)}}
+
+
+def service_permissions(prefix: str, service: str) -> Permissions:
+    name = f"{prefix}-{service}"
+    stream = f"{prefix}-{STREAM[service]}"
+    own_inbox = f"{inbox_prefix(prefix, service)}.>"
+    callers = [caller for caller in SERVICES if service in CALLS[caller]]
+    publish = [
+        f"{prefix}.events.{EVENT_TOKEN[service]}.>",
+        "_R_.>",  # replies to identities (the server maps them back to the identity's account)
+        *(f"{inbox_prefix(prefix, caller)}.>" for caller in callers),  # replies to calling services
+        own_inbox,  # bus.connection.subscriptions_in_place probes its own inbox
+        *(f"{js_api(prefix)}.STREAM.{verb}.{stream}" for verb in _STREAM_VERBS),
+        *(f"{prefix}.{COMMAND_TOKEN[callee]}.>" for callee in CALLS[service]),
+    ]
+    subscribe = [
+        f"{prefix}.{COMMAND_TOKEN[service]}.>",
+        *(f"{prefix}.events.{EVENT_TOKEN[watched]}.>" for watched in WATCHES[service]),
+        "$SRV.PING", "$SRV.INFO", "$SRV.STATS", f"$SRV.*.{name}", f"$SRV.*.{name}.*",
+        own_inbox,
+    ]
+    return Permissions(tuple(publish), tuple(subscribe))
+
+
+def identity_permissions(prefix: str) -> Permissions:
+    """An identity asks (commands, discovery, its streams' API) and listens (its inbox, events).
+    Everything it may publish leaves its account only through its imports, so these lists keep it
+    from serving or faking subjects even inside its own account."""
+    commands = [f"{prefix}.{token}.>" for token in dict.fromkeys(COMMAND_TOKEN.values())]
+    return Permissions(
+        publish_allow=(*commands, "$SRV.>", f"{js_api(prefix)}.>", "$JS.ACK.>"),
+        subscribe_allow=("_INBOX.>", f"{prefix}.events.>"),
+    )
+
+
+# -- the configuration ----------------------------------------------------------------------------
+
+_STREAM_VERBS = ("INFO", "CREATE", "UPDATE")
+
+
+class _Exports:
+    """An account's exports and the matching imports, built up per subject."""
+
+    def __init__(self, account: str) -> None:
+        self.account = account
+        self.exports: dict[tuple[str, str], dict] = {}
+        self.imports: dict[str, list[dict]] = {}
+
+    def service(self, subject: str, importer: str, *, local: str | None = None, stream_replies: bool = False) -> None:
+        export = self.exports.setdefault(("service", subject), {"service": subject, "accounts": []})
+        if stream_replies:
+            export["response_type"] = "stream"
+        export["accounts"].append(importer)
+        entry: dict = {"service": {"account": self.account, "subject": subject}}
+        if local and local != subject:
+            entry["to"] = local
+        self.imports.setdefault(importer, []).append(entry)
+
+    def rendered(self) -> list[dict]:
+        return list(self.exports.values())
+
+
+def _slot_subjects(prefix: str, stream: str, slot: str, filters: list[str], any_filter: bool) -> list[tuple[str, bool]]:
+    """The stream API subjects of one consumer slot (below `$JS.API.`), and whether each answers
+    with several messages."""
+    api = [(f"CONSUMER.INFO.{stream}.{slot}", False), (f"CONSUMER.DELETE.{stream}.{slot}", False),
+           (f"CONSUMER.MSG.NEXT.{stream}.{slot}", True)]
+    if any_filter:  # the filter in the body, or in the subject
+        api += [(f"CONSUMER.CREATE.{stream}.{slot}", False), (f"CONSUMER.CREATE.{stream}.{slot}.>", False)]
+    else:  # only the filters allowed, in the subject (the server refuses a body that differs)
+        api += [(f"CONSUMER.CREATE.{stream}.{slot}.{subject}", False) for subject in filters]
+    return api
+
+
+def _stream_access(prefix: str, stream_exports: _Exports, identity: Identity) -> None:
+    api = js_api(prefix)
+    kept = streams(prefix)
+    for stream, filters in consumer_filters(prefix, identity).items():
+        any_filter = filters == kept[stream]
+        if any_filter:  # the whole stream may be read: its state and any message too
+            for subject in (f"STREAM.INFO.{stream}", f"STREAM.MSG.GET.{stream}", f"DIRECT.GET.{stream}",
+                            f"DIRECT.GET.{stream}.>"):
+                stream_exports.service(f"$JS.API.{subject}", identity.account, local=f"{api}.{subject}",
+                                       stream_replies=subject.startswith("DIRECT"))
+        for k in range(CONSUMER_SLOTS):
+            slot = f"{identity.name}-{k}"
+            for subject, several in _slot_subjects(prefix, stream, slot, filters, any_filter):
+                stream_exports.service(f"$JS.API.{subject}", identity.account, local=f"{api}.{subject}",
+                                       stream_replies=several)
+            # acknowledgements name the consumer: `$JS.ACK.<stream>.<consumer>.<...>`
+            stream_exports.service(f"$JS.ACK.{stream}.{slot}.>", identity.account)
+
+
+def nats_config(prefix: str, service_passwords: dict[str, str], identities: list[Identity]) -> dict:
+    """The nats-server `accounts` block (see the module docstring)."""
+    commands = [f"{prefix}.{token}.>" for token in dict.fromkeys(COMMAND_TOKEN.values())]
+    stream_exports = _Exports(STREAMS_ACCOUNT)
+    stream_exports.service(f"{prefix}.events.>", SERVICES_ACCOUNT)
+    for stream in streams(prefix):
+        for verb in _STREAM_VERBS:
+            subject = f"STREAM.{verb}.{stream}"
+            stream_exports.service(f"$JS.API.{subject}", SERVICES_ACCOUNT, local=f"{js_api(prefix)}.{subject}")
+    identity_accounts = {}
+    for identity in sorted(identities, key=lambda i: i.name):
+        _stream_access(prefix, stream_exports, identity)
+        imports = [
+            *({"service": {"account": SERVICES_ACCOUNT, "subject": subject}, "share": True} for subject in commands),
+            {"service": {"account": SERVICES_ACCOUNT, "subject": "$SRV.>"}},
+            *({"stream": {"account": SERVICES_ACCOUNT, "subject": subject}}
+              for subject in visible_events(prefix, identity)),
+            *stream_exports.imports.get(identity.account, []),
+        ]
+        user = {"user": identity.name, "password": identity.password,
+                "permissions": identity_permissions(prefix).config()}
+        identity_accounts[identity.account] = {"users": [user], "imports": imports}
+    services = {
+        "users": [{"user": service, "password": service_passwords[service],
+                   "permissions": service_permissions(prefix, service).config()} for service in SERVICES],
+        "exports": [*({"service": subject} for subject in commands),
+                    {"service": "$SRV.>", "response_type": "stream"},
+                    {"stream": f"{prefix}.events.>"}],
+        "imports": stream_exports.imports[SERVICES_ACCOUNT],
+    }
+    return {
+        SERVICES_ACCOUNT: services,
+        STREAMS_ACCOUNT: {"jetstream": "enabled", "exports": stream_exports.rendered()},
+        **identity_accounts,
+    }
+
+
+def render(prefix: str, service_passwords: dict[str, str], identities: list[Identity]) -> str:
+    """nats-server.conf's text (JSON is valid nats-server syntax)."""
+    body = json.dumps(nats_config(prefix, service_passwords, identities), indent=1)
+    return f"# written by berth for prefix {prefix!r}; rewritten on every start and by `berth user`\naccounts: {body}\n"

@@ -1,0 +1,126 @@
+"""A deployment as `berth up` makes it, for the tests of identities, roles and ownership: a
+nats-server with berth's accounts (services/accounts.py), a redis-server with the services' ACL
+users, real workers on their own users, and a connection per identity.
+
+    d = Deployment(tmp_path, {"alice": Role.TENANT, "bob": Role.TENANT})
+    d.start_workers()
+    alice = await d.client("alice")           # a BusClient speaking as alice
+    await alice.request("resource.allocate", {...})
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import redis as sync_redis
+from nats.aio.client import Client
+
+from bus.callers import Role
+from bus.client import BusClient
+from bus.connection import connect
+from services.credentials import Credentials, prepare
+from services.servers import reload_nats, start_nats, start_redis
+from tests.broker_helpers import CATALOG
+from tests.conftest import start_worker, stop_workers
+
+NODE = "acc-node"  # the metrics worker's node
+
+
+class Errors:
+    """A NATS connection's asynchronous errors (permissions violations), to wait for."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[str] = asyncio.Queue()
+
+    async def callback(self, error: Exception) -> None:
+        await self.queue.put(str(error).lower())
+
+    async def expect(self, *fragments: str, timeout: float = 5.0) -> str:
+        async with asyncio.timeout(timeout):
+            while True:
+                message = await self.queue.get()
+                if all(fragment.lower() in message for fragment in fragments):
+                    return message
+
+
+class Deployment:
+    def __init__(self, directory: Path, identities: dict[str, Role] | None = None) -> None:
+        self.directory = directory
+        self.prefix = f"t{uuid.uuid4().hex[:10]}"
+        creds = prepare(directory / "credentials", self.prefix)
+        for name, role in (identities or {}).items():
+            creds = creds.with_identity(name, role)
+        creds.write()
+        self.creds: Credentials = creds
+        self.nats = start_nats(directory / "nats", config=creds.nats_config)
+        self.redis = start_redis(directory / "redis", appendonly=False, config=creds.redis_config)
+        self.workers = []
+        self._connections: list[Client] = []
+
+    def start_workers(self, *extra_broker: str) -> None:
+        """The three services, each on its own NATS and Redis user, as `berth up` starts them."""
+        launches = [
+            ("allocation", []),
+            ("broker", ["--catalog", str(CATALOG), *extra_broker]),
+            ("metrics", ["--node", NODE, "--interval", "1"]),
+        ]
+
+        def start(service: str, extra: list[str]):
+            argv, env = self.creds.worker_launch(service, self.nats.url, self.redis.url)
+            nats, redis = env.pop("NATS_URL", self.nats.url), env.pop("REDIS_URL", self.redis.url)
+            own = argv[argv.index("--prefix") + 2:]  # worker_launch's options after the prefix
+            return start_worker(f"services.{service}.worker", nats, redis, self.prefix, *own, *extra, env=env)
+
+        with ThreadPoolExecutor(len(launches)) as pool:
+            self.workers = list(pool.map(lambda launch: start(*launch), launches))
+
+    def add_identity(self, name: str, role: Role) -> None:
+        """As `berth user add`: written, and the running server told."""
+        self.creds = self.creds.with_identity(name, role)
+        self.creds.write()
+        assert reload_nats(self.directory) == 1
+
+    def remove_identity(self, name: str) -> None:
+        self.creds = self.creds.without_identity(name)
+        self.creds.write()
+        assert reload_nats(self.directory) == 1
+
+    async def connect(self, user: str, errors: Errors | None = None, **options) -> Client:
+        """A connection as `user` (an identity, or a service's user)."""
+        if errors is not None:
+            options["error_cb"] = errors.callback
+        nc = await connect(self.creds.nats_url(user, self.nats.url), name=f"test-{user}", worker=False, **options)
+        self._connections.append(nc)
+        return nc
+
+    async def client(self, user: str, timeout: float = 10.0) -> BusClient:
+        return BusClient(await self.connect(user), prefix=self.prefix, timeout=timeout)
+
+    def jetstream(self, nc: Client):
+        """The streams' JetStream API as an identity reaches it (services/accounts.py `js_api`)."""
+        return nc.jetstream(domain=self.prefix)
+
+    def redis_admin(self) -> sync_redis.Redis:
+        user, password = self.creds.redis_admin
+        return sync_redis.Redis(port=self.redis_port, username=user, password=password)
+
+    def redis_as(self, user: str) -> sync_redis.Redis:
+        return sync_redis.Redis(port=self.redis_port, username=user, password=self.creds.redis_passwords[user])
+
+    @property
+    def redis_port(self) -> int:
+        return int(self.redis.url.rsplit(":", 1)[1].split("/")[0])
+
+    async def close_connections(self) -> None:
+        for nc in self._connections:
+            if not nc.is_closed:
+                await nc.close()
+        self._connections.clear()
+
+    def stop(self) -> None:
+        stop_workers(self.workers)
+        self.nats.stop()
+        self.redis.stop()
