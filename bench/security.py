@@ -1,0 +1,177 @@
+"""What berth's accounts (identities, roles, the caller header) and TLS cost on `allocate`.
+
+    .venv/bin/python bench/security.py [--nodes 500] [--placements 3200] [--clients 64] [--rounds 2]
+
+Three deployments, one after the other, each with its own nats-server and redis-server on loopback
+and one allocation worker, as `berth up` starts them:
+
+- plain: no users, no TLS (`berth up --no-auth --no-tls`): every caller is the services' own;
+- accounts: berth's NATS accounts and Redis ACL users (`--no-tls`): the load comes from a tenant
+  identity, so every request crosses a service import that adds the `Nats-Request-Info` header,
+  the worker reads the caller from it and checks the role, and the reply is mapped back;
+- accounts + TLS: the same over TLS to both servers (`berth up`'s default).
+
+In each: `allocate` spread by a label (1.5 bound CPUs + 2 GiB, a unique request_id per call) from
+`--clients` concurrent clients, and one client's sequential round trip; beside them, the anchor of
+the same deployment: a bare echo responder on the same path (for accounts, served by the
+allocation service's own NATS user, so a tenant reaches it through the same import). The rounds
+alternate the deployments, so that a noisy neighbour spreads over all of them. Everything stops by
+itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.allocation import LABELS, REQUEST, Requests, Run, Table, add_nodes, load, ms  # noqa: E402
+from bench.stats import percentile  # noqa: E402
+from bus.callers import Role  # noqa: E402
+from bus.connection import connect  # noqa: E402
+from services.credentials import Credentials, prepare  # noqa: E402
+from services.servers import ServerProcess, start_nats, start_redis  # noqa: E402
+from services.tls import prepare as prepare_tls  # noqa: E402
+
+PREFIX = "sec"
+ECHO = """
+import asyncio, sys
+sys.path.insert(0, sys.argv[3])
+from bus.connection import connect
+async def main():
+    nc = await connect(sys.argv[1], name="echo", inbox_prefix="_INBOX_sec-allocation")
+    async def echo(msg):
+        await msg.respond(b"\\x80")
+    await nc.subscribe(sys.argv[2], queue="echo", cb=echo)
+    await nc.flush()
+    print("ready", flush=True)
+    await asyncio.Event().wait()
+asyncio.run(main())
+"""
+
+
+@dataclass
+class Deployment:
+    name: str
+    servers: list[ServerProcess]
+    client_url: str  # the load's identity (a tenant), or no user at all
+    admin_url: str  # who adds the nodes
+    tls_ca: str | None
+    worker: subprocess.Popen
+    echo: subprocess.Popen
+
+    def stop(self) -> None:
+        for proc in (self.worker, self.echo):
+            proc.terminate()
+            proc.wait(30)
+        for server in self.servers:
+            server.stop()
+
+
+def start(name: str, state: Path, accounts: bool, tls: bool) -> Deployment:
+    files = prepare_tls(state / "tls") if tls else None
+    creds: Credentials | None = None
+    if accounts:
+        creds = prepare(state / "credentials", PREFIX).with_identity("loadgen", Role.TENANT)
+        creds.write()
+    nats = start_nats(state / "nats", config=creds.nats_config if creds else None, tls=files)
+    redis = start_redis(state / "redis", appendonly=False, config=creds.redis_config if creds else None, tls=files)
+    env = {**os.environ, **({"BERTH_TLS_CA": str(files.ca)} if files else {})}
+    if creds:
+        argv, extra = creds.worker_launch("allocation", nats.url, redis.url)
+        env.update(extra)
+        service_url = creds.nats_url("allocation", nats.url)
+        client_url, admin_url = creds.nats_url("loadgen", nats.url), creds.nats_url("admin", nats.url)
+    else:
+        argv = ["--prefix", PREFIX, "--nats", nats.url, "--redis", redis.url]
+        service_url = client_url = admin_url = nats.url
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "services.runner", "services.allocation.worker", "--memory-stream", *argv],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    echo = subprocess.Popen([sys.executable, "-c", ECHO, service_url, f"{PREFIX}.resource.echo-anchor", str(ROOT)],
+                            stdout=subprocess.PIPE, text=True, env=env)
+    for proc in (worker, echo):
+        line = proc.stdout.readline()
+        assert line.startswith("ready"), f"{name}: {line!r}"
+    return Deployment(name, [nats, redis], client_url, admin_url, str(files.ca) if files else None, worker, echo)
+
+
+async def sequential(nc, subject: str, make, count: int) -> list[float]:
+    latencies = []
+    for _ in range(count):
+        started = time.perf_counter()
+        await nc.request(subject, make(), timeout=10)
+        latencies.append(time.perf_counter() - started)
+    return latencies
+
+
+async def measure(d: Deployment, args) -> dict:
+    nc = await connect(d.client_url, name="bench", worker=False, tls_ca=d.tls_ca)
+    admin = await connect(d.admin_url, name="bench-admin", worker=False, tls_ca=d.tls_ca)
+    try:
+        await add_nodes(admin, PREFIX, [f"n{i}" for i in range(args.nodes)], 64, LABELS)
+        requests = Requests({"labels": LABELS, "strategy": "spread", "deploy_count": 1,
+                             "workload_resource_request": REQUEST})
+        subject = f"{PREFIX}.resource.allocate"
+        for _ in range(20):  # the worker builds its view first
+            await nc.request(subject, requests.next(), timeout=60)
+        echo = f"{PREFIX}.resource.echo-anchor"
+        raw = await load(nc, echo, Requests({"labels": LABELS}).next, args.placements, args.clients)
+        run = await load(nc, subject, requests.next, args.placements, args.clients)
+        raw_rtt = await sequential(nc, echo, Requests({"labels": LABELS}).next, 300)
+        rtt = await sequential(nc, subject, requests.next, 300)
+        return {
+            "allocate, 64 clients": run.row(),
+            "anchor: echo, 64 clients": raw.row(),
+            "allocate, one client, round trip p50/p99": f"{ms(percentile(rtt, .5))}/{ms(percentile(rtt, .99))} ms",
+            "anchor: echo, one client, p50/p99": f"{ms(percentile(raw_rtt, .5))}/{ms(percentile(raw_rtt, .99))} ms",
+            "_rate": run.rate, "_raw": raw.rate,
+        }
+    finally:
+        await nc.close()
+        await admin.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", type=int, default=500)
+    parser.add_argument("--placements", type=int, default=3200)
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    table = Table()
+    modes = [("plain", False, False), ("accounts", True, False), ("accounts + TLS", True, True)]
+    results: dict[str, list[dict]] = {name: [] for name, _, _ in modes}
+    for round_ in range(args.rounds):
+        for name, accounts, tls in modes:
+            state = Path(tempfile.mkdtemp(prefix="berth-bench-sec-"))
+            d = start(name, state, accounts, tls)
+            try:
+                figures = asyncio.run(measure(d, args))
+            finally:
+                d.stop()
+            results[name].append(figures)
+            print(f"round {round_ + 1}, {name}: {figures['allocate, 64 clients']}", file=sys.stderr, flush=True)
+    plain = sum(r["_rate"] for r in results["plain"]) / args.rounds
+    for name, _, _ in modes:
+        runs = results[name]
+        for what in ("allocate, 64 clients", "anchor: echo, 64 clients", "allocate, one client, round trip p50/p99",
+                     "anchor: echo, one client, p50/p99"):
+            table.add(f"{name}: {what}", " | ".join(r[what] for r in runs), f"{args.rounds} rounds")
+        rate = sum(r["_rate"] for r in runs) / len(runs)
+        raw = sum(r["_raw"] for r in runs) / len(runs)
+        table.add(f"{name}: allocate / plain allocate", f"{rate / plain:.2f}", f"allocate / echo of the same: {rate / raw:.2f}")
+    table.print()
+
+
+if __name__ == "__main__":
+    main()
