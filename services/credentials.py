@@ -36,8 +36,10 @@ another service's event subjects or onto the JetStream API (`$JS.API.STREAM.PURG
 Redis: each service user gets `~P:S:*` and `~P:idem:P-S:*` and no pub/sub channel; every command
 except the dangerous and admin ones, pub/sub, KEYS/SCAN/RANDOMKEY (key names of other services),
 CLIENT subcommands other than ID/GETNAME/SETNAME (CLIENT TRACKING would report other keys' names),
-and scripting except EVAL/EVALSHA/SCRIPT LOAD/SCRIPT EXISTS. Redis Cluster's read commands
-(CLUSTER SLOTS/SHARDS/NODES, COMMAND, ASKING, READONLY) stay allowed. The `default` user is the
+and scripting: with Redis Functions (`prepare(..., redis_functions=True)`, which `berth up` asks
+for on Redis >= 7.0, where it loads them) only FUNCTION LIST and FCALL of its own functions
+(services/redis_functions.py), else EVAL/EVALSHA/SCRIPT LOAD/SCRIPT EXISTS. Redis Cluster's read
+commands (CLUSTER SLOTS/SHARDS/NODES, COMMAND, ASKING, READONLY) stay allowed. The `default` user is the
 administrator, with its own password; replicas use it to reach their primary.
 """
 
@@ -50,6 +52,8 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote, urlsplit, urlunsplit
+
+from services.redis_functions import fcall_rules
 
 SERVICES = ("allocation", "broker", "metrics")
 CLIENT = "client"
@@ -68,11 +72,12 @@ CALLS = {"allocation": (), "broker": ("allocation",), "metrics": ()}
 WATCHES = {"allocation": ("allocation",), "broker": (), "metrics": ()}
 
 REDIS_COMMANDS = (
-    "+@all", "-@dangerous", "-@admin", "-@pubsub",
-    "-@scripting", "+eval", "+evalsha", "+script|load", "+script|exists",
+    "+@all", "-@dangerous", "-@admin", "-@pubsub", "-@scripting",
     "-scan", "-randomkey",
     "-client", "+client|id", "+client|getname", "+client|setname",
 )
+# Without Redis Functions a worker runs its scripts with EVALSHA, and loads them itself.
+REDIS_EVAL = ("+eval", "+evalsha", "+script|load", "+script|exists")
 
 
 def inbox_prefix(prefix: str, service: str) -> str:
@@ -176,19 +181,21 @@ def redis_key_patterns(prefix: str, service: str) -> tuple[str, ...]:
     return (f"{prefix}:{service}:*", f"{prefix}:idem:{prefix}-{service}:*")
 
 
-def redis_rules(prefix: str, user: str) -> list[str]:
-    """The ACL rules of a user (after `user <name> on #<hash>`)."""
+def redis_rules(prefix: str, user: str, *, functions: bool = False) -> list[str]:
+    """The ACL rules of a user (after `user <name> on #<hash>`); `functions`: the deployment's
+    scripts are Redis Functions the administrator loaded."""
     if user == REDIS_ADMIN:
         return ["~*", "&*", "+@all"]
     keys = [f"~{pattern}" for pattern in redis_key_patterns(prefix, user)]
-    return ["resetkeys", *keys, "resetchannels", *REDIS_COMMANDS]
+    scripts = fcall_rules(user) if functions else REDIS_EVAL
+    return ["resetkeys", *keys, "resetchannels", *REDIS_COMMANDS, *scripts]
 
 
-def redis_acl(prefix: str, passwords: dict[str, str]) -> str:
+def redis_acl(prefix: str, passwords: dict[str, str], *, functions: bool = False) -> str:
     lines = []
     for user in REDIS_USERS:
         digest = hashlib.sha256(passwords[user].encode()).hexdigest()
-        lines.append(" ".join(["user", user, "on", f"#{digest}", *redis_rules(prefix, user)]))
+        lines.append(" ".join(["user", user, "on", f"#{digest}", *redis_rules(prefix, user, functions=functions)]))
     return "\n".join(lines) + "\n"
 
 
@@ -262,6 +269,7 @@ class Credentials:
     prefix: str
     nats_passwords: dict[str, str]
     redis_passwords: dict[str, str]
+    redis_functions: bool = False  # service users may call berth's Redis Functions, and run no other Lua
 
     @property
     def nats_config(self) -> Path:
@@ -315,7 +323,7 @@ class Credentials:
         document = {"version": 1, "nats": self.nats_passwords, "redis": self.redis_passwords}
         write_private(self.directory / "credentials.json", json.dumps(document, indent=2) + "\n")
         write_private(self.nats_config, nats_config(self.prefix, self.nats_passwords))
-        write_private(self.redis_acl, redis_acl(self.prefix, self.redis_passwords))
+        write_private(self.redis_acl, redis_acl(self.prefix, self.redis_passwords, functions=self.redis_functions))
         write_private(self.redis_config, redis_config(self.redis_acl, self.redis_passwords[REDIS_ADMIN]))
         for user in NATS_USERS:
             write_private(self.nats_creds(user), f"user={user}\npassword={self.nats_passwords[user]}\n")
@@ -325,9 +333,10 @@ def _password() -> str:
     return secrets.token_urlsafe(24)  # 192 bits; URL-safe, so it goes into URLs unescaped
 
 
-def prepare(directory: Path, prefix: str) -> Credentials:
+def prepare(directory: Path, prefix: str, *, redis_functions: bool = False) -> Credentials:
     """The deployment's credentials: the passwords kept in `directory/credentials.json` (new ones
-    for users it lacks), every file rendered again for `prefix`."""
+    for users it lacks), every file rendered again for `prefix` (and `redis_functions`, see
+    `Credentials`)."""
     directory = Path(directory)
     stored: dict = {}
     path = directory / "credentials.json"
@@ -335,6 +344,6 @@ def prepare(directory: Path, prefix: str) -> Credentials:
         stored = json.loads(path.read_text())
     nats = {user: stored.get("nats", {}).get(user) or _password() for user in NATS_USERS}
     redis = {user: stored.get("redis", {}).get(user) or _password() for user in REDIS_USERS}
-    credentials = Credentials(directory, prefix, nats, redis)
+    credentials = Credentials(directory, prefix, nats, redis, redis_functions)
     credentials.write()
     return credentials

@@ -1,5 +1,7 @@
 """Berth's Lua scripts as Redis Functions (bus/scripts.py): the libraries each service's code calls,
-and loading every library as the Redis administrator.
+the ACL rules that let a service's Redis user call those functions and run no Lua of its own, and
+loading every library as the Redis administrator (`berth up` on Redis >= 7.0, and `berth
+redis-functions` for other deployments).
 """
 
 from __future__ import annotations
@@ -24,6 +26,14 @@ def libraries(service: str) -> list[Library]:
 
 def every_library() -> list[Library]:
     return [scripts.library(package) for package in dict.fromkeys(p for ps in PACKAGES.values() for p in ps)]
+
+
+def fcall_rules(service: str) -> list[str]:
+    """A service user's rights to scripts, after `-@scripting`: listing libraries (how a worker
+    tells whether its own are loaded) and calling its own functions by name (an ACL rule
+    `+command|first-argument` allows a command for that first argument only)."""
+    functions = [function for library in libraries(service) for function in library.functions]
+    return ["+function|list", *(f"+fcall|{function}" for function in functions)]
 
 
 async def load(url: str, tls_ca: str | None = None) -> list[Library]:
