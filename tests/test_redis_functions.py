@@ -63,7 +63,8 @@ async def test_with_its_library_loaded_a_script_is_called_as_a_function(own_redi
     await scripts.load(own_redis, [TESTS])
     script = scripts.register(own_redis, "tests", "incr")
     assert await script(keys=["n"]) == 1
-    assert await asyncio.gather(*(Pipelined(own_redis).script(script, ["n"], []) for _ in range(3))) == [2, 3, 4]
+    batch = Pipelined(own_redis)
+    assert await asyncio.gather(*(batch.script(script, ["n"], []) for _ in range(3))) == [2, 3, 4]
     assert await calls(own_redis) == {"fcall": 4, "evalsha": 0}
 
 
@@ -113,7 +114,8 @@ async def test_on_a_cluster_a_library_reaches_every_primary_and_replica(redis_cl
         script = scripts.register(client, "tests", "incr")
         assert await script.is_function()
         keys = [f"functions:{{slot{i}}}" for i in range(12)]  # over every primary's slots
-        assert await asyncio.gather(*(Pipelined(client).script(script, [key], []) for key in keys)) == [1] * 12
+        batch = Pipelined(client)
+        assert await asyncio.gather(*(batch.script(script, [key], []) for key in keys)) == [1] * 12
         members = redis_cluster.members
         await until(lambda: asyncio.to_thread(  # replicas included
             lambda: all(ask(member, "FUNCTION", "LIST", "LIBRARYNAME", TESTS.name) for member in members)))
