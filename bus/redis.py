@@ -32,6 +32,8 @@ from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
+from bus.scripts import Script
+
 CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -105,16 +107,18 @@ class Pipelined:
 
     Commands keep their order and their own results or errors; nothing is a transaction.
 
-    Scripts (registered with `register_script`, see `bus.scripts`) are loaded by redis-py's own
-    means. The first batch that runs a script loads it: a plain Redis pipeline checks, before it
-    sends, that the server holds it (`pipe.scripts`: SCRIPT EXISTS, and SCRIPT LOAD if missing); a
-    Redis Cluster pipeline cannot (redis-py's `ClusterPipeline` has no `scripts`), so it is loaded
-    on every primary first. Later batches send plain EVALSHA: checking in every batch would cost a
-    round trip per batch (measured: +7% CPU per allocation commit, one request at a time; and a
-    round trip of latency for every scripted request, idempotency claims included). A command
-    answered NOSCRIPT (the server lost its scripts: a restart, SCRIPT FLUSH, a failover to a
-    replica without them) is sent again alone through redis-py's `AsyncScript.__call__`, which
-    loads the script and retries; so every command runs once.
+    Scripts (`bus.scripts.register`) run as FCALL of their function where their library is loaded,
+    else as EVALSHA, loaded by redis-py's own means. The first batch that runs a script with
+    EVALSHA loads it: a plain Redis pipeline checks, before it sends, that the server holds it
+    (`pipe.scripts`: SCRIPT EXISTS, and SCRIPT LOAD if missing); a Redis Cluster pipeline cannot
+    (redis-py's `ClusterPipeline` has no `scripts`), so it is loaded on every primary first. Later
+    batches send plain EVALSHA: checking in every batch would cost a round trip per batch
+    (measured: +7% CPU per allocation commit, one request at a time; and a round trip of latency
+    for every scripted request, idempotency claims included). A command answered NOSCRIPT (the
+    server lost its scripts: a restart, SCRIPT FLUSH, a failover to a replica without them) is sent
+    again alone through `Script.__call__`, which has redis-py load the script and retry; so every
+    command runs once. Functions are the administrator's to load: a lost one is an error that says
+    so (`Script.failure`).
     """
 
     def __init__(self, redis: Redis | RedisCluster, *, max_batch: int = 512, max_in_flight: int = 1) -> None:
@@ -123,10 +127,10 @@ class Pipelined:
         self.max_in_flight = max_in_flight
         self._in_flight = 0
         self._scheduled = False
-        self._queued: list[tuple[tuple[Any, ...], dict[str, Any], AsyncScript | None, asyncio.Future]] = []
+        self._queued: list[tuple[tuple[Any, ...], dict[str, Any], Script | None, asyncio.Future]] = []
         self._tasks: set[asyncio.Task] = set()
         self._cluster = is_cluster(redis)
-        self._loaded: set[AsyncScript] = set()  # scripts a batch has loaded
+        self._loaded: set[AsyncScript] = set()  # EVALSHA scripts a batch has loaded
 
     @classmethod
     def of(cls, redis: Redis | RedisCluster) -> "Pipelined":
@@ -139,11 +143,11 @@ class Pipelined:
     def execute_command(self, *args: Any, **options: Any) -> asyncio.Future:
         return self._queue(args, options, None)
 
-    def script(self, script: AsyncScript, keys: list[Any], args: list[Any]) -> asyncio.Future:
-        """Run a registered script (`redis.register_script`) in the next batch."""
+    def script(self, script: Script, keys: list[Any], args: list[Any]) -> asyncio.Future:
+        """Run a registered script (`bus.scripts.register`) in the next batch."""
         return self._queue((len(keys), *keys, *args), {}, script)
 
-    def _queue(self, args: tuple, options: dict, script: AsyncScript | None) -> asyncio.Future:
+    def _queue(self, args: tuple, options: dict, script: Script | None) -> asyncio.Future:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self._queued.append((args, options, script, future))
@@ -173,17 +177,21 @@ class Pipelined:
             self._send()
 
     async def _run(self, batch: list) -> None:
-        loading = {script for _, _, script, _ in batch if script is not None} - self._loaded
+        scripted = {script for _, _, script, _ in batch if script is not None}
         try:
+            called = {script for script in scripted if await script.is_function()}
+            loading = {script.evalsha for script in scripted - called} - self._loaded
             if loading and self._cluster:
-                for script in loading:
-                    await self.redis.script_load(script.script)  # redis-py sends it to every primary
+                for evalsha in loading:
+                    await self.redis.script_load(evalsha.script)  # redis-py sends it to every primary
             async with self.redis.pipeline(transaction=False) as pipe:
                 for args, options, script, _ in batch:
                     if script is None:
                         pipe.execute_command(*args, **options)
+                    elif script in called:
+                        pipe.execute_command("FCALL", script.function, *args)
                     else:
-                        pipe.execute_command("EVALSHA", script.sha, *args)
+                        pipe.execute_command("EVALSHA", script.evalsha.sha, *args)
                 if loading and not self._cluster:
                     pipe.scripts |= loading
                 results = await pipe.execute(raise_on_error=False)
@@ -202,16 +210,16 @@ class Pipelined:
             if isinstance(result, NoScriptError):  # not run: the server lost it (see the class docstring)
                 lost.append(self._run_alone(script, args, future))
             elif isinstance(result, Exception):
-                future.set_exception(result)
+                future.set_exception(result if script is None else script.failure(result))
             else:
                 future.set_result(result)
         await asyncio.gather(*lost)
 
-    async def _run_alone(self, script: AsyncScript, args: tuple, future: asyncio.Future) -> None:
+    async def _run_alone(self, script: Script, args: tuple, future: asyncio.Future) -> None:
         """Run a script on its own through redis-py, which loads it on the server again and retries."""
         count = args[0]
         try:
-            result = await script(keys=args[1:1 + count], args=args[1 + count:], client=self.redis)
+            result = await script(keys=args[1:1 + count], args=args[1 + count:])
         except Exception as error:
             if not future.done():
                 future.set_exception(error)

@@ -1,5 +1,5 @@
-"""The `berth` command: `up`, `worker`, `dashboard`, `schema`, and `call`, `events`, `nodes`, `status`
-(services/commands/). Flags and environment are read by services/settings.py."""
+"""The `berth` command: `up`, `worker`, `dashboard`, `schema`, `redis-functions`, and `call`, `events`,
+`nodes`, `status` (services/commands/). Flags and environment are read by services/settings.py."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from services.runner import configure_logging
 from services.settings import (
     DashboardConfig,
     add_metrics_port_flag,
+    add_redis_admin_flags,
     add_server_flags,
     log_level,
     redis_maxmemory,
@@ -61,9 +62,11 @@ def _catalog_args(args: argparse.Namespace, service: str) -> list[str]:
 
 
 def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
-    from services.credentials import prepare
+    from services.credentials import REDIS_ADMIN, prepare
+    from services.redis_functions import FIRST_VERSION
     from services.servers import (
         memory_limit,
+        redis_version,
         start_nats,
         start_nats_cluster,
         start_redis,
@@ -72,9 +75,12 @@ def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
 
     state = Path(args.state).resolve()
     # Credentials (unless --no-auth): users and permissions for the servers we start, a user per
-    # worker, see services/credentials.py. A server given by URL is used as it is.
+    # worker, see services/credentials.py. A server given by URL is used as it is. On a Redis that
+    # has Functions, berth's scripts are loaded as such, and the workers' users may only call them.
     own_nats, own_redis = not args.nats, not args.redis
-    creds = prepare(state / "credentials", args.prefix) if not args.no_auth and (own_nats or own_redis) else None
+    functions = own_redis and redis_version() >= FIRST_VERSION
+    creds = (prepare(state / "credentials", args.prefix, redis_functions=functions)
+             if not args.no_auth and (own_nats or own_redis) else None)
     nats_config = creds.nats_config if creds else None
     redis_config, redis_admin = (creds.redis_config, creds.redis_admin) if creds else (None, None)
     # TLS (unless --no-tls) with a CA of the deployment's own, made once (services/tls.py).
@@ -94,6 +100,8 @@ def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
                 else start_redis(state / "redis", args.redis_port, config=redis_config, extra=limit, tls=tls)
             )
             args.redis = servers[-1].url
+            if functions:  # before any worker looks for them
+                _load_functions(creds.redis_url(REDIS_ADMIN, args.redis) if creds else args.redis, tls)
         # The dashboard reads as an identity of its own, a reader (services/credentials.py).
         dashboard_url = creds.nats_url("dashboard", args.nats) if creds and own_nats else args.nats
         js_env = {"BERTH_JS_DOMAIN": args.prefix} if creds and own_nats else {}
@@ -134,6 +142,12 @@ def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
         for server in reversed(servers):
             server.stop()
         print("berth stopped", flush=True)
+
+
+def _load_functions(admin_url: str, tls) -> None:
+    from services.redis_functions import load
+
+    asyncio.run(load(admin_url, tls_ca=str(tls.ca) if tls else None))
 
 
 def _prepare_tls(state: Path):
@@ -236,6 +250,18 @@ def cmd_schema(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def cmd_redis_functions(args: argparse.Namespace, extra: list[str]) -> int:
+    from bus.redis import redis_url
+    from services.credentials import redis_rules
+    from services.redis_functions import PACKAGES, load
+
+    for library in asyncio.run(load(redis_url(args.redis), tls_ca=args.tls_ca)):
+        print(f"loaded {library.name}: {len(library.functions)} functions", flush=True)
+    for service in PACKAGES:
+        print(f"user {service} on >PASSWORD {' '.join(redis_rules(args.prefix, service, functions=True))}")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     berth = argparse.ArgumentParser(prog="berth", description="berth: allocation, broker and metrics over NATS")
     sub = berth.add_subparsers(dest="command", required=True)
@@ -284,6 +310,12 @@ def parser() -> argparse.ArgumentParser:
     add_metrics_port_flag(worker)
     add_server_flags(worker)
     worker.set_defaults(run=cmd_worker)
+
+    functions = sub.add_parser(
+        "redis-functions", help="load berth's Lua scripts into a Redis >= 7.0 as Functions, as its administrator, "
+        "and print the ACL rules of service users that may call them and run no other Lua")
+    add_redis_admin_flags(functions)
+    functions.set_defaults(run=cmd_redis_functions)
 
     commands.add_parsers(sub)  # call, events, nodes, status: services/commands/
 

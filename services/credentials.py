@@ -17,9 +17,11 @@ only (the folder too).
 Redis: each service user gets `~P:S:*` and `~P:idem:P-S:*` and no pub/sub channel; every command
 except the dangerous and admin ones, pub/sub, KEYS/SCAN/RANDOMKEY (key names of other services),
 CLIENT subcommands other than ID/GETNAME/SETNAME (CLIENT TRACKING would report other keys' names),
-and scripting except EVAL/EVALSHA/SCRIPT LOAD/SCRIPT EXISTS. Redis Cluster's read commands
-(CLUSTER SLOTS/SHARDS/NODES, COMMAND, ASKING, READONLY) stay allowed. The `default` user is the
-administrator, with its own password; replicas use it to reach their primary.
+and scripting: with Redis Functions (`prepare(..., redis_functions=True)`, which `berth up` asks
+for on Redis >= 7.0, where it loads them) only FUNCTION LIST and FCALL of its own functions
+(services/redis_functions.py), else EVAL/EVALSHA/SCRIPT LOAD/SCRIPT EXISTS. Redis Cluster's read
+commands (CLUSTER SLOTS/SHARDS/NODES, COMMAND, ASKING, READONLY) stay allowed. The `default` user is
+the administrator, with its own password; replicas use it to reach their primary.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from urllib.parse import quote, urlsplit, urlunsplit
 from bus.callers import ROLES, Role
 from services import accounts
 from services.accounts import SERVICES, Identity
+from services.redis_functions import fcall_rules
 
 REDIS_ADMIN = "default"
 REDIS_USERS = (*SERVICES, REDIS_ADMIN)
@@ -42,11 +45,12 @@ REDIS_USERS = (*SERVICES, REDIS_ADMIN)
 FIRST_IDENTITIES = {"admin": Role.ADMIN, "dashboard": Role.READER}
 
 REDIS_COMMANDS = (
-    "+@all", "-@dangerous", "-@admin", "-@pubsub",
-    "-@scripting", "+eval", "+evalsha", "+script|load", "+script|exists",
+    "+@all", "-@dangerous", "-@admin", "-@pubsub", "-@scripting",
     "-scan", "-randomkey",
     "-client", "+client|id", "+client|getname", "+client|setname",
 )
+# Without Redis Functions a worker runs its scripts with EVALSHA, and loads them itself.
+REDIS_EVAL = ("+eval", "+evalsha", "+script|load", "+script|exists")
 
 
 # -- Redis -------------------------------------------------------------------------------------
@@ -56,19 +60,21 @@ def redis_key_patterns(prefix: str, service: str) -> tuple[str, ...]:
     return (f"{prefix}:{service}:*", f"{prefix}:idem:{prefix}-{service}:*")
 
 
-def redis_rules(prefix: str, user: str) -> list[str]:
-    """The ACL rules of a user (after `user <name> on #<hash>`)."""
+def redis_rules(prefix: str, user: str, *, functions: bool = False) -> list[str]:
+    """The ACL rules of a user (after `user <name> on #<hash>`); `functions`: the deployment's
+    scripts are Redis Functions the administrator loaded."""
     if user == REDIS_ADMIN:
         return ["~*", "&*", "+@all"]
     keys = [f"~{pattern}" for pattern in redis_key_patterns(prefix, user)]
-    return ["resetkeys", *keys, "resetchannels", *REDIS_COMMANDS]
+    scripts = fcall_rules(user) if functions else REDIS_EVAL
+    return ["resetkeys", *keys, "resetchannels", *REDIS_COMMANDS, *scripts]
 
 
-def redis_acl(prefix: str, passwords: dict[str, str]) -> str:
+def redis_acl(prefix: str, passwords: dict[str, str], *, functions: bool = False) -> str:
     lines = []
     for user in REDIS_USERS:
         digest = hashlib.sha256(passwords[user].encode()).hexdigest()
-        lines.append(" ".join(["user", user, "on", f"#{digest}", *redis_rules(prefix, user)]))
+        lines.append(" ".join(["user", user, "on", f"#{digest}", *redis_rules(prefix, user, functions=functions)]))
     return "\n".join(lines) + "\n"
 
 
@@ -143,6 +149,7 @@ class Credentials:
     nats_passwords: dict[str, str]  # the services' NATS users
     redis_passwords: dict[str, str]
     identities: dict[str, Identity]
+    redis_functions: bool = False  # service users may call berth's Redis Functions, and run no other Lua
 
     @property
     def nats_config(self) -> Path:
@@ -211,11 +218,11 @@ class Credentials:
         self.directory.mkdir(parents=True, exist_ok=True)
         os.chmod(self.directory, 0o700)
         identities = {i.name: {"role": i.role.label, "password": i.password} for i in self.identities.values()}
-        document = {"version": 2, "prefix": self.prefix, "nats": self.nats_passwords,
-                    "redis": self.redis_passwords, "identities": identities}
+        document = {"version": 2, "prefix": self.prefix, "redis_functions": self.redis_functions,
+                    "nats": self.nats_passwords, "redis": self.redis_passwords, "identities": identities}
         write_private(self.directory / "credentials.json", json.dumps(document, indent=2) + "\n")
         write_private(self.nats_config, accounts.render(self.prefix, self.nats_passwords, list(self.identities.values())))
-        write_private(self.redis_acl, redis_acl(self.prefix, self.redis_passwords))
+        write_private(self.redis_acl, redis_acl(self.prefix, self.redis_passwords, functions=self.redis_functions))
         write_private(self.redis_config, redis_config(self.redis_acl, self.redis_passwords[REDIS_ADMIN]))
         users = {**{service: self.nats_passwords[service] for service in SERVICES},
                  **{i.name: i.password for i in self.identities.values()}}
@@ -230,27 +237,30 @@ def _password() -> str:
     return secrets.token_urlsafe(24)  # 192 bits; URL-safe, so it goes into URLs unescaped
 
 
-def load(directory: Path, prefix: str | None = None) -> Credentials:
+def load(directory: Path, prefix: str | None = None, redis_functions: bool | None = None) -> Credentials:
     """The credentials kept in `directory/credentials.json` (new passwords for users it lacks, and
-    the first identities when it has none), without writing anything; `prefix` None: the one they
-    were last written for (`berth user` keeps the prefix `berth up` used)."""
+    the first identities when it has none), without writing anything; `prefix` and
+    `redis_functions` None: as they were last written (`berth user` keeps what `berth up` chose)."""
     directory = Path(directory)
     stored: dict = {}
     path = directory / "credentials.json"
     if path.exists():
         stored = json.loads(path.read_text())
     prefix = prefix or stored.get("prefix") or "berth"
+    if redis_functions is None:
+        redis_functions = bool(stored.get("redis_functions"))
     nats = {user: stored.get("nats", {}).get(user) or _password() for user in SERVICES}
     redis = {user: stored.get("redis", {}).get(user) or _password() for user in REDIS_USERS}
     kept = stored.get("identities")
     if kept is None:  # a first start (or credentials of a berth before identities)
         kept = {name: {"role": role.label, "password": _password()} for name, role in FIRST_IDENTITIES.items()}
     identities = {name: Identity(name, ROLES[entry["role"]], entry["password"]) for name, entry in kept.items()}
-    return Credentials(directory, prefix, nats, redis, identities)
+    return Credentials(directory, prefix, nats, redis, identities, redis_functions)
 
 
-def prepare(directory: Path, prefix: str) -> Credentials:
-    """The deployment's credentials (`load`), every file rendered again for `prefix`."""
-    credentials = load(directory, prefix)
+def prepare(directory: Path, prefix: str, *, redis_functions: bool = False) -> Credentials:
+    """The deployment's credentials (`load`), every file rendered again for `prefix` and
+    `redis_functions` (see `Credentials`)."""
+    credentials = load(directory, prefix, redis_functions)
     credentials.write()
     return credentials

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -72,6 +73,15 @@ def find_binary(name: str) -> str:
         except ImportError:
             pass
     raise FileNotFoundError(f"{name} not found: run the set-up command (make setup) first")
+
+
+def redis_version() -> tuple[int, int]:
+    """(major, minor) of the redis-server `start_redis` runs (`Redis server v=7.0.15 sha=...`)."""
+    said = subprocess.run([find_binary("redis-server"), "--version"], capture_output=True, text=True, check=True)
+    found = re.search(r"v=(\d+)\.(\d+)", said.stdout)
+    if found is None:
+        raise RuntimeError(f"no version in {said.stdout!r}")
+    return int(found[1]), int(found[2])
 
 
 def wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 15.0) -> None:

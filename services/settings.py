@@ -437,6 +437,19 @@ def add_js_domain_flag(parser: argparse.ArgumentParser, env: Env | None = None) 
     )
 
 
+def add_redis_admin_flags(parser: argparse.ArgumentParser, env: Env | None = None) -> None:
+    """`berth redis-functions`: the Redis administrator's connection, and the prefix of the ACL
+    rules it prints."""
+    env = _environ(env)
+    parser.add_argument("--redis", default=env.get("REDIS_URL"),
+                        help="the administrator's Redis URL, redis[s]://default:PASSWORD@host:port/0 or "
+                        "redis[s]+cluster://default:PASSWORD@host:port,... (env REDIS_URL: a password on a "
+                        "command line is visible to every local user)")
+    _add_tls_ca_flag(parser, env, "rediss://")
+    parser.add_argument("--prefix", default=env.get("BERTH_PREFIX", "berth"),
+                        help="key prefix the printed ACL rules name (env BERTH_PREFIX, default berth)")
+
+
 def add_metrics_port_flag(parser: argparse.ArgumentParser, env: Env | None = None) -> None:
     """`berth worker --metrics-port`: process k serves on PORT+k."""
     parser.add_argument("--metrics-port", type=metrics_port, default=_environ(env).get("BERTH_METRICS_PORT", ""),
@@ -453,9 +466,13 @@ def add_client_flags(parser: argparse.ArgumentParser, env: Env | None = None) ->
                         help="user=... and password=... lines, as .berth/credentials/admin.nats "
                         "(env BERTH_NATS_CREDS)")
     add_js_domain_flag(parser, env)
-    parser.add_argument("--tls-ca", default=env.get("BERTH_TLS_CA"), metavar="FILE",
-                        help="CA that signed a tls:// server's certificate, as .berth/tls/ca.pem "
-                        "(env BERTH_TLS_CA; default: the system's CAs)")
+    _add_tls_ca_flag(parser, env, "tls://")
     parser.add_argument("--prefix", default=env.get("BERTH_PREFIX", "berth"),
                         help="subject prefix (env BERTH_PREFIX, default berth)")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log to standard error (-vv: debug)")
+
+
+def _add_tls_ca_flag(parser: argparse.ArgumentParser, env: Env, scheme: str) -> None:
+    parser.add_argument("--tls-ca", default=env.get("BERTH_TLS_CA"), metavar="FILE",
+                        help=f"CA that signed a {scheme} server's certificate, as .berth/tls/ca.pem "
+                        "(env BERTH_TLS_CA; default: the system's CAs)")

@@ -1,6 +1,7 @@
 """A deployment as `berth up` makes it, for the tests of identities, roles and ownership: a
 nats-server with berth's accounts (services/accounts.py), a redis-server with the services' ACL
-users, real workers on their own users, and a connection per identity.
+users and berth's Redis Functions loaded, real workers on their own users, and a connection per
+identity.
 
     d = Deployment(tmp_path, {"alice": Role.TENANT, "bob": Role.TENANT})
     d.start_workers()
@@ -21,6 +22,7 @@ from nats.aio.client import Client
 from bus.callers import Role
 from bus.client import BusClient
 from bus.connection import connect
+from services import redis_functions
 from services.credentials import Credentials, prepare
 from services.servers import reload_nats, start_nats, start_redis
 from tests.broker_helpers import CATALOG
@@ -50,13 +52,16 @@ class Deployment:
     def __init__(self, directory: Path, identities: dict[str, Role] | None = None) -> None:
         self.directory = directory
         self.prefix = f"t{uuid.uuid4().hex[:10]}"
-        creds = prepare(directory / "credentials", self.prefix)
+        creds = prepare(directory / "credentials", self.prefix, redis_functions=True)
         for name, role in (identities or {}).items():
             creds = creds.with_identity(name, role)
         creds.write()
         self.creds: Credentials = creds
         self.nats = start_nats(directory / "nats", config=creds.nats_config)
         self.redis = start_redis(directory / "redis", appendonly=False, config=creds.redis_config)
+        with self.redis_admin() as admin:  # as `berth up` loads them (sync: a test may run in a loop)
+            for library in redis_functions.every_library():
+                admin.function_load(library.code, replace=True)
         self.workers = []
         self._connections: list[Client] = []
 

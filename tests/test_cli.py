@@ -1,4 +1,5 @@
-"""The `berth` command: compose entries, `up` with embedded servers, `status`, `schema`."""
+"""The `berth` command: compose entries, `up` with embedded servers, `status`, `schema`,
+`redis-functions`."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import pytest
 import yaml
 
 from services.cli import parser
+from services.redis_functions import every_library
 from services.registry import SERVICES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -321,6 +323,10 @@ async def test_up_serves_over_tls_only_with_its_own_ca(tmp_path):
         with _redis_admin(state, printed["REDIS_URL"]) as admin:
             assert admin.ping()
         assert await _allocates(_client_options(printed)) == ["t1", "t1"]
+        with _redis_admin(state, printed["REDIS_URL"]) as admin:  # berth's scripts ran as Functions
+            assert all(admin.function_list(library.name) for library in every_library())
+            stats = admin.info("commandstats")
+            assert "cmdstat_fcall" in stats and "cmdstat_evalsha" not in stats
         # over TLS without the CA: the server's certificate is not trusted
         with pytest.raises((ssl.SSLCertVerificationError, nats.errors.NoServersError)):
             await nats.connect(**{**_client_options(printed), "tls": ssl.create_default_context()},
@@ -347,6 +353,32 @@ async def test_up_without_tls_serves_in_clear(tmp_path, off):
         with _redis_admin(state, printed["REDIS_URL"], tls=False) as plain:
             assert plain.ping()
         assert await _allocates(_client_options(printed)) == ["t1", "t1"]
+
+
+def test_redis_functions_loads_every_library_and_prints_rules_a_service_user_works_with(tmp_path):
+    import redis
+
+    from services.servers import start_redis
+
+    server = start_redis(tmp_path / "redis", appendonly=False)
+    try:
+        loaded = subprocess.run([*BERTH, "redis-functions", "--prefix", "p"], capture_output=True, text=True,
+                                timeout=60, cwd=ROOT, env={**os.environ, "REDIS_URL": server.url})
+        assert loaded.returncode == 0, loaded.stderr
+        assert [line.split()[1].rstrip(":") for line in loaded.stdout.splitlines() if line.startswith("loaded ")] == [
+            library.name for library in every_library()]
+        [rules] = [line.split()[3:] for line in loaded.stdout.splitlines() if line.startswith("user allocation ")]
+        with redis.Redis.from_url(server.url) as admin:
+            assert all(admin.function_list(library.name) for library in every_library())
+            admin.acl_setuser("allocation", enabled=True, passwords=["+pw"])
+            admin.execute_command("ACL", "SETUSER", "allocation", *rules)
+        with redis.Redis.from_url(server.url, username="allocation", password="pw") as allocation:
+            lease = next(library.function("lease_hold") for library in every_library() if library.package == "bus")
+            assert allocation.fcall(lease, 1, "p:allocation:{n1}:lease", "me", 1000) == 1
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                allocation.eval("return 1", 0)
+    finally:
+        server.stop()
 
 
 def test_compose_requires_auth_and_keeps_redis_off_the_host():

@@ -1,11 +1,13 @@
 """Credentials (services/credentials.py): a nats-server and a redis-server started with the users
-`berth up` writes, real workers on their own users, and what a user without rights cannot do.
+`berth up` writes, with berth's Redis Functions loaded as `berth up` loads them, real workers on
+their own users, and what a user without rights cannot do.
 What identities and roles may do on the bus is in tests/test_tenancy.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib
 import os
 import socket
@@ -19,15 +21,17 @@ from redis.backoff import NoBackoff
 from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 from redis.retry import Retry
 
-from bus import discovery
+from bus import discovery, scripts
 from bus.callers import Role
 from bus.connection import connect
 from bus.redis import Pipelined, connect_redis
-from services import accounts, credentials
-from services.credentials import load, prepare
+from bus.scripts import FunctionMissing
+from services import accounts, credentials, redis_functions
+from services.credentials import REDIS_ADMIN, load, prepare
 from services.servers import start_redis_cluster
 from tests.accounts_helpers import NODE, Deployment
 from tests.broker_helpers import HTTP, SERVER
+from tests.bus_helpers import until
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +79,8 @@ async def test_every_service_answers_on_its_own_users_and_writes_only_its_own_ke
         assert {k.split(":")[1] for k in own} == {service, "idem"}, own  # records and kept answers
     patterns = [p for s in accounts.SERVICES for p in credentials.redis_key_patterns(d.prefix, s)]
     assert all(any(_glob(k, p) for p in patterns) for k in keys), keys  # nobody wrote outside its space
+    calls = {name: stats["calls"] for name, stats in d.redis_admin().info("commandstats").items()}
+    assert calls["cmdstat_fcall"] > 0 and "cmdstat_evalsha" not in calls  # its scripts ran as functions
 
 
 def _glob(key: str, pattern: str) -> bool:
@@ -108,10 +114,8 @@ def test_a_service_user_cannot_read_another_services_keys(deployment):
             allocation.get(key)
         with pytest.raises(NoPermissionError):
             allocation.delete(key)
-    with pytest.raises(ResponseError, match="(?i)can't access|no permissions"):  # nor from a script
-        allocation.eval("return redis.call('GET', KEYS[1])", 1, broker_key)
-    with pytest.raises(ResponseError, match="(?i)can't access|no permissions"):
-        allocation.eval(f"return redis.call('GET', '{broker_key}')", 0)
+    with pytest.raises(NoPermissionError):  # nor through a function of its own
+        allocation.fcall(_function("allocation", "lease_hold"), 1, broker_key, "me", 1000)
     with pytest.raises(NoPermissionError):  # nor list the key names
         allocation.scan(0)
     metrics = d.redis_as("metrics")
@@ -125,6 +129,41 @@ def test_a_service_user_cannot_read_another_services_keys(deployment):
     assert admin.get(broker_key) == b"theirs"
 
 
+def test_a_service_user_runs_no_lua_of_its_own_and_calls_only_its_own_functions(deployment):
+    d, p = deployment, deployment.prefix
+    allocation, metrics = d.redis_as("allocation"), d.redis_as("metrics")
+    own = f"{p}:allocation:{{n1}}:lease"
+    sha = d.redis_admin().script_load("return 1")
+    for command in (("EVAL", "return 1", 0), ("EVALSHA", sha, 0), ("SCRIPT", "LOAD", "return 1"),
+                    ("FUNCTION", "LOAD", "#!lua name=mine\nredis.register_function('mine', function() end)"),
+                    ("FUNCTION", "DELETE", redis_functions.libraries("allocation")[0].name), ("FUNCTION", "FLUSH"),
+                    ("FCALL", _function("broker", "set_if_exists"), 1, own)):  # another service's function
+        with pytest.raises(NoPermissionError):
+            allocation.execute_command(*command)
+    assert allocation.fcall(_function("allocation", "lease_hold"), 1, own, "me", 1000) == 1
+    # A function's own Redis calls are checked too: notifier_live reads keys named by its ARGV.
+    index = f"{p}:metrics:{{{NODE}}}:probe-index"
+    metrics.sadd(index, "x")
+    with pytest.raises(ResponseError, match="(?i)can't access|no permissions"):
+        metrics.fcall(_function("metrics", "notifier_live"), 1, index, f"{p}:broker:{{{NODE}}}:")
+
+
+async def test_a_worker_whose_library_nobody_loaded_is_told_to_load_it(deployment):
+    client = connect_redis(deployment.creds.redis_url("allocation", deployment.redis.url))
+    try:
+        unloaded = scripts.Script(client, scripts.library("tests"), "incr")  # not loaded: EVALSHA, refused
+        with pytest.raises(FunctionMissing, match=f"{unloaded.function}.*berth redis-functions"):
+            await unloaded(keys=[f"{deployment.prefix}:allocation:n"])
+    finally:
+        await client.aclose()
+
+
+def _function(service: str, script: str) -> str:
+    """The name of one of `service`'s functions."""
+    return next(library.function(script) for library in redis_functions.libraries(service)
+                if script in dict(library.sources))
+
+
 def test_redis_refuses_the_default_user_without_password_and_a_wrong_password(deployment):
     with socket.create_connection(("127.0.0.1", deployment.redis_port), timeout=5) as conn:
         conn.sendall(f"GET {deployment.prefix}:allocation:probe\r\n".encode())
@@ -136,18 +175,32 @@ def test_redis_refuses_the_default_user_without_password_and_a_wrong_password(de
         sync_redis.Redis(port=deployment.redis_port, username="default", password="", retry=once).ping()
 
 
-async def test_a_redis_cluster_gets_the_same_users(tmp_path):
-    creds = prepare(tmp_path / "credentials", "tc")
+async def test_a_redis_cluster_gets_the_same_users_and_a_promoted_replica_the_functions(tmp_path):
+    creds = prepare(tmp_path / "credentials", "tc", redis_functions=True)
     # start_redis_cluster waits for the replica's link to its primary: it logs in as the admin
     cluster = start_redis_cluster(tmp_path / "cluster", primaries=1, replicas=1, config=creds.redis_config,
                                   auth=creds.redis_admin, extra=["--repl-diskless-sync-delay", "0"])
     try:
+        await redis_functions.load(creds.redis_url(REDIS_ADMIN, cluster.url))
         client = connect_redis(creds.redis_url("allocation", cluster.url))
         try:
-            script = client.register_script("return redis.call('INCR', KEYS[1])")
-            assert await Pipelined(client).script(script, ["tc:allocation:{n1}:count"], []) == 1
+            lease = scripts.register(client, "bus", "lease_hold")
+            assert await Pipelined(client).script(lease, ["tc:allocation:{n1}:lease"], ["me", 60_000]) == 1
+            assert await lease.is_function()
+            with pytest.raises(NoPermissionError):
+                await client.eval("return 1", 0)
             with pytest.raises(NoPermissionError):
                 await client.get("tc:broker:{tc}:index")
+            # The replica has the libraries from its primary; promoted, it runs them. (A manual
+            # failover waits for the replica to hold all its primary wrote.)
+            user, password = creds.redis_admin
+            replica = sync_redis.Redis(port=int(cluster.members[1].url.rsplit(":", 1)[1].split("/")[0]),
+                                       username=user, password=password)
+            replica.execute_command("CLUSTER FAILOVER")
+            await until(lambda: asyncio.to_thread(lambda: replica.execute_command("ROLE")[0] == b"master"))
+            assert all(replica.function_list(library.name) for library in redis_functions.libraries("allocation"))
+            assert await Pipelined(client).script(lease, ["tc:allocation:{n1}:lease"], ["me", 60_000]) == 1
+            replica.close()
         finally:
             await client.aclose()
     finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+from bus import scripts
 from bus.redis import Pipelined, connect_redis, is_cluster, ready
 
 
@@ -26,7 +27,7 @@ async def test_scripts_run_on_every_primary_even_after_they_were_flushed(redis_c
     client = connect_redis(redis_cluster.url)
     try:
         batch = Pipelined(client)
-        script = client.register_script("return redis.call('INCR', KEYS[1])")
+        script = scripts.register(client, "tests", "incr")
         keys = [f"scripted:{{slot{i}}}" for i in range(12)]
         assert await asyncio.gather(*(batch.script(script, [key], []) for key in keys)) == [1] * 12
         await client.script_flush()  # on every primary: as after a failover to a replica without it

@@ -1,6 +1,8 @@
 """Redis out of memory: a redis-server at its `maxmemory` with `noeviction` (as `berth up` runs it)
 refuses writes; an allocation worker on it answers `unavailable` (503), writes nothing, and the
-same requests with the same request_id land once memory is freed."""
+same requests with the same request_id land once memory is freed: with its scripts run by EVALSHA,
+and as Redis Functions (as on `berth up`: Redis refuses a function that may write whole, before it
+runs; reads carry `no-writes` and still answer)."""
 
 from __future__ import annotations
 
@@ -8,8 +10,10 @@ import pytest
 from redis.asyncio import Redis
 from redis.exceptions import OutOfMemoryError
 
+from bus import scripts
 from bus.client import BusClient
 from bus.errors import BusError
+from services.redis_functions import every_library
 from services.servers import memory_limit, start_redis
 from tests.conftest import start_worker, stop_workers
 from tests.test_allocation_concurrency import REQUEST, check_invariants
@@ -46,11 +50,15 @@ async def free(store: Redis, junk: int) -> None:
     assert memory["used_memory"] < memory["maxmemory"]
 
 
-async def test_a_full_redis_answers_unavailable_writes_nothing_and_the_retry_lands(tmp_path, nats_url, nc, prefix):
+@pytest.mark.parametrize("functions", [False, True], ids=["evalsha", "functions"])
+async def test_a_full_redis_answers_unavailable_writes_nothing_and_the_retry_lands(tmp_path, nats_url, nc, prefix,
+                                                                                  functions):
     server = start_redis(tmp_path / "redis", appendonly=False, extra=memory_limit(str(LIMIT)))
     store = Redis.from_url(server.url)
     workers = []
     try:
+        if functions:
+            await scripts.load(store, every_library())
         workers.append(start_worker("services.allocation.worker", nats_url, server.url, prefix))
         client = BusClient(nc, prefix=prefix, timeout=5.0)
         await client.request("resource.add-node", node("n1"))
@@ -74,6 +82,7 @@ async def test_a_full_redis_answers_unavailable_writes_nothing_and_the_retry_lan
         assert [a["nodename"] for a in placed] == ["n1", "n1"]
         await client.request("resource.add-node", node("n2"))
         assert await check_invariants(client, ["n1", "n2"]) == 2  # usage == ledger, nothing more held
+        assert ("cmdstat_fcall" in await store.info("commandstats")) == functions
     finally:
         stop_workers(workers)
         await store.aclose()

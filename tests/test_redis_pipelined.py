@@ -8,6 +8,7 @@ import asyncio
 import pytest
 from redis.exceptions import ConnectionError, ResponseError
 
+from bus import scripts
 from bus.redis import Pipelined, connect_redis
 from services.servers import free_port
 
@@ -47,7 +48,7 @@ async def test_an_error_fails_only_its_own_command(redis, prefix):
 async def test_scripts_run_once_each_even_after_the_server_lost_them(redis, prefix):
     batch = Pipelined(redis)
     key = f"{prefix}:scripted"
-    script = redis.register_script("return redis.call('INCR', KEYS[1])")
+    script = scripts.register(redis, "tests", "incr")
     assert await asyncio.gather(*(batch.script(script, [key], []) for _ in range(3))) == [1, 2, 3]
     await redis.script_flush()  # as after a restart of the server
     assert sorted(await asyncio.gather(*(batch.script(script, [key], []) for _ in range(3)))) == [4, 5, 6]
@@ -57,7 +58,7 @@ async def test_scripts_run_once_each_even_after_the_server_lost_them(redis, pref
 async def test_a_script_is_loaded_by_its_first_batch_only(redis, prefix):
     batch = Pipelined(redis)
     key = f"{prefix}:checked"
-    script = redis.register_script("return redis.call('INCR', KEYS[1]) -- checked once")
+    script = scripts.register(redis, "tests", "incr")
 
     async def checks() -> int:
         return (await redis.info("commandstats")).get("cmdstat_script|exists", {}).get("calls", 0)

@@ -14,6 +14,7 @@ import nats
 import pytest
 
 from bus.events import EventBus, StreamSpec
+from services.redis_functions import every_library
 from services.servers import start_nats_cluster
 from tests.bus_helpers import until
 from tests.test_cli import (
@@ -25,6 +26,7 @@ from tests.test_cli import (
     _printed,
     _processes_mentioning,
     _read_until,
+    _redis_admin,
 )
 
 
@@ -48,6 +50,7 @@ async def test_up_cluster_serves_an_allocation_ctrl_c_stops_every_server_and_a_r
             assert info.config.num_replicas == 3
         finally:
             await nc.close()
+        assert all(_holds_every_library(state, node) for node in redis_nodes)  # primaries and replicas
     # Started again on the same folder (it used to fail with "Slot 0 is already busy"): the same
     # Redis Cluster, with what it held.
     with _up_cluster(state) as (urls, again):
@@ -58,6 +61,11 @@ async def test_up_cluster_serves_an_allocation_ctrl_c_stops_every_server_and_a_r
             assert sorted(a["workload_id"] for a in held) == sorted(a["workload_id"] for a in placed)
         finally:
             await nc.close()
+
+
+def _holds_every_library(state, node: str) -> bool:
+    with _redis_admin(state, node) as admin:
+        return all(admin.function_list(library.name) for library in every_library())
 
 
 @contextmanager

@@ -3,6 +3,7 @@
 -- KEYS[1] the node's record (hash), KEYS[2] its ledger (hash: workload id -> resources).
 -- ARGV the workload ids to read from the ledger; none: all of it.
 -- Returns {HGETALL of the record, HGETALL of the ledger or HMGET of the ids}.
+-- function flags: no-writes
 -- The ids are read a slice at a time: Lua's unpack takes at most about 8,000 values, and a
 -- release may name 10,000 workloads of one node.
 local ledger
