@@ -7,7 +7,7 @@ handler user), and every record, broker and pool is kept under its user, so a re
 what belongs to the user it names. A tenant may name only itself, the identity NATS authenticated;
 a reader reads for anyone (the runtime refuses its changes); an admin, and a service asking from
 the services' own account, act for anyone. `for_callers` makes that check once, before every
-handler.
+handler; listings that name no user show only what the caller may see.
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ class BrokerEndpoints:
         return RemovedBroker(await self.keeper.remove(req.user, req.name))
 
     async def list_brokers(self, req: ListBrokers) -> BrokerList:
-        return BrokerList(await self.keeper.views(req.user or None))
+        return BrokerList(await self.keeper.views(req.user or None, visible))
 
     async def get_instance_type(self, req: GetInstanceType) -> InstanceType:
         return self.instance_types.get(req.platform, req.group)
@@ -138,17 +138,23 @@ class BrokerEndpoints:
         return Namespace(self.namespace or req.user)
 
     async def get_resource_detail(self, req: GetResourceDetail) -> ResourceDetailReply:
-        return await self.resources.queries.detail(req.offset, req.limit)
+        return await self.resources.queries.detail(req.offset, req.limit, visible)
 
     async def list_resources(self, req: ListResources) -> ResourceList:
-        return await self.resources.queries.list_resources(req)
+        return await self.resources.queries.list_resources(req, visible)
 
     async def get_resource(self, req: ResourceRef) -> ResourceView:
         return (await self.resources.queries.get(req.user, req.resource_id)).view()
 
 
+def visible(user: str) -> bool:
+    """Whether the caller may see what `user` owns: a listing shows only that."""
+    return current_caller.get().sees(user)
+
+
 def check_user(user: str | UnsetType, changes: bool) -> None:
-    """Refuse a request for `user` unless the caller may act for that user (the module docstring)."""
+    """Refuse a request for `user` unless the caller may act for that user (the module docstring);
+    a listing that names no user is narrowed by its handler instead."""
     caller = current_caller.get()
     if user is UNSET or (caller.owns(user) if changes else caller.sees(user)):
         return
