@@ -1,7 +1,8 @@
 """Broker resources and pools belong to their user (issue 17), over the wire: a nats-server with
 berth's accounts, the workers on their own users, and a connection per identity. A tenant acts for
 its own user only, whatever user or resource id it names; a reader reads everyone's; the admin acts
-for anyone."""
+for anyone. The broker runs the `allocation` operator: its own requests to the allocation service
+come from the services' account, and place what any tenant launches."""
 
 from __future__ import annotations
 
@@ -11,16 +12,20 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from bus.client import BusClient
 from tests.accounts_helpers import deployed, refused
 from tests.broker_helpers import FAST_ARGS, const_broker, eventually, kill_marked, param
 
 ONE = {"least_instance": 1, "request_instance": 1}
+NODE = "placed"  # the one node the allocation operator places on (city and platform of `param()`)
 
 
-@pytest.fixture(scope="module")
-def deployment(tmp_path_factory):
-    with deployed(tmp_path_factory.mktemp("broker-tenancy"), *FAST_ARGS) as d:
+@pytest_asyncio.fixture(scope="module")
+async def deployment(tmp_path_factory):
+    with deployed(tmp_path_factory.mktemp("broker-tenancy"), *FAST_ARGS,
+                  "--operator", "allocation", "--no-bind-cpus") as d:
+        await (await d.client("admin")).request("resource.add-node", {
+            "nodename": NODE, "resource": {"cpumem": {"cpu": 8, "memory": "16G"}},
+            "labels": {"city": "sz", "platform": "linux"}})
         yield d
     kill_marked(d.prefix)  # what a failed test launched and left
 
@@ -32,14 +37,14 @@ async def as_(deployment):
 
     async def speaking(name: str):
         client = await deployment.client(name, timeout=20)
-        return lambda command, payload: call(client, command, payload)
+
+        async def call(command: str, payload: dict[str, Any], service: str = "broker") -> dict[str, Any]:
+            return await client.request(f"{service}.{command}", payload, dict)
+
+        return call
 
     yield speaking
     await deployment.close_connections()
-
-
-async def call(client: BusClient, command: str, payload: dict[str, Any]) -> dict[str, Any]:
-    return await client.request(f"broker.{command}", payload, dict)
 
 
 async def not_hers(call_, user: str = "alice") -> None:
@@ -65,6 +70,12 @@ def owners(listing: dict[str, Any], field: str = "resources") -> set[str]:
     return {item["user"] for item in listing[field]}
 
 
+async def placed(b) -> list[str]:
+    """The workloads on the node."""
+    reply = await b("get-allocations", {"nodename": NODE}, "resource")
+    return [a["workload_id"] for a in reply["allocations"]]
+
+
 async def running(b, user: str, resource_id: str) -> dict[str, Any]:
     async def up():
         info = await b("get-service-info", ref(user, resource_id))
@@ -74,11 +85,12 @@ async def running(b, user: str, resource_id: str) -> dict[str, Any]:
 
 
 async def test_another_tenant_cannot_reach_a_tenants_resource(as_):
-    alice, bob = await as_("alice"), await as_("bob")
+    admin, alice, bob = await as_("admin"), await as_("alice"), await as_("bob")
     mine = rid("mine")
     await alice("init", ref("alice", mine, param=param()))
     await alice("launch", ref("alice", mine, filter=ONE))
     await running(alice, "alice", mine)
+    assert f"broker/alice/{mine}/0" in await placed(admin)  # the broker's own request placed it
     for command, extra in (
         ("release", {}),
         ("scale", {"filter": ONE}),
@@ -100,8 +112,10 @@ async def test_another_tenant_cannot_reach_a_tenants_resource(as_):
     seen = await alice("get-resource", ref("alice", mine))
     assert (seen["user"], seen["status"], seen["request_instance"]) == ("alice", "running", 1)
     await alice("scale", ref("alice", mine, filter=ONE))
+    await running(alice, "alice", mine)
     await alice("release", ref("alice", mine))
     assert (await alice("get-resource", ref("alice", mine)))["status"] == "released"
+    assert not {f"broker/alice/{mine}/{i}" for i in (0, 1)} & set(await placed(admin))  # and freed it
 
 
 async def test_a_tenant_lists_its_own_and_a_reader_everyones(as_):
