@@ -13,15 +13,19 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Awaitable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 import redis as sync_redis
 from nats.aio.client import Client
 
 from bus.callers import Role
 from bus.client import BusClient
 from bus.connection import connect
+from bus.errors import BusError
 from services import redis_functions
 from services.credentials import Credentials, prepare
 from services.servers import reload_nats, start_nats, start_redis
@@ -29,6 +33,8 @@ from tests.broker_helpers import CATALOG
 from tests.conftest import start_worker, stop_workers
 
 NODE = "acc-node"  # the metrics worker's node
+# Who the tenancy tests speak as, besides the admin: two tenants and a reader.
+IDENTITIES = {"alice": Role.TENANT, "bob": Role.TENANT, "watcher": Role.READER}
 
 
 class Errors:
@@ -129,3 +135,22 @@ class Deployment:
         stop_workers(self.workers)
         self.nats.stop()
         self.redis.stop()
+
+
+@contextmanager
+def deployed(directory: Path, *broker_args: str) -> Iterator[Deployment]:
+    """A deployment of `IDENTITIES` with its workers running, stopped afterwards."""
+    d = Deployment(directory, IDENTITIES)
+    try:
+        d.start_workers(*broker_args)
+        yield d
+    finally:
+        d.stop()
+
+
+async def refused(call: Awaitable, code: str = "permission_denied") -> BusError:
+    """The error `call` is refused with, which must have `code`."""
+    with pytest.raises(BusError) as caught:
+        await call
+    assert caught.value.code == code, caught.value
+    return caught.value

@@ -18,9 +18,8 @@ from nats.js.errors import NotFoundError
 from bus.callers import REQUEST_INFO, Role
 from bus.client import BusClient
 from bus.connection import connect
-from bus.errors import BusError
 from services.accounts import CONSUMER_SLOTS
-from tests.accounts_helpers import NODE, Deployment, Errors
+from tests.accounts_helpers import NODE, Errors, deployed, refused
 
 NODE_4 = {"cpumem": {"cpu": 4, "memory": "8G"}}
 ONE_CPU = {"cpumem": {"cpu-request": 1}}
@@ -28,13 +27,8 @@ ONE_CPU = {"cpumem": {"cpu-request": 1}}
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
-    d = Deployment(tmp_path_factory.mktemp("tenancy"),
-                   {"alice": Role.TENANT, "bob": Role.TENANT, "watcher": Role.READER})
-    try:
-        d.start_workers()
+    with deployed(tmp_path_factory.mktemp("tenancy")) as d:
         yield d
-    finally:
-        d.stop()
 
 
 @pytest_asyncio.fixture
@@ -49,13 +43,6 @@ async def node(d):
     name = f"n{time.monotonic_ns()}"
     await (await d.client("admin")).request("resource.add-node", {"nodename": name, "resource": NODE_4})
     return name
-
-
-async def refused(call, code: str = "permission_denied") -> BusError:
-    with pytest.raises(BusError) as caught:
-        await call
-    assert caught.value.code == code, caught.value
-    return caught.value
 
 
 # -- roles ------------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """Requests, replies and events of the broker service (DESIGN.md §4 and §8, "Broker").
 
-Every request carries `user` (crm's handler user). Commands that change state accept an optional
-`request_id` (a retry with the same id replays the first answer). Types are strict: a wrong type,
-a missing key or a value out of range is `invalid_argument` naming the field.
+Every request carries `user` (crm's handler user): a tenant may name only itself (see
+`endpoints.py`). Commands that change state accept an optional `request_id` (a retry with the same
+id replays the first answer). Types are strict: a wrong type, a missing key or a value out of range
+is `invalid_argument` naming the field.
 """
 
 from __future__ import annotations
@@ -173,7 +174,8 @@ class ResourceView(Struct):
 
 
 class ListResources(Struct):
-    """Filters that are absent match everything; a present one is typed strictly (null is invalid)."""
+    """Filters that are absent match everything the caller may see; a present one is typed
+    strictly (null is invalid)."""
 
     user: Token | UnsetType = UNSET
     status: Status | UnsetType = UNSET
@@ -280,7 +282,7 @@ class RemovedBroker(Struct):
 
 
 class ListBrokers(Struct):
-    user: Token | UnsetType = UNSET  # absent: every user
+    user: Token | UnsetType = UNSET  # absent: every user the caller may see (a tenant: itself)
 
 
 class BrokerView(Struct):

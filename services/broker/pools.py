@@ -27,6 +27,7 @@ from services.broker import errors, model, strategies
 from services.broker.messages import AddBroker, BrokerView
 from services.broker.model import INIT, RUNNING, BrokerConfig, BrokerState, Resource, now
 from services.broker.publisher import pool_event
+from services.broker.queries import Visible
 from services.broker.resources import BrokerResources
 from services.broker.store import Stale
 
@@ -82,8 +83,9 @@ class PoolKeeper:
             for rid in await self.store.members(user, name, part)
         }
 
-    async def views(self, user: str | None) -> list[BrokerView]:
-        return [await self.view(config) for config in await self.store.brokers(user)]
+    async def views(self, user: str | None, visible: Visible) -> list[BrokerView]:
+        """The brokers of `user` (of every user: None) that the caller may see."""
+        return [await self.view(config) for config in await self.store.brokers(user) if visible(config.user)]
 
     async def view(self, config: BrokerConfig) -> BrokerView:
         counts = await self.store.pool_counts(config.user, config.name)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from services.broker import errors, views
 from services.broker.context import Context, Part
 from services.broker.messages import (
@@ -13,6 +15,9 @@ from services.broker.messages import (
 )
 from services.broker.model import INIT, RELEASED, Resource
 from services.broker.tracking import Tracking
+
+# Whether the caller may see what a user owns (`bus.callers.Caller.sees`): listings show only that.
+Visible = Callable[[str], bool]
 
 
 class Queries(Part):
@@ -56,13 +61,14 @@ class Queries(Part):
         await self.store.forget([ref for ref, record in zip(refs, records) if record is None])
         return [record for record in records if record is not None]
 
-    async def list_resources(self, req: ListResources) -> ResourceList:
-        matching = [r for r in await self.all_records() if views.matches(req, r)]
+    async def list_resources(self, req: ListResources, visible: Visible) -> ResourceList:
+        matching = [r for r in await self.all_records() if visible(r.user) and views.matches(req, r)]
         page = matching[req.offset : req.offset + req.limit]
         return ResourceList([r.view() for r in page], len(matching))
 
-    async def detail(self, offset: int, limit: int) -> ResourceDetailReply:
+    async def detail(self, offset: int, limit: int, visible: Visible) -> ResourceDetailReply:
+        """The capacity blocks (everyone's, as the operator reports them) and the live resources."""
         blocks = views.block_details(await self.operator.blocks(), await self.store.reservations())
-        live = [r for r in await self.all_records() if r.status != RELEASED]
+        live = [r for r in await self.all_records() if visible(r.user) and r.status != RELEASED]
         resources = [views.resource_detail(r) for r in live[offset : offset + limit]]
         return ResourceDetailReply(blocks, resources, len(live))

@@ -12,7 +12,7 @@ from bus.service import Service
 from bus.telemetry import on_scrape
 from services.broker.brokers import BrokerRegistry
 from services.broker.config import InstanceTypes
-from services.broker.endpoints import COMMANDS, EVENTS, STREAM, BrokerEndpoints
+from services.broker.endpoints import COMMANDS, EVENTS, STREAM, BrokerEndpoints, for_callers
 from services.broker.operators.allocation import AllocationOperator
 from services.broker.operators.base import Operator
 from services.broker.operators.catalog import Catalog, CatalogError
@@ -71,7 +71,7 @@ def make_broker(
         idempotency=IdempotencyStore(redis, prefix=prefix),
         description="resources on an operator and warm pools of them (crm broker)",
     )
-    service.bind(COMMANDS, BrokerEndpoints(resources, keeper, types, settings.namespace))
+    service.bind(COMMANDS, for_callers(BrokerEndpoints(resources, keeper, types, settings.namespace)))
     return service, Replica(resources, keeper, settings.timing)
 
 
