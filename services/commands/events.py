@@ -3,8 +3,8 @@
 `berth events --since` replays from JetStream and then goes on live through the *same* consumer:
 for each stream that keeps subjects of the pattern (found by subject), one pull consumer that
 starts at the given time, filtered to the pattern, delivers the stored events in stream order and
-then every new one as the stream stores it (`Replay`). There is no hand-over between a replay and a live
-subscription, so nothing is missed or seen twice at the boundary. Subjects of the pattern that no
+then every new one as the stream stores it (`Replay`). There is no hand-over between a replay and a
+live subscription, so nothing is missed or seen twice at the boundary. Subjects of the pattern that no
 stream keeps come from a plain subscription, which skips every subject a stream delivers.
 """
 
@@ -31,9 +31,9 @@ from nats.js.errors import NotFoundError, ServiceUnavailableError
 
 from bus.connection import subscriptions_in_place
 from bus.tasks import cancel_and_wait
+from services.accounts import CONSUMER_SLOTS, streams
 from services.commands.connection import Connection, describe
 from services.commands.exits import EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, CommandError, add_command
-from services.accounts import CONSUMER_SLOTS, streams
 from services.commands.output import decode_msgpack, emit, to_json
 
 log = logging.getLogger("berth.cli")
@@ -182,6 +182,7 @@ class Replay:
         self.js, self.stream, self.filters, self.slots = js, stream, filters, slots
         self.position: dict[str, Any] = {"deliver_policy": DeliverPolicy.BY_START_TIME, "opt_start_time": start}
         self.pull = None
+        self.consumer: str | None = None
 
     async def open(self) -> None:
         filters = {"filter_subject": self.filters[0]} if len(self.filters) == 1 else {"filter_subjects": self.filters}
@@ -199,6 +200,7 @@ class Replay:
                 raise CommandError(
                     f"cannot replay {', '.join(self.filters)} from {self.stream}: not allowed (a tenant's consumers "
                     "filter only the events it may see: give a narrower pattern)", EXIT_UNREACHABLE) from None
+            self.consumer = info.name
             self.pull = await self.js.pull_subscribe_bind(info.name, stream=self.stream)
             return
         raise CommandError(f"cannot replay from {self.stream}: every consumer of yours ({', '.join(self.slots)}) "
@@ -229,9 +231,9 @@ class Replay:
                 printer.print(msg.subject, msg.data, stream=self.stream, seq=sequence)
 
     async def close(self) -> None:
-        if self.pull is not None:
+        if self.consumer is not None:
             try:
-                await self.js.delete_consumer(self.stream, self.pull._consumer)
+                await self.js.delete_consumer(self.stream, self.consumer)
             except Exception as error:  # it times out by itself (IDLE)
                 log.info("deleting the consumer: %r", error)
 
