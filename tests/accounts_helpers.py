@@ -63,13 +63,19 @@ class Deployment:
             creds = creds.with_identity(name, role)
         creds.write()
         self.creds: Credentials = creds
-        self.nats = start_nats(directory / "nats", config=creds.nats_config)
-        self.redis = start_redis(directory / "redis", appendonly=False, config=creds.redis_config)
-        with self.redis_admin() as admin:  # as `berth up` loads them (sync: a test may run in a loop)
-            for library in redis_functions.every_library():
-                admin.function_load(library.code, replace=True)
         self.workers = []
         self._connections: list[Client] = []
+        self.nats = start_nats(directory / "nats", config=creds.nats_config)
+        try:
+            self.redis = start_redis(directory / "redis", appendonly=False, config=creds.redis_config)
+            with self.redis_admin() as admin:  # as `berth up` loads them (sync: a test may run in a loop)
+                for library in redis_functions.every_library():
+                    admin.function_load(library.code, replace=True)
+        except BaseException:  # no server of a deployment that never started is left behind
+            self.nats.stop()
+            if hasattr(self, "redis"):
+                self.redis.stop()
+            raise
 
     def start_workers(self, *extra_broker: str) -> None:
         """The three services, each on its own NATS and Redis user, as `berth up` starts them."""
