@@ -17,6 +17,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
+from bus.callers import current_caller
 from bus.codec import encode
 from bus.errors import BerthError
 from bus.failpoints import failpoint
@@ -46,6 +47,8 @@ class Deploy:
     requests: Keyed
     # The request's claim, whose lease fences the commit (a run taken over writes nothing).
     claim: Claim | None = field(default_factory=own_claim)
+    # Whom the instances are placed for: the request's caller (a batch commits in another request's task).
+    owner: str | None = field(default_factory=lambda: current_caller.get().name)
     # Called once the deploy is committed or refused, in the same step as the views learn the
     # commit: the planner's reservation for it ends exactly when the record holds it.
     settled: Callable[[], None] = lambda: None
@@ -73,7 +76,7 @@ class DeployBatches:
         latest: Callable[[str], NodeRecord | None],
         committed: Callable[[str, NodeRecord | None, Change, int], None],
         outbox: VersionedOutboxes,
-        release: Callable[[list[str]], Awaitable[Any]],
+        release: Callable[[list[str], str | None], Awaitable[Any]],
         contend: Callable[[str], None] = lambda node: None,
         attempts: int = 200,
     ) -> None:
@@ -82,7 +85,7 @@ class DeployBatches:
         self.latest = latest  # a record of the node this worker already holds (its version is checked)
         self.committed = committed
         self.outbox = outbox
-        self.release = release  # gives back what was placed for a caller that went away
+        self.release = release  # gives back what was placed for a caller (by name) that went away
         self.contend = contend  # says another worker commits to the node too
         self.attempts = attempts
         self._waiting: dict[str, list[Deploy]] = {}  # node -> deploys for its next commit
@@ -133,14 +136,14 @@ class DeployBatches:
         abandoned = []
         for deploy, allocations in placed.items():
             if deploy.done.cancelled():  # its caller went away while waiting: give the room back
-                abandoned += deploy.ids
+                abandoned.append(deploy)
             else:
                 deploy.done.set_result(Placed(allocations, version))
         if announced is not None:
             await self.outbox.deliver(self.store.outbox_key(node), version, announced)
-        if abandoned:
-            log.info("releasing %d instances placed for callers that went away", len(abandoned))
-            await self.release(abandoned)
+        for deploy in abandoned:
+            log.info("releasing %d instances placed for a caller that went away", len(deploy.ids))
+            await self.release(deploy.ids, deploy.owner)
 
     async def _commit_fitting(
         self, node: str, batch: list[Deploy]
@@ -155,10 +158,12 @@ class DeployBatches:
                 return {}, refused, record.version, None
             ids = [i for d in placed for i in d.ids]
             ledger = {a.workload_id: a.workload_resource for allocations in placed.values() for a in allocations}
+            owners = {wid: d.owner for d in placed if d.owner is not None for wid in d.ids}
             claimed = [d for d in placed if d.claim is not None]
             fence = min((d.claim.lease_end for d in claimed), default=0)
-            change = Change(plugins=after, ledger_add=ledger, index=dict.fromkeys(ids, node), fence=fence,
-                            journal=journal([(f"resource.{node}.allocated", NodeEvent(nodename=node, workload_ids=ids))]))
+            allocated = NodeEvent(nodename=node, workload_ids=ids)
+            change = Change(plugins=after, ledger_add=ledger, owners=owners, index=dict.fromkeys(ids, node),
+                            fence=fence, journal=journal([(f"resource.{node}.allocated", allocated)]))
             failpoint("before-commit")
             try:
                 version = await self.store.commit(node, record.version, change, record.tag)

@@ -142,7 +142,8 @@ class AllocationManager:
         record, ledger = await self.store.load_with_ledger(node)
         if record is None:
             raise node_not_found(node)
-        return record, self.plugins.states(record, names), list(ledger.values()) if workloads is None else workloads
+        source = list(ledger.resources.values()) if workloads is None else workloads
+        return record, self.plugins.states(record, names), source
 
     async def node_info(self, names: list[str], node: str, workloads: list[Raw] | None) -> NodeInfo:
         """Capacity, usage and the diffs against `workloads` (or the ledger, when none are given)."""
@@ -401,23 +402,34 @@ class AllocationManager:
         """Return the workloads' resources to their nodes, once per request; ids nobody holds are
         skipped. The answer names every id this request removed, also those an earlier run of it
         removed before it died unanswered: each node keeps what the request removed there."""
-        return await self._release(ids, once=True)
+        return await self._release(ids, await self._located(ids), lambda held: True, once=True)
 
-    async def give_back(self, ids: list[str]) -> list[str]:
-        """Release workloads that no answer named (a rolled-back or unanswered placement)."""
-        return await self._release(ids, once=False)
+    async def give_back(self, ids: list[str], owner: str | None) -> list[str]:
+        """Release workloads that no answer named (a rolled-back or unanswered placement) placed for
+        `owner`: an id that someone else holds by then stays theirs."""
+        return await self._release(ids, await self._located(ids), lambda held: held == owner, once=False)
 
-    async def _release(self, ids: list[str], *, once: bool) -> list[str]:
+    async def _located(self, ids: list[str]) -> dict[str, list[str]]:
+        """node -> those of `ids` the workload index places there."""
         by_node: dict[str, list[str]] = {}
         for wid, node in (await self.store.locate(ids)).items():
             by_node.setdefault(node, []).append(wid)
+        return by_node
+
+    async def _release(
+        self, ids: list[str], by_node: dict[str, list[str]], mine: Callable[[str | None], bool], *, once: bool
+    ) -> list[str]:
+        """Release the ids of `by_node` whose owner `mine` accepts; those of other owners stay, indexed."""
         released: list[str] = []
         run = own_claim() if once else None
         if run is not None and run.attempt and len(by_node) < len(ids):
             released += await self._released_before(run, set(ids) - {w for held in by_node.values() for w in held})
+        others: set[str] = set()
         for node, held_ids in sorted(by_node.items()):
-            released += await self._release_on(node, held_ids, once)
-        await self.store.unindex_workloads(list(dict.fromkeys(ids)))
+            gone, theirs = await self._release_on(node, held_ids, mine, once)
+            released += gone
+            others |= theirs
+        await self.store.unindex_workloads([wid for wid in dict.fromkeys(ids) if wid not in others])
         return sorted(set(released))
 
     async def _released_before(self, run: Claim, ids: set[str]) -> list[str]:
@@ -427,20 +439,30 @@ class AllocationManager:
         return [wid for answer in kept.values() for wid in msgspec.msgpack.decode(answer.answer, type=list[str])
                 if wid in ids]
 
-    async def _release_on(self, node: str, ids: list[str], once: bool) -> list[str]:
+    async def _release_on(
+        self, node: str, ids: list[str], mine: Callable[[str | None], bool], once: bool
+    ) -> tuple[list[str], set[str]]:
+        """Release those of `ids` the node holds for an owner `mine` accepts; returns them, and the
+        ids it holds for other owners (as the computation that committed saw them)."""
+        theirs: set[str] = set()  # not part of the result: a retry's kept answer names only what went
+
         async def compute():
             record, ledger = await self.store.load_with_ledger(node, ids)
-            if record is None or not ledger:
+            theirs.clear()
+            theirs.update(wid for wid in ledger.resources if not mine(ledger.owner(wid)))
+            ours = [wid for wid in ledger.resources if wid not in theirs]
+            if record is None or not ours:
                 return record, Change(), []
-            after = self.plugins.released(record.plugins, list(ledger.values()))
-            return record, Change(plugins=encode_states(after), ledger_remove=list(ledger)), sorted(ledger)
+            after = self.plugins.released(record.plugins, [ledger.resources[wid] for wid in ours])
+            change = Change(plugins=encode_states(after), ledger_remove=ours, owners=ledger.owners)
+            return record, change, sorted(ours)
 
         released, _ = await self.committer.mutate(
             node, compute, retry_ledger=True, once=list[str] if once else None,
             events=lambda ids: [self._event(node, "released", workload_ids=ids)],
         )
         telemetry.RELEASED.inc(len(released))
-        return released
+        return released, theirs
 
     async def realloc(self, workload_id: str, requests: Keyed) -> tuple[str, Reallocation]:
         """A held workload's new resources, committed; returns its node and the reallocation."""
@@ -451,13 +473,14 @@ class AllocationManager:
 
         async def compute():
             record, ledger = await self.store.load_with_ledger(node, [workload_id])
-            if record is None or workload_id not in ledger:
+            if record is None or workload_id not in ledger.resources:
                 raise workload_not_found(workload_id)
             states = self.plugins.states(record, names)
-            current = ledger[workload_id]
+            current = ledger.resources[workload_id]
             result = self.plugins.realloc(states, current, requests)
             after = self.plugins.reallocated(states, current, result.workload_resource)
-            change = Change(plugins=encode_states(after), ledger_replace={workload_id: result.workload_resource})
+            change = Change(plugins=encode_states(after), ledger_replace={workload_id: result.workload_resource},
+                            owners=ledger.owners)
             return record, change, (current, result)
 
         (_, result), _ = await self.committer.mutate(
@@ -474,7 +497,7 @@ class AllocationManager:
         record, ledger = await self.store.load_with_ledger(node)
         if record is None:
             raise node_not_found(node)
-        return ledger
+        return ledger.resources
 
     async def list_nodes(
         self, nodenames: list[str] | None, labels: dict[str, str], offset: int, limit: int
