@@ -9,18 +9,26 @@ capacity views, `Committer` (committer.py) commits changes and multi-node placem
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any, Callable
 
 import msgspec
 
+from bus.callers import Caller, current_caller
 from bus.errors import BerthError
 from bus.events import EventBus
 from bus.idempotency import Claim, current_claim, own_claim
 from bus.outbox import VersionedOutboxes
 from services.allocation import telemetry
 from services.allocation.committer import Committer, NodeFilledUp, workload_ids
-from services.allocation.errors import no_node_matches, node_not_found, reply_too_large, workload_not_found
+from services.allocation.errors import (
+    no_node_matches,
+    node_not_found,
+    not_yours,
+    reply_too_large,
+    workload_not_found,
+)
 from services.allocation.fleet import Fleet
 from services.allocation.messages import Allocation, NodeEvent
 from services.allocation.plugin import DeployCapacity, EngineInfo, ResourcePlugin
@@ -35,6 +43,7 @@ from services.allocation.plugin_set import (
 )
 from services.allocation.store import (
     Change,
+    Ledger,
     LedgerConflict,
     NodeRecord,
     NodeStore,
@@ -401,13 +410,26 @@ class AllocationManager:
     async def release(self, ids: list[str]) -> list[str]:
         """Return the workloads' resources to their nodes, once per request; ids nobody holds are
         skipped. The answer names every id this request removed, also those an earlier run of it
-        removed before it died unanswered: each node keeps what the request removed there."""
-        return await self._release(ids, await self._located(ids), lambda held: True, once=True)
+        removed before it died unanswered: each node keeps what the request removed there.
+
+        The caller must own every id a node holds (bus.callers): one it does not own refuses the
+        whole request before anything is released. An id that changes hands after that check
+        (released, and placed again by another) stays its new owner's: each commit re-checks owners."""
+        caller = current_caller.get()
+        by_node = await self._located(ids)
+        if not caller.owns_everything:
+            refuse_unowned(caller, ids, await self._held_owners(by_node))
+        return await self._release(ids, by_node, caller.owns, once=True)
 
     async def give_back(self, ids: list[str], owner: str | None) -> list[str]:
         """Release workloads that no answer named (a rolled-back or unanswered placement) placed for
         `owner`: an id that someone else holds by then stays theirs."""
         return await self._release(ids, await self._located(ids), lambda held: held == owner, once=False)
+
+    async def _held_owners(self, by_node: dict[str, list[str]]) -> dict[str, str | None]:
+        """Each of the ids (by the node the index places them on) that its node holds -> its owner."""
+        read = await asyncio.gather(*(self.store.load_with_ledger(node, ids) for node, ids in by_node.items()))
+        return {wid: ledger.owner(wid) for _, ledger in read for wid in ledger.resources}
 
     async def _located(self, ids: list[str]) -> dict[str, list[str]]:
         """node -> those of `ids` the workload index places there."""
@@ -470,11 +492,14 @@ class AllocationManager:
         if node is None:
             raise workload_not_found(workload_id)
         names = list(self.plugins)
+        caller = current_caller.get()
 
         async def compute():
             record, ledger = await self.store.load_with_ledger(node, [workload_id])
             if record is None or workload_id not in ledger.resources:
                 raise workload_not_found(workload_id)
+            if not caller.owns(ledger.owner(workload_id)):
+                raise not_yours("workload_id", workload_id)
             states = self.plugins.states(record, names)
             current = ledger.resources[workload_id]
             result = self.plugins.realloc(states, current, requests)
@@ -493,16 +518,29 @@ class AllocationManager:
         return node, result
 
     async def allocations(self, node: str) -> dict[str, Raw]:
-        """The node's ledger: workload id -> its resource keyed by plugin."""
+        """The node's ledger as the caller may see it: workload id -> its resource keyed by plugin."""
         record, ledger = await self.store.load_with_ledger(node)
         if record is None:
             raise node_not_found(node)
-        return ledger.resources
+        return visible(current_caller.get(), ledger)
 
     async def list_nodes(
         self, nodenames: list[str] | None, labels: dict[str, str], offset: int, limit: int
     ) -> tuple[list[NodeRecord], int]:
         return await self.fleet.page(nodenames, labels, offset, limit)
+
+
+def refuse_unowned(caller: Caller, ids: list[str], owners: dict[str, str | None]) -> None:
+    """Refuse the first of `ids` that a node holds (`owners`: each held id's owner, None for none)
+    for an owner `caller` may not act on."""
+    for i, wid in enumerate(ids):
+        if wid in owners and not caller.owns(owners[wid]):
+            raise not_yours(f"workload_ids[{i}]", wid)
+
+
+def visible(caller: Caller, ledger: Ledger) -> dict[str, Raw]:
+    """The ledger's entries `caller` may see: a tenant only its own."""
+    return {wid: resource for wid, resource in ledger.resources.items() if caller.sees(ledger.owner(wid))}
 
 
 def _entry_size(entry: Allocation) -> int:

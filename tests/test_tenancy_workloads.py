@@ -1,0 +1,184 @@
+"""Workloads belong to the tenant that placed them (issue 17, item 2), over the wire with berth's
+accounts: two tenants, a reader and the admin, each its own NATS identity. A tenant releases and
+reallocs only its own workloads and lists only its own; a reader lists everyone's; the admin acts on
+anyone's. Ownership lasts as long as the placement: through the node's repairs, a worker killed
+between its commit and its answer, and tenants placing and releasing on the same nodes at once."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+import pytest_asyncio
+
+from bus.callers import Role
+from bus.errors import BusError
+from tests.accounts_helpers import Deployment
+
+NODE_8 = {"cpumem": {"cpu": 8, "memory": "16G"}}
+ONE_CPU = {"cpumem": {"cpu-request": 1}}
+IDENTITIES = {"alice": Role.TENANT, "bob": Role.TENANT, "watcher": Role.READER}
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    d = Deployment(tmp_path_factory.mktemp("owners"), IDENTITIES)
+    try:
+        d.start_worker("allocation")
+        yield d
+    finally:
+        d.stop()
+
+
+@pytest_asyncio.fixture
+async def who(deployment):
+    """A client per identity, the admin's included."""
+    yield {name: await deployment.client(name) for name in (*IDENTITIES, "admin")}
+    await deployment.close_connections()
+
+
+@pytest_asyncio.fixture
+async def node(who):
+    """A node added by the admin, for this test alone."""
+    name = f"n{time.monotonic_ns()}"
+    await who["admin"].request("resource.add-node", {"nodename": name, "resource": NODE_8})
+    return name
+
+
+async def place(client, node: str, count: int = 1, **extra) -> list[str]:
+    placed = await client.request("resource.allocate", {
+        "nodename": node, "deploy_count": count, "workload_resource_request": ONE_CPU, **extra})
+    return [a["workload_id"] for a in placed["allocations"]]
+
+
+async def release(client, ids: list[str], **extra) -> list[str]:
+    return (await client.request("resource.release", {"workload_ids": ids, **extra}))["released"]
+
+
+async def listed(client, node: str) -> set[str]:
+    """The workloads get-allocations shows this caller."""
+    return {a["workload_id"] for a in (await client.request("resource.get-allocations", {"nodename": node}))["allocations"]}
+
+
+async def state(admin, node: str) -> tuple[dict, list]:
+    """The node's usage and its whole ledger, as the admin reads them (usage is what the ledger explains)."""
+    info = await admin.request("resource.get-node-resource-info", {"nodename": node})
+    assert info["diffs"] == []
+    return info["usage"], (await admin.request("resource.get-allocations", {"nodename": node}))["allocations"]
+
+
+async def denied(call) -> BusError:
+    with pytest.raises(BusError) as caught:
+        await call
+    assert (caught.value.code, caught.value.http_status) == ("permission_denied", 403), caught.value
+    return caught.value
+
+
+async def test_a_tenant_releases_only_its_own_workloads_and_the_admin_anyone_s(who, node):
+    alice, bob, admin = who["alice"], who["bob"], who["admin"]
+    theirs, own = await place(alice, node, 2), await place(bob, node)
+    before = await state(admin, node)
+    for n, ids in enumerate((theirs[:1], [*own, theirs[0]], ["never-placed", *own, theirs[1]])):
+        error = await denied(release(bob, ids, request_id=f"take-{n}"))
+        at = len(ids) - 1
+        assert error.details["field"] == f"workload_ids[{at}]" and error.details["workload_id"] == ids[at]
+        assert "alice" not in error.message  # whose it is stays unsaid
+    assert await state(admin, node) == before  # the whole request refused: bob's own one stayed too
+    assert await release(alice, theirs[:1]) == theirs[:1]
+    assert await release(admin, [theirs[1], *own]) == sorted([theirs[1], *own])
+    usage, ledger = await state(admin, node)
+    assert ledger == [] and usage["cpumem"]["cpu"] == 0
+    assert await release(bob, ["never-placed"]) == []  # an unknown id is skipped, as ever
+
+
+async def test_a_tenant_cannot_realloc_another_s_workload(who, node):
+    alice, bob = who["alice"], who["bob"]
+    [wid] = await place(alice, node)
+    before = await state(who["admin"], node)
+    error = await denied(bob.request("resource.realloc", {"workload_id": wid, "workload_resource_request": ONE_CPU}))
+    assert error.details["field"] == "workload_id" and "alice" not in error.message
+    assert await state(who["admin"], node) == before
+    grown = await alice.request("resource.realloc", {"workload_id": wid, "workload_resource_request": ONE_CPU})
+    assert grown["delta_resource"]["cpumem"]["cpu_request"] == 1
+
+
+async def test_a_tenant_lists_its_own_workloads_and_a_reader_everyone_s(who, node):
+    alice_ids, bob_ids = set(await place(who["alice"], node, 2)), set(await place(who["bob"], node))
+    assert await listed(who["alice"], node) == alice_ids
+    assert await listed(who["bob"], node) == bob_ids
+    assert await listed(who["watcher"], node) == await listed(who["admin"], node) == alice_ids | bob_ids
+    error = await denied(release(who["watcher"], sorted(alice_ids)))  # reading is all a reader may do
+    assert error.details["role"] == "tenant"
+
+
+async def test_an_id_placed_again_by_another_tenant_is_the_new_owner_s(who, node):
+    alice, bob = who["alice"], who["bob"]
+    wid = f"shared-{node}"
+    await place(alice, node, workload_ids=[wid])
+    assert await release(alice, [wid]) == [wid]
+    await place(bob, node, workload_ids=[wid])
+    await denied(release(alice, [wid]))
+    assert (await listed(alice, node), await listed(bob, node)) == (set(), {wid})
+
+
+async def test_a_workload_without_an_owner_is_the_services_own(deployment, who, node):
+    """Data written before owners were kept has none: only an admin (or a service) acts on it."""
+    [wid] = await place(who["alice"], node)
+    deployment.redis_admin().delete(f"{deployment.prefix}:allocation:{{node:{node}}}:owners")
+    await denied(release(who["alice"], [wid]))
+    assert await listed(who["alice"], node) == set() and await listed(who["watcher"], node) == {wid}
+    assert await release(who["admin"], [wid]) == [wid]
+
+
+async def test_ownership_survives_the_node_s_repairs_and_a_realloc(who, node):
+    alice, bob, admin = who["alice"], who["bob"], who["admin"]
+    ids = await place(alice, node, 2)
+    await alice.request("resource.realloc", {"workload_id": ids[0], "workload_resource_request": ONE_CPU})
+    drift = {"nodename": node, "resource_request": {"memory": "1G"}, "delta": True}
+    await admin.request("resource.cpumem.set-node-resource-usage", drift)
+    assert (await admin.request("resource.fix-node-resource", {"nodename": node}))["diffs"]
+    info = await admin.request("resource.get-node-resource-info", {"nodename": node})
+    await admin.request("resource.set-node-resource-info",
+                        {"nodename": node, "capacity": info["capacity"], "usage": info["usage"]})
+    await admin.request("resource.set-node-labels", {"nodename": node, "labels": {"repaired": "yes"}})
+    for wid in ids:
+        await denied(release(bob, [wid]))
+    assert await listed(alice, node) == set(ids) and await listed(bob, node) == set()
+    assert await release(alice, ids) == sorted(ids)
+
+
+# -- faults and concurrency: deployments of their own ----------------------------------------------------
+
+
+@pytest.fixture
+def own_deployment(tmp_path):
+    d = Deployment(tmp_path, {"alice": Role.TENANT, "bob": Role.TENANT})
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+async def test_ownership_survives_a_worker_killed_between_commit_and_answer(own_deployment):
+    d = own_deployment
+    healthy = d.start_worker("allocation")
+    admin, alice, bob = [await d.client(name) for name in ("admin", "alice", "bob")]
+    await admin.request("resource.add-node", {"nodename": "k1", "resource": NODE_8})
+    healthy.signal(signal.SIGTERM)
+    healthy.wait()
+    doomed = d.start_worker("allocation", env={"BERTH_FAILPOINTS": "after-commit"})
+    payload = {"nodename": "k1", "deploy_count": 2, "workload_resource_request": ONE_CPU, "request_id": "job"}
+    with pytest.raises(BusError) as unanswered:
+        await alice.request("resource.allocate", payload, timeout=3)
+    assert unanswered.value.code in ("timeout", "no_responders")
+    assert doomed.wait() == -signal.SIGKILL  # it died at the failpoint, its placement committed
+
+    d.start_worker("allocation")
+    ids = [a["workload_id"] for a in (await alice.request("resource.allocate", payload))["allocations"]]
+    usage, ledger = await state(admin, "k1")
+    assert {a["workload_id"] for a in ledger} == set(ids) and usage["cpumem"]["cpu"] == 2  # the dead run's went
+    await denied(release(bob, ids))
+    await denied(bob.request("resource.realloc", {"workload_id": ids[0], "workload_resource_request": ONE_CPU}))
+    assert await listed(bob, "k1") == set() and await listed(alice, "k1") == set(ids)
+    assert await release(alice, ids) == sorted(ids)
