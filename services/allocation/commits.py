@@ -207,7 +207,12 @@ class DeployBatches:
         state = dict(record.raw)
         placed: dict[Deploy, list[Allocation]] = {}
         refused: dict[Deploy, BaseException] = {}
+        taken: set[str] = set()
         for deploy in batch:
+            twice = next((wid for wid in deploy.ids if wid in taken), None)
+            if twice is not None:
+                refused[deploy] = workload_exists(twice)
+                continue
             try:
                 deployment, after = self.plugins.deploy_stored(
                     record.name, state, len(deploy.ids), deploy.requests, deploy.request_keys
@@ -216,6 +221,7 @@ class DeployBatches:
                 refused[deploy] = error
                 continue
             state.update(after)
+            taken.update(deploy.ids)
             placed[deploy] = [
                 Allocation(wid, record.name, workload, engine)
                 for wid, workload, engine in zip(deploy.ids, deployment.workloads_resource, deployment.engines_params)
