@@ -95,7 +95,9 @@ async def test_a_commit_refuses_an_entry_whose_owner_is_not_the_one_it_was_compu
     assert await store.redis.exists(store.owners_key("o1")) == 0  # the owner went with the entry
 
 
-async def test_a_workload_that_changes_hands_before_the_release_commits_is_left_to_its_new_owner(manager):
+async def test_a_workload_that_changes_hands_before_the_release_commits_is_left_to_its_new_owner(
+    manager, monkeypatch
+):
     """Alice's release reads w1 as hers; before its commit w1 is released and bob places it again.
     The commit is refused (the node moved on), the release computes again and leaves bob's w1."""
     await place(manager, ALICE, ["w1"])
@@ -109,12 +111,30 @@ async def test_a_workload_that_changes_hands_before_the_release_commits_is_left_
             await place(manager, BOB, ["w1"])
         return await commit(node, version, change, tag)
 
-    store.commit = swap_first
-    try:
-        released = await as_caller(ALICE, manager.release, ["w1"])
-    finally:
-        store.commit = commit
-    assert swapped and released == []
+    monkeypatch.setattr(store, "commit", swap_first)
+    assert await as_caller(ALICE, manager.release, ["w1"]) == [] and swapped
     assert await owners_of(manager) == {"w1": "bob"}
     assert await store.locate(["w1"]) == {"w1": "o1"}  # still indexed: bob can release it
     assert await as_caller(BOB, manager.release, ["w1"]) == ["w1"]
+
+
+async def test_a_release_leaves_the_index_entry_of_a_placement_made_while_it_ran(manager, monkeypatch):
+    """Alice releases w2, which nobody holds when she looks it up; bob places w2 before her
+    release ends. His entry in the workload index stays, or his own release would not find w2."""
+    store, located = manager.store, manager.store.located
+
+    async def then_bob_places(ids):
+        found = await located(ids)
+        await place(manager, BOB, ["w2"])
+        return found
+
+    monkeypatch.setattr(store, "located", then_bob_places)
+    assert await as_caller(ALICE, manager.release, ["w2"]) == []
+    monkeypatch.undo()
+    assert await store.locate(["w2"]) == {"w2": "o1"}
+    # The same with an entry a release read and an id placed again since: only the entry read goes.
+    read = (await store.located(["w2"])).entries
+    assert await as_caller(BOB, manager.release, ["w2"]) == ["w2"]
+    await place(manager, ALICE, ["w2"])
+    await store.unindex(read)
+    assert await store.locate(["w2"]) == {"w2": "o1"}

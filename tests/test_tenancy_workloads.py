@@ -6,6 +6,8 @@ between its commit and its answer, and tenants placing and releasing on the same
 
 from __future__ import annotations
 
+import asyncio
+import random
 import signal
 import time
 
@@ -15,6 +17,7 @@ import pytest_asyncio
 from bus.callers import Role
 from bus.errors import BusError
 from tests.accounts_helpers import Deployment
+from tests.test_allocation_concurrency import check_invariants
 
 NODE_8 = {"cpumem": {"cpu": 8, "memory": "16G"}}
 ONE_CPU = {"cpumem": {"cpu-request": 1}}
@@ -182,3 +185,75 @@ async def test_ownership_survives_a_worker_killed_between_commit_and_answer(own_
     await denied(bob.request("resource.realloc", {"workload_id": ids[0], "workload_resource_request": ONE_CPU}))
     assert await listed(bob, "k1") == set() and await listed(alice, "k1") == set(ids)
     assert await release(alice, ids) == sorted(ids)
+
+
+class Tenant:
+    """What one tenant was told: the ids it holds, and what its attempts on others' came to."""
+
+    def __init__(self, name: str, client) -> None:
+        self.name = name
+        self.client = client
+        self.held: set[str] = set()
+        self.busy: set[str] = set()  # ids one of its own requests places or names in a release now
+        self.denied = 0
+
+
+async def test_two_tenants_on_the_same_nodes_never_release_each_other_s(own_deployment):
+    """Three workers; two tenants place and release on the same two nodes at once, from one pool of
+    workload ids per node, so that an id is released by one tenant and placed again by the other
+    while the first (or anyone) tries to release it. Each release names what the tenant holds, what
+    the other one may hold, or both. A release is answered with exactly the tenant's own ids or
+    refused whole; at the end each tenant lists exactly what it was told it holds, and usage equals
+    the ledger."""
+    d = own_deployment
+    for _ in range(3):
+        d.start_worker("allocation")
+    admin = await d.client("admin")
+    nodes = ["p0", "p1"]
+    for name in nodes:
+        await admin.request("resource.add-node", {"nodename": name, "resource": NODE_8})
+    pool = {name: [f"{name}-w{i}" for i in range(6)] for name in nodes}  # an id lives on one node only
+    tenants = [Tenant(name, await d.client(name, timeout=20)) for name in ("alice", "bob")]
+
+    async def act(me: Tenant, rng: random.Random) -> None:
+        node = rng.choice(nodes)
+        free = [w for w in pool[node] if w not in me.held and w not in me.busy]
+        mine = sorted(me.held - me.busy)
+        if rng.random() < 0.4 and free:
+            wid = rng.choice(free)
+            me.busy.add(wid)
+            try:
+                await place(me.client, node, workload_ids=[wid])
+                me.held.add(wid)
+            except BusError as error:
+                assert error.code in ("workload_exists", "insufficient_capacity"), error
+            finally:
+                me.busy.discard(wid)
+            return
+        own = rng.sample(mine, k=min(len(mine), rng.randint(0, 2)))
+        others = rng.sample(free, k=min(len(free), rng.randint(0 if own else 1, 2)))
+        if not own and not others:
+            return
+        ids = [*own, *others]
+        rng.shuffle(ids)
+        me.busy.update(ids)  # its other requests place none of these meanwhile (that one would be its own)
+        try:
+            released = await release(me.client, ids)
+            assert sorted(released) == sorted(own), (me.name, ids, released)  # its own, all, and nothing else
+            me.held -= set(own)
+        except BusError as error:
+            assert error.code == "permission_denied" and error.details["workload_id"] in others, error
+            me.denied += 1
+        finally:
+            me.busy -= set(ids)
+
+    async def run(me: Tenant, seed: int) -> None:
+        rng = random.Random(seed)
+        for _ in range(60):
+            await act(me, rng)
+
+    await asyncio.gather(*(run(me, 10 * i + j) for i, me in enumerate(tenants) for j in range(4)))
+    for me in tenants:
+        assert set().union(*[await listed(me.client, name) for name in nodes]) == me.held, me.name
+    assert all(me.denied for me in tenants)  # each tried the other's workloads, and was refused
+    assert await check_invariants(admin, nodes) == sum(len(me.held) for me in tenants)

@@ -162,14 +162,14 @@ class DeployBatches:
             claimed = [d for d in placed if d.claim is not None]
             fence = min((d.claim.lease_end for d in claimed), default=0)
             allocated = NodeEvent(nodename=node, workload_ids=ids)
-            change = Change(plugins=after, ledger_add=ledger, owners=owners, index=dict.fromkeys(ids, node),
-                            fence=fence, journal=journal([(f"resource.{node}.allocated", allocated)]))
+            change = Change(plugins=after, ledger_add=ledger, owners=owners, index=ids, fence=fence,
+                            journal=journal([(f"resource.{node}.allocated", allocated)]))
             failpoint("before-commit")
             try:
                 version = await self.store.commit(node, record.version, change, record.tag)
             except LeaseExpired:
                 # A run's lease ended (its worker paused?): renew each; a run taken over is refused.
-                await self.store.unindex_workloads(ids)
+                await self._unindex(node, change, ids)
                 held = await asyncio.gather(*(d.claim.still_held() for d in claimed))
                 for deploy in (d for d, alive in zip(claimed, held) if not alive):
                     batch = [d for d in batch if d is not deploy]
@@ -186,12 +186,12 @@ class DeployBatches:
             except LedgerConflict as conflict:
                 # A workload id is taken already: refuse the deploy that named it, try the rest again.
                 culprit = next(d for d in placed if conflict.subject in d.ids)
-                await self.store.unindex_workloads([i for i in culprit.ids if i != conflict.subject])
+                await self._unindex(node, change, [i for i in culprit.ids if i != conflict.subject])
                 batch = [d for d in batch if d is not culprit]
                 culprit.done.set_exception(workload_exists(conflict.subject))
                 continue
             except BaseException:
-                await self.store.unindex_workloads(ids)
+                await self._unindex(node, change, ids)
                 raise
             failpoint("after-commit")
             self.committed(node, record, change, version)
@@ -200,10 +200,15 @@ class DeployBatches:
             return placed, refused, version, change.journal
         raise node_busy(node)
 
+    async def _unindex(self, node: str, change: Change, ids: list[str]) -> None:
+        """Take back the index entries a refused commit wrote for `ids` (not those written since)."""
+        await self.store.unindex(dict.fromkeys(ids, self.store.index_entry(node, change.tag)))
+
     def _fit(
         self, record: NodeRecord, batch: list[Deploy]
     ) -> tuple[dict[Deploy, list[Allocation]], dict[Deploy, BaseException], dict[str, bytes]]:
-        """Each deploy in turn on the state the ones before it leave; those that do not fit are refused."""
+        """Each deploy in turn on the state the ones before it leave; those that do not fit are refused,
+        and so is one that names an id a deploy before it places (the ledger holds an id once)."""
         state = dict(record.raw)
         placed: dict[Deploy, list[Allocation]] = {}
         refused: dict[Deploy, BaseException] = {}

@@ -45,6 +45,7 @@ from services.allocation.store import (
     Change,
     Ledger,
     LedgerConflict,
+    Located,
     NodeRecord,
     NodeStore,
     PluginState,
@@ -416,42 +417,36 @@ class AllocationManager:
         whole request before anything is released. An id that changes hands after that check
         (released, and placed again by another) stays its new owner's: each commit re-checks owners."""
         caller = current_caller.get()
-        by_node = await self._located(ids)
+        located = await self.store.located(ids)
         if not caller.owns_everything:
-            refuse_unowned(caller, ids, await self._held_owners(by_node))
-        return await self._release(ids, by_node, caller.owns, once=True)
+            refuse_unowned(caller, ids, await self._held_owners(located.nodes))
+        return await self._release(ids, located, caller.owns, once=True)
 
     async def give_back(self, ids: list[str], owner: str | None) -> list[str]:
         """Release workloads that no answer named (a rolled-back or unanswered placement) placed for
         `owner`: an id that someone else holds by then stays theirs."""
-        return await self._release(ids, await self._located(ids), lambda held: held == owner, once=False)
+        return await self._release(ids, await self.store.located(ids), lambda held: held == owner, once=False)
 
     async def _held_owners(self, by_node: dict[str, list[str]]) -> dict[str, str | None]:
         """Each of the ids (by the node the index places them on) that its node holds -> its owner."""
         read = await asyncio.gather(*(self.store.load_with_ledger(node, ids) for node, ids in by_node.items()))
         return {wid: ledger.owner(wid) for _, ledger in read for wid in ledger.resources}
 
-    async def _located(self, ids: list[str]) -> dict[str, list[str]]:
-        """node -> those of `ids` the workload index places there."""
-        by_node: dict[str, list[str]] = {}
-        for wid, node in (await self.store.locate(ids)).items():
-            by_node.setdefault(node, []).append(wid)
-        return by_node
-
     async def _release(
-        self, ids: list[str], by_node: dict[str, list[str]], mine: Callable[[str | None], bool], *, once: bool
+        self, ids: list[str], located: Located, mine: Callable[[str | None], bool], *, once: bool
     ) -> list[str]:
-        """Release the ids of `by_node` whose owner `mine` accepts; those of other owners stay, indexed."""
+        """Release the `located` ids whose owner `mine` accepts; those of other owners stay, indexed."""
         released: list[str] = []
         run = own_claim() if once else None
-        if run is not None and run.attempt and len(by_node) < len(ids):
-            released += await self._released_before(run, set(ids) - {w for held in by_node.values() for w in held})
+        unknown = set(ids) - set(located.entries)
+        if run is not None and run.attempt and unknown:
+            released += await self._released_before(run, unknown)
         others: set[str] = set()
-        for node, held_ids in sorted(by_node.items()):
+        for node, held_ids in sorted(located.nodes.items()):
             gone, theirs = await self._release_on(node, held_ids, mine, once)
             released += gone
             others |= theirs
-        await self.store.unindex_workloads([wid for wid in dict.fromkeys(ids) if wid not in others])
+        await self.store.unindex({wid: entry for wid, entry in located.entries.items() if wid not in others})
         return sorted(set(released))
 
     async def _released_before(self, run: Claim, ids: set[str]) -> list[str]:

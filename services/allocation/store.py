@@ -23,8 +23,11 @@ Usage and ledger change in the same step, so usage is always what the ledger exp
 
 Three global keys live outside the node slots, each written by single-key commands:
 `<prefix>:allocation:nodes` (name -> time added), `<prefix>:allocation:workloads` (workload id ->
-node) and `<prefix>:allocation:intents` (multi-node allocations in progress). They are written so
-that a crash between steps can only leave an index entry without a record, which readers skip.
+`<node>/<tag>`, the tag of the commit that placed it; `<node>` alone for an entry repaired from the
+ledgers) and `<prefix>:allocation:intents` (multi-node allocations in progress). They are written so
+that a crash between steps can only leave an index entry without a record, which readers skip. A
+release removes an index entry only while it is the one the release read: the same id placed
+again meanwhile, by anyone, has an entry of its own, which stays.
 """
 
 from __future__ import annotations
@@ -101,10 +104,18 @@ class Intent(msgspec.Struct, array_like=True):
 
 
 @dataclass
+class Located:
+    """Where the workload index places some ids: node -> its ids, and each id's index entry."""
+
+    nodes: dict[str, list[str]]
+    entries: dict[str, bytes]
+
+
+@dataclass
 class Change:
     """What one commit writes. Plugin states are encoded (`encode_state`); ledger values are
-    `{plugin: workload resource}` maps; `index` entries (workload id -> node) are written to the
-    global workload index just before the commit, in the same round trip."""
+    `{plugin: workload resource}` maps; the `index` ids are written to the global workload index
+    (`NodeStore.index_entry`) just before the commit, in the same round trip."""
 
     plugins: dict[str, bytes] = field(default_factory=dict)
     remove_plugins: list[str] = field(default_factory=list)
@@ -116,7 +127,7 @@ class Change:
     # the owner the change was computed for); an id not listed has none.
     owners: dict[str, str] = field(default_factory=dict)
     delete: str = ""  # "", "delete" or "delete_if_empty" (refused while the ledger holds workloads)
-    index: dict[str, str] = field(default_factory=dict)
+    index: list[str] = field(default_factory=list)
     # A request applied at most once: (its marker, the answer to keep beside the record for a retry).
     once: tuple[str, bytes] | None = None
     journal: bytes | None = None  # the change's events, for the node's outbox (`bus.outbox.journal`)
@@ -159,7 +170,11 @@ decode_state = msgspec.msgpack.Decoder(PluginState).decode
 _decode_intent = msgspec.msgpack.Decoder(Intent).decode
 
 
-def _pairs(mapping: dict[str, str]) -> list[str]:
+def _node_of(entry: bytes) -> str:
+    return entry.decode().partition("/")[0]
+
+
+def _pairs(mapping: dict[str, Any]) -> list[Any]:
     return [item for pair in mapping.items() for item in pair]
 
 
@@ -184,6 +199,7 @@ class NodeStore:
         self.batch = Pipelined.of(redis)
         self._records = cas.VersionedHash(redis, version_field="v", tombstone_field="gone", batch=self.batch)
         self._read_with_ledger = scripts.register(redis, "services.allocation", "read_with_ledger")
+        self._unindex = scripts.register(redis, "services.allocation", "unindex")
 
     def record_key(self, node: str) -> str:
         return f"{self.base}:{{node:{node}}}:node"
@@ -269,10 +285,26 @@ class NodeStore:
 
     async def locate(self, workload_ids: list[str]) -> dict[str, str]:
         """workload id -> node, for the ids the index knows."""
+        return {wid: _node_of(entry) for wid, entry in (await self._index_entries(workload_ids)).items()}
+
+    async def located(self, workload_ids: list[str]) -> Located:
+        """The nodes of the ids the index knows, and their entries (for `unindex`)."""
+        entries = await self._index_entries(workload_ids)
+        nodes: dict[str, list[str]] = {}
+        for wid, entry in entries.items():
+            nodes.setdefault(_node_of(entry), []).append(wid)
+        return Located(nodes, entries)
+
+    async def _index_entries(self, workload_ids: list[str]) -> dict[str, bytes]:
         if not workload_ids:
             return {}
-        nodes = await self.batch.execute_command("HMGET", self.workloads_key, *workload_ids)
-        return {wid: node.decode() for wid, node in zip(workload_ids, nodes) if node is not None}
+        entries = await self.batch.execute_command("HMGET", self.workloads_key, *workload_ids)
+        return {wid: entry for wid, entry in zip(workload_ids, entries) if entry is not None}
+
+    @staticmethod
+    def index_entry(node: str, tag: str) -> str:
+        """The index entry of a workload that the commit with `tag` placed on `node`."""
+        return f"{node}/{tag}"
 
     # -- writing ---------------------------------------------------------------------------
 
@@ -314,12 +346,14 @@ class NodeStore:
         unset = [PLUGIN_FIELD + name for name in change.remove_plugins]
         # The index entries go first, in the same batch: a crash between the two leaves index
         # entries without ledger entries, which readers skip.
+        change.tag = secrets.token_hex(6)
         before = []
         if change.index:
-            before.append(self.batch.execute_command("HSET", self.workloads_key, *_pairs(change.index)))
+            entry = self.index_entry(node, change.tag)
+            pairs = [item for wid in change.index for item in (wid, entry)]
+            before.append(self.batch.execute_command("HSET", self.workloads_key, *pairs))
         if change.journal is not None:  # the pointer first: a crash in between leaves a pointer, not lost events
             before.append(self.batch.execute_command("ZADD", self.pending_key, time.time(), node))
-        change.tag = secrets.token_hex(6)
         sent = self._records.send(record, version, steps, fields=fields, unset=unset, mode=mode, ttl=ttl,
                                   tags=(tag, change.tag))
         answer = (await asyncio.gather(*before, sent))[-1]
@@ -387,6 +421,8 @@ class NodeStore:
             await self.batch.execute_command("HSET", self.workloads_key, *_pairs(missing))
         return len(missing)
 
-    async def unindex_workloads(self, workload_ids: list[str]) -> None:
-        if workload_ids:
-            await self.batch.execute_command("HDEL", self.workloads_key, *workload_ids)
+    async def unindex(self, entries: dict[str, bytes | str]) -> None:
+        """Remove these index entries (workload id -> entry), each only while it is still the one
+        given: a placement of the same id since has an entry of its own, which stays."""
+        if entries:
+            await self.batch.script(self._unindex, [self.workloads_key], _pairs(entries))
