@@ -81,7 +81,8 @@ class Deployment:
         with ThreadPoolExecutor(len(launches)) as pool:
             list(pool.map(lambda launch: self.start_worker(*launch), launches))
 
-    def start_worker(self, service: str, extra: Sequence[str] = (), env: dict[str, str] | None = None) -> Worker:
+    def start_worker(self, service: str, extra: Sequence[str] = (), env: dict[str, str] | None = None
+                     ) -> Worker:
         """One worker of `service` on the service's own NATS and Redis user (`env`: more of its
         environment, as `BERTH_FAILPOINTS`); stopped with the deployment."""
         argv, own_env = self.creds.worker_launch(service, self.nats.url, self.redis.url)

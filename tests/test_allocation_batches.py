@@ -82,7 +82,8 @@ async def test_two_deploys_of_one_batch_that_name_the_same_id_place_it_once(call
     requests = {name: ONE_CORE.get(name) for name in manager.plugins}
     leader = asyncio.create_task(manager.deploys.deploy("s1", ["lead"], requests))
     await asyncio.sleep(0)  # the leader's commit is in flight: the next two wait, and go together
-    followers = [asyncio.create_task(manager.deploys.deploy("s1", ids, requests)) for ids in (["same"], ["x", "same"])]
+    followers = [asyncio.create_task(manager.deploys.deploy("s1", ids, requests))
+                 for ids in (["same"], ["x", "same"])]
     await leader
     outcomes = await asyncio.gather(*followers, return_exceptions=True)
     assert [a.workload_id for a in outcomes[0].allocations] == ["same"]

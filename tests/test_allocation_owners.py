@@ -46,7 +46,7 @@ def test_a_release_is_refused_at_the_first_held_id_the_caller_does_not_own(calle
 
 @given(callers, st.dictionaries(ids, owners))
 def test_a_tenant_sees_its_own_workloads_and_others_see_all(caller, held):
-    ledger = Ledger({wid: {"cpumem": {}} for wid in held}, {wid: owner for wid, owner in held.items() if owner})
+    ledger = Ledger({wid: {"cpumem": {}} for wid in held}, {w: owner for w, owner in held.items() if owner})
     seen = visible(caller, ledger)
     if caller.role == Role.TENANT:
         assert set(seen) == {wid for wid, owner in held.items() if owner == caller.name}
@@ -60,7 +60,8 @@ def test_a_tenant_sees_its_own_workloads_and_others_see_all(caller, held):
 @pytest.fixture
 async def manager(serve_allocation, client):
     manager = await serve_allocation()
-    await client.request("resource.add-node", {"nodename": "o1", "resource": {"cpumem": {"cpu": 4, "memory": "8G"}}})
+    node = {"nodename": "o1", "resource": {"cpumem": {"cpu": 4, "memory": "8G"}}}
+    await client.request("resource.add-node", node)
     return manager
 
 
@@ -73,7 +74,8 @@ async def as_caller(caller: Caller, call, *args):
 
 async def place(manager, caller: Caller, ids: list[str]) -> None:
     """Deploy `ids` on o1 for `caller`, as its allocate would."""
-    await as_caller(caller, manager.deploys.deploy, "o1", ids, {name: ONE_CORE.get(name) for name in manager.plugins})
+    requests = {name: ONE_CORE.get(name) for name in manager.plugins}
+    await as_caller(caller, manager.deploys.deploy, "o1", ids, requests)
 
 
 async def owners_of(manager, node: str = "o1") -> dict[str, str]:
@@ -85,7 +87,8 @@ async def test_a_commit_refuses_an_entry_whose_owner_is_not_the_one_it_was_compu
     await place(manager, ALICE, ["w1"])
     store = manager.store
     for wrong in ({}, {"w1": "bob"}):
-        for change in (Change(ledger_remove=["w1"], owners=wrong), Change(ledger_replace={"w1": {}}, owners=wrong)):
+        for change in (Change(ledger_remove=["w1"], owners=wrong),
+                       Change(ledger_replace={"w1": {}}, owners=wrong)):
             record = await store.load("o1")
             with pytest.raises(LedgerConflict) as refused:
                 await store.commit("o1", record.version, change, record.tag)

@@ -61,7 +61,8 @@ async def release(client, ids: list[str], **extra) -> list[str]:
 
 async def listed(client, node: str) -> set[str]:
     """The workloads get-allocations shows this caller."""
-    return {a["workload_id"] for a in (await client.request("resource.get-allocations", {"nodename": node}))["allocations"]}
+    reply = await client.request("resource.get-allocations", {"nodename": node})
+    return {a["workload_id"] for a in reply["allocations"]}
 
 
 async def state(admin, node: str) -> tuple[dict, list]:
@@ -99,10 +100,11 @@ async def test_a_tenant_cannot_realloc_another_s_workload(who, node):
     alice, bob = who["alice"], who["bob"]
     [wid] = await place(alice, node)
     before = await state(who["admin"], node)
-    error = await denied(bob.request("resource.realloc", {"workload_id": wid, "workload_resource_request": ONE_CPU}))
+    grow = {"workload_id": wid, "workload_resource_request": ONE_CPU}
+    error = await denied(bob.request("resource.realloc", grow))
     assert error.details["field"] == "workload_id" and "alice" not in error.message
     assert await state(who["admin"], node) == before
-    grown = await alice.request("resource.realloc", {"workload_id": wid, "workload_resource_request": ONE_CPU})
+    grown = await alice.request("resource.realloc", grow)
     assert grown["delta_resource"]["cpumem"]["cpu_request"] == 1
 
 
@@ -180,9 +182,11 @@ async def test_ownership_survives_a_worker_killed_between_commit_and_answer(own_
     d.start_worker("allocation")
     ids = [a["workload_id"] for a in (await alice.request("resource.allocate", payload))["allocations"]]
     usage, ledger = await state(admin, "k1")
-    assert {a["workload_id"] for a in ledger} == set(ids) and usage["cpumem"]["cpu"] == 2  # the dead run's went
+    assert {a["workload_id"] for a in ledger} == set(ids)  # what the dead run placed went back
+    assert usage["cpumem"]["cpu"] == 2
     await denied(release(bob, ids))
-    await denied(bob.request("resource.realloc", {"workload_id": ids[0], "workload_resource_request": ONE_CPU}))
+    grow = {"workload_id": ids[0], "workload_resource_request": ONE_CPU}
+    await denied(bob.request("resource.realloc", grow))
     assert await listed(bob, "k1") == set() and await listed(alice, "k1") == set(ids)
     assert await release(alice, ids) == sorted(ids)
 

@@ -429,7 +429,7 @@ class AllocationManager:
 
     async def _held_owners(self, by_node: dict[str, list[str]]) -> dict[str, str | None]:
         """Each of the ids (by the node the index places them on) that its node holds -> its owner."""
-        read = await asyncio.gather(*(self.store.load_with_ledger(node, ids) for node, ids in by_node.items()))
+        read = await asyncio.gather(*(self.store.load_with_ledger(n, ids) for n, ids in by_node.items()))
         return {wid: ledger.owner(wid) for _, ledger in read for wid in ledger.resources}
 
     async def _release(
@@ -499,8 +499,8 @@ class AllocationManager:
             current = ledger.resources[workload_id]
             result = self.plugins.realloc(states, current, requests)
             after = self.plugins.reallocated(states, current, result.workload_resource)
-            change = Change(plugins=encode_states(after), ledger_replace={workload_id: result.workload_resource},
-                            owners=ledger.owners)
+            change = Change(plugins=encode_states(after), owners=ledger.owners,
+                            ledger_replace={workload_id: result.workload_resource})
             return record, change, (current, result)
 
         (_, result), _ = await self.committer.mutate(

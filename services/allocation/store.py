@@ -170,6 +170,11 @@ decode_state = msgspec.msgpack.Decoder(PluginState).decode
 _decode_intent = msgspec.msgpack.Decoder(Intent).decode
 
 
+def _decode_owners(fields: list[bytes]) -> dict[str, str]:
+    """An owners hash as HGETALL answers it."""
+    return {wid.decode(): owner.decode() for wid, owner in zip(fields[::2], fields[1::2])}
+
+
 def _node_of(entry: bytes) -> str:
     return entry.decode().partition("/")[0]
 
@@ -269,7 +274,7 @@ class NodeStore:
         record = self._parse(node, dict(zip(fields[::2], fields[1::2])))
         if workload_ids is None:
             resources = {k.decode(): _decode_map(v) for k, v in sorted(zip(held[::2], held[1::2]))}
-            return record, Ledger(resources, {k.decode(): o.decode() for k, o in zip(owners[::2], owners[1::2])})
+            return record, Ledger(resources, _decode_owners(owners))
         resources = {wid: _decode_map(v) for wid, v in zip(workload_ids, held) if v}
         return record, Ledger(resources, {wid: o.decode() for wid, o in zip(workload_ids, owners) if o})
 
@@ -328,7 +333,7 @@ class NodeStore:
         else:
             steps = [cas.hadd(ledger, wid, _encode(res)) for wid, res in change.ledger_add.items()]
             steps += relied
-            steps += [cas.hset(owners, wid, who) for wid, who in change.owners.items() if wid in change.ledger_add]
+            steps += [cas.hset(owners, w, who) for w, who in change.owners.items() if w in change.ledger_add]
             steps += [cas.hset(ledger, wid, _encode(res)) for wid, res in change.ledger_replace.items()]
             steps += [cas.hdel(ledger, wid) for wid in change.ledger_remove]
             steps += [cas.hdel(owners, wid) for wid in change.ledger_remove if wid in change.owners]
