@@ -16,12 +16,11 @@ import pytest_asyncio
 
 from bus.callers import Role
 from bus.errors import BusError
-from tests.accounts_helpers import Deployment
+from tests.accounts_helpers import IDENTITIES, Deployment, refused
 from tests.test_allocation_concurrency import check_invariants
 
 NODE_8 = {"cpumem": {"cpu": 8, "memory": "16G"}}
 ONE_CPU = {"cpumem": {"cpu-request": 1}}
-IDENTITIES = {"alice": Role.TENANT, "bob": Role.TENANT, "watcher": Role.READER}
 
 
 @pytest.fixture(scope="module")
@@ -72,20 +71,14 @@ async def state(admin, node: str) -> tuple[dict, list]:
     return info["usage"], (await admin.request("resource.get-allocations", {"nodename": node}))["allocations"]
 
 
-async def denied(call) -> BusError:
-    with pytest.raises(BusError) as caught:
-        await call
-    assert (caught.value.code, caught.value.http_status) == ("permission_denied", 403), caught.value
-    return caught.value
-
-
 async def test_a_tenant_releases_only_its_own_workloads_and_the_admin_anyone_s(who, node):
     alice, bob, admin = who["alice"], who["bob"], who["admin"]
     theirs, own = await place(alice, node, 2), await place(bob, node)
     before = await state(admin, node)
     for n, ids in enumerate((theirs[:1], [*own, theirs[0]], ["never-placed", *own, theirs[1]])):
-        error = await denied(release(bob, ids, request_id=f"take-{n}"))
+        error = await refused(release(bob, ids, request_id=f"take-{n}"))
         at = len(ids) - 1
+        assert error.http_status == 403
         assert error.details["field"] == f"workload_ids[{at}]" and error.details["workload_id"] == ids[at]
         assert "alice" not in error.message  # whose it is stays unsaid
     assert await state(admin, node) == before  # the whole request refused: bob's own one stayed too
@@ -101,7 +94,7 @@ async def test_a_tenant_cannot_realloc_another_s_workload(who, node):
     [wid] = await place(alice, node)
     before = await state(who["admin"], node)
     grow = {"workload_id": wid, "workload_resource_request": ONE_CPU}
-    error = await denied(bob.request("resource.realloc", grow))
+    error = await refused(bob.request("resource.realloc", grow))
     assert error.details["field"] == "workload_id" and "alice" not in error.message
     assert await state(who["admin"], node) == before
     grown = await alice.request("resource.realloc", grow)
@@ -113,7 +106,7 @@ async def test_a_tenant_lists_its_own_workloads_and_a_reader_everyone_s(who, nod
     assert await listed(who["alice"], node) == alice_ids
     assert await listed(who["bob"], node) == bob_ids
     assert await listed(who["watcher"], node) == await listed(who["admin"], node) == alice_ids | bob_ids
-    error = await denied(release(who["watcher"], sorted(alice_ids)))  # reading is all a reader may do
+    error = await refused(release(who["watcher"], sorted(alice_ids)))  # reading is all a reader may do
     assert error.details["role"] == "tenant"
 
 
@@ -123,7 +116,7 @@ async def test_an_id_placed_again_by_another_tenant_is_the_new_owner_s(who, node
     await place(alice, node, workload_ids=[wid])
     assert await release(alice, [wid]) == [wid]
     await place(bob, node, workload_ids=[wid])
-    await denied(release(alice, [wid]))
+    await refused(release(alice, [wid]))
     assert (await listed(alice, node), await listed(bob, node)) == (set(), {wid})
 
 
@@ -131,7 +124,7 @@ async def test_a_workload_without_an_owner_is_the_services_own(deployment, who, 
     """Data written before owners were kept has none: only an admin (or a service) acts on it."""
     [wid] = await place(who["alice"], node)
     deployment.redis_admin().delete(f"{deployment.prefix}:allocation:{{node:{node}}}:owners")
-    await denied(release(who["alice"], [wid]))
+    await refused(release(who["alice"], [wid]))
     assert await listed(who["alice"], node) == set() and await listed(who["watcher"], node) == {wid}
     assert await release(who["admin"], [wid]) == [wid]
 
@@ -148,7 +141,7 @@ async def test_ownership_survives_the_node_s_repairs_and_a_realloc(who, node):
                         {"nodename": node, "capacity": info["capacity"], "usage": info["usage"]})
     await admin.request("resource.set-node-labels", {"nodename": node, "labels": {"repaired": "yes"}})
     for wid in ids:
-        await denied(release(bob, [wid]))
+        await refused(release(bob, [wid]))
     assert await listed(alice, node) == set(ids) and await listed(bob, node) == set()
     assert await release(alice, ids) == sorted(ids)
 
@@ -184,9 +177,9 @@ async def test_ownership_survives_a_worker_killed_between_commit_and_answer(own_
     usage, ledger = await state(admin, "k1")
     assert {a["workload_id"] for a in ledger} == set(ids)  # what the dead run placed went back
     assert usage["cpumem"]["cpu"] == 2
-    await denied(release(bob, ids))
+    await refused(release(bob, ids))
     grow = {"workload_id": ids[0], "workload_resource_request": ONE_CPU}
-    await denied(bob.request("resource.realloc", grow))
+    await refused(bob.request("resource.realloc", grow))
     assert await listed(bob, "k1") == set() and await listed(alice, "k1") == set(ids)
     assert await release(alice, ids) == sorted(ids)
 
