@@ -22,8 +22,9 @@
 -- then m, then m record fields to delete ('update').
 -- then the steps, up to the end: each a name, the position in KEYS of its key, then its arguments.
 -- Guards are checked first, all of them, in order; then the ops are applied, in order:
---   guards  exists k | hexists k field | hnotexists k field | hempty k | fits k field add limit
---           (fits: the counter field, 0 if absent, plus add must not exceed limit)
+--   guards  exists k | hexists k field | hnotexists k field | hequals k field value | hempty k |
+--           fits k field add limit (hequals: the field holds value, '' for an absent field; fits:
+--           the counter field, 0 if absent, plus add must not exceed limit)
 --   ops     hset k field value | hdel k field | hcount k field n (add n; a counter that falls to 0
 --           or below is removed) | sadd k member | srem k member | zadd k score member |
 --           zrem k member | del k
@@ -36,7 +37,7 @@
 --   fence   before k ms (a guard: the server's time must be before ms, the end of the lease of the
 --           run that writes; a run whose lease ran out may have been taken over, its write is refused)
 -- Returns {'ok', the new version}, {'version', the current version} or, for the first guard that
--- failed, {its name, its field (hexists, hnotexists, fits, hadd), key (exists), length (hempty),
+-- failed, {its name, its field (hexists, hnotexists, hequals, fits, hadd), key (exists), length (hempty),
 -- the kept answer (once) or the server's time in ms (before)}.
 local record, version_field, tombstone, mode = KEYS[1], ARGV[1], ARGV[2], ARGV[4]
 if mode ~= 'update' and mode ~= 'replace' and mode ~= 'tombstone' then
@@ -62,8 +63,8 @@ local unset_first, unset_last = section()
 local steps = i
 
 -- How many ARGV items each step takes, its name included.
-local size = {exists = 2, hexists = 3, hnotexists = 3, hempty = 2, fits = 5, hset = 4, hdel = 3, hcount = 4,
-              sadd = 3, srem = 3, zadd = 4, zrem = 3, del = 2, hadd = 4, once = 4, before = 3,
+local size = {exists = 2, hexists = 3, hnotexists = 3, hequals = 4, hempty = 2, fits = 5, hset = 4, hdel = 3,
+              hcount = 4, sadd = 3, srem = 3, zadd = 4, zrem = 3, del = 2, hadd = 4, once = 4, before = 3,
               journal = 3}
 
 local j = steps
@@ -74,6 +75,8 @@ while j <= #ARGV do
     if redis.call('HEXISTS', key, ARGV[j + 2]) == 1 then return {name, ARGV[j + 2]} end
   elseif name == 'hexists' then
     if redis.call('HEXISTS', key, ARGV[j + 2]) == 0 then return {name, ARGV[j + 2]} end
+  elseif name == 'hequals' then
+    if (redis.call('HGET', key, ARGV[j + 2]) or '') ~= ARGV[j + 3] then return {name, ARGV[j + 2]} end
   elseif name == 'fits' then
     local held = tonumber(redis.call('HGET', key, ARGV[j + 2]) or '0')
     if held + tonumber(ARGV[j + 3]) > tonumber(ARGV[j + 4]) then return {name, ARGV[j + 2]} end

@@ -11,7 +11,8 @@ either. No WATCH loops.
                                    fields=["status", "running"], mode=REPLACE)
 
 Steps are guards (checked first, in order, whatever their place) and ops (applied in order):
-  guards  exists(k), hexists(k, field), hnotexists(k, field), hempty(k), fits(k, field, add, limit)
+  guards  exists(k), hexists(k, field), hnotexists(k, field), hequals(k, field, value), hempty(k),
+          fits(k, field, add, limit)
   ops     hset, hdel, hcount (a counter removed at zero or below), sadd, srem, zadd, zrem, delete(k)
   both    hadd(k, field, value): the field must not exist yet, and is set
           once(k, answer, ttl): the key must not exist yet, and keeps the answer and the new version
@@ -41,8 +42,8 @@ REPLACE = "replace"  # the record becomes exactly the fields given
 TOMBSTONE = "tombstone"  # only the version and the tombstone field remain
 
 _MODES = frozenset({UPDATE, REPLACE, TOMBSTONE})
-_STEPS = frozenset({"exists", "hexists", "hnotexists", "hempty", "fits", "hadd", "once", "before", "journal",
-                    "hset", "hdel", "hcount", "sadd", "srem", "zadd", "zrem", "del"})
+_STEPS = frozenset({"exists", "hexists", "hnotexists", "hequals", "hempty", "fits", "hadd", "once", "before",
+                    "journal", "hset", "hdel", "hcount", "sadd", "srem", "zadd", "zrem", "del"})
 
 
 # -- guards: checked before anything is written ------------------------------------------------
@@ -61,6 +62,11 @@ def hexists(key: str, field: str) -> Step:
 def hnotexists(key: str, field: str) -> Step:
     """The hash must not hold the field."""
     return ("hnotexists", key, field)
+
+
+def hequals(key: str, field: str, value: str) -> Step:
+    """The hash's field must hold `value`; '' means the field must be absent (or empty)."""
+    return ("hequals", key, field, value)
 
 
 def hempty(key: str) -> Step:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Awaitable, Iterator
+from collections.abc import Awaitable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -30,7 +30,7 @@ from services import redis_functions
 from services.credentials import Credentials, prepare
 from services.servers import reload_nats, start_nats, start_redis
 from tests.broker_helpers import CATALOG
-from tests.conftest import start_worker, stop_workers
+from tests.conftest import Worker, start_worker, stop_workers
 
 NODE = "acc-node"  # the metrics worker's node
 # Who the tenancy tests speak as, besides the admin: two tenants and a reader.
@@ -63,7 +63,7 @@ class Deployment:
             creds = creds.with_identity(name, role)
         creds.write()
         self.creds: Credentials = creds
-        self.workers = []
+        self.workers: list[Worker] = []
         self._connections: list[Client] = []
         self.nats = start_nats(directory / "nats", config=creds.nats_config)
         try:
@@ -84,15 +84,20 @@ class Deployment:
             ("broker", ["--catalog", str(CATALOG), *extra_broker]),
             ("metrics", ["--node", NODE, "--interval", "1"]),
         ]
-
-        def start(service: str, extra: list[str]):
-            argv, env = self.creds.worker_launch(service, self.nats.url, self.redis.url)
-            nats, redis = env.pop("NATS_URL", self.nats.url), env.pop("REDIS_URL", self.redis.url)
-            own = argv[argv.index("--prefix") + 2:]  # worker_launch's options after the prefix
-            return start_worker(f"services.{service}.worker", nats, redis, self.prefix, *own, *extra, env=env)
-
         with ThreadPoolExecutor(len(launches)) as pool:
-            self.workers = list(pool.map(lambda launch: start(*launch), launches))
+            list(pool.map(lambda launch: self.start_worker(*launch), launches))
+
+    def start_worker(self, service: str, extra: Sequence[str] = (), env: dict[str, str] | None = None
+                     ) -> Worker:
+        """One worker of `service` on the service's own NATS and Redis user (`env`: more of its
+        environment, as `BERTH_FAILPOINTS`); stopped with the deployment."""
+        argv, own_env = self.creds.worker_launch(service, self.nats.url, self.redis.url)
+        nats, redis = own_env.pop("NATS_URL", self.nats.url), own_env.pop("REDIS_URL", self.redis.url)
+        own = argv[argv.index("--prefix") + 2:]  # worker_launch's options after the prefix
+        worker = start_worker(f"services.{service}.worker", nats, redis, self.prefix, *own, *extra,
+                              env={**own_env, **(env or {})})
+        self.workers.append(worker)  # from the pool's threads too: an append is atomic
+        return worker
 
     def add_identity(self, name: str, role: Role) -> None:
         """As `berth user add`: written, and the running server told."""

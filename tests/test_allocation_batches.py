@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from bus.errors import BusError
+from bus.errors import BerthError, BusError
 
 GiB = 1 << 30
 ONE_CORE = {"cpumem": {"cpu-bind": True, "cpu-request": 1, "memory-request": GiB}}
@@ -75,6 +75,20 @@ async def test_a_deploy_that_names_a_taken_id_fails_alone(call, manager):
     assert [[a["workload_id"] for a in o["allocations"]] for i, o in enumerate(outcomes) if i != 1] == [
         ["a1"], ["b1", "b2"], ["c1"]]
     assert await held(call, "q1") == (5.0, 5)  # taken, a1, b1, b2, c1: the first "taken" was not released
+
+
+async def test_two_deploys_of_one_batch_that_name_the_same_id_place_it_once(call, manager):
+    await add(call, "s1", 8)
+    requests = {name: ONE_CORE.get(name) for name in manager.plugins}
+    leader = asyncio.create_task(manager.deploys.deploy("s1", ["lead"], requests))
+    await asyncio.sleep(0)  # the leader's commit is in flight: the next two wait, and go together
+    followers = [asyncio.create_task(manager.deploys.deploy("s1", ids, requests))
+                 for ids in (["same"], ["x", "same"])]
+    await leader
+    outcomes = await asyncio.gather(*followers, return_exceptions=True)
+    assert [a.workload_id for a in outcomes[0].allocations] == ["same"]
+    assert isinstance(outcomes[1], BerthError) and outcomes[1].code == "workload_exists"
+    assert await held(call, "s1") == (2.0, 2)  # usage is what the ledger explains: lead and same, once
 
 
 async def test_a_caller_that_goes_away_while_waiting_leaves_nothing_placed(call, manager):

@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from services.allocation.store import Intent
 from tests.bus_helpers import until
 
 GiB = 1 << 30
@@ -36,7 +37,7 @@ async def test_half_done_multi_node_allocation_is_released_by_the_reaper(call, m
     # intent naming all ids still there, its deadline passed.
     await call("allocate", {"nodename": "h1", "deploy_count": 1, "workload_resource_request": BOUND,
                             "workload_ids": ["w1"]})
-    await manager.store.begin_intent("dead-worker", ["w1", "w2"], time.time() - 1)
+    await manager.store.begin_intent("dead-worker", Intent(time.time() - 1, ["w1", "w2"], None))
     assert await used_cpus(call, "h1") == 1
 
     async def reaped():

@@ -65,7 +65,7 @@ async def test_a_stale_version_changes_nothing(redis, prefix, keys):
     assert await snapshot(redis, prefix) == before
 
 
-@pytest.mark.parametrize("guard", ["exists", "hexists", "hnotexists", "hempty", "fits"])
+@pytest.mark.parametrize("guard", ["exists", "hexists", "hnotexists", "hequals", "hempty", "fits"])
 async def test_a_failed_guard_changes_nothing(redis, prefix, keys, guard):
     records = cas.VersionedHash(redis)
     await redis.hset(keys.ledger, mapping={"w1": "x", "w2": "y"})
@@ -76,11 +76,13 @@ async def test_a_failed_guard_changes_nothing(redis, prefix, keys, guard):
         "exists": (cas.exists(keys.pool), keys.pool),
         "hexists": (cas.hexists(keys.ledger, "w9"), "w9"),
         "hnotexists": (cas.hnotexists(keys.ledger, "w1"), "w1"),
+        "hequals": (cas.hequals(keys.ledger, "w2", "x"), "w2"),
         "hempty": (cas.hempty(keys.ledger), "2"),
         "fits": (cas.fits(keys.counts, "b", 3, 8), "b"),
     }[guard]
     passing = [
         cas.hexists(keys.ledger, "w1"), cas.hnotexists(keys.ledger, "w9"), cas.fits(keys.counts, "b", 2, 8),
+        cas.hequals(keys.ledger, "w2", "y"), cas.hequals(keys.ledger, "w9", ""),
     ]
     # The ops come first in the list: guards are checked before any op all the same.
     ops = [cas.sadd(keys.pool, "r"), cas.hdel(keys.ledger, "w1"), cas.hcount(keys.counts, "b", 1)]
@@ -101,6 +103,17 @@ async def test_the_first_failed_guard_is_the_one_reported(redis, prefix, keys):
     with pytest.raises(cas.Conflict) as refused:
         await records.commit(keys.record, 0, [cas.hexists(keys.ledger, "w2"), cas.hempty(keys.ledger)])
     assert (refused.value.reason, refused.value.subject) == ("hexists", "w2")
+
+
+async def test_hequals_takes_an_empty_value_for_an_absent_field(redis, prefix, keys):
+    records = cas.VersionedHash(redis)
+    await redis.hset(keys.ledger, "w1", "x")
+    for field, value in (("w2", "x"), ("w1", ""), ("w1", "xx")):
+        with pytest.raises(cas.Conflict) as refused:
+            await records.commit(keys.record, 0, [cas.hequals(keys.ledger, field, value)])
+        assert (refused.value.reason, refused.value.subject) == ("hequals", field)
+    assert await records.commit(keys.record, 0, [cas.hequals(keys.ledger, "w1", "x"),
+                                                 cas.hequals(keys.ledger, "w2", "")]) == 1
 
 
 async def test_fits_allows_up_to_the_limit(redis, prefix, keys):

@@ -17,6 +17,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
+from bus.callers import current_caller
 from bus.codec import encode
 from bus.errors import BerthError
 from bus.failpoints import failpoint
@@ -46,6 +47,8 @@ class Deploy:
     requests: Keyed
     # The request's claim, whose lease fences the commit (a run taken over writes nothing).
     claim: Claim | None = field(default_factory=own_claim)
+    # Whom the instances are placed for: the request's caller (a batch commits in another request's task).
+    owner: str | None = field(default_factory=lambda: current_caller.get().name)
     # Called once the deploy is committed or refused, in the same step as the views learn the
     # commit: the planner's reservation for it ends exactly when the record holds it.
     settled: Callable[[], None] = lambda: None
@@ -73,7 +76,7 @@ class DeployBatches:
         latest: Callable[[str], NodeRecord | None],
         committed: Callable[[str, NodeRecord | None, Change, int], None],
         outbox: VersionedOutboxes,
-        release: Callable[[list[str]], Awaitable[Any]],
+        release: Callable[[list[str], str | None], Awaitable[Any]],
         contend: Callable[[str], None] = lambda node: None,
         attempts: int = 200,
     ) -> None:
@@ -82,7 +85,7 @@ class DeployBatches:
         self.latest = latest  # a record of the node this worker already holds (its version is checked)
         self.committed = committed
         self.outbox = outbox
-        self.release = release  # gives back what was placed for a caller that went away
+        self.release = release  # gives back what was placed for a caller (by name) that went away
         self.contend = contend  # says another worker commits to the node too
         self.attempts = attempts
         self._waiting: dict[str, list[Deploy]] = {}  # node -> deploys for its next commit
@@ -133,14 +136,14 @@ class DeployBatches:
         abandoned = []
         for deploy, allocations in placed.items():
             if deploy.done.cancelled():  # its caller went away while waiting: give the room back
-                abandoned += deploy.ids
+                abandoned.append(deploy)
             else:
                 deploy.done.set_result(Placed(allocations, version))
         if announced is not None:
             await self.outbox.deliver(self.store.outbox_key(node), version, announced)
-        if abandoned:
-            log.info("releasing %d instances placed for callers that went away", len(abandoned))
-            await self.release(abandoned)
+        for deploy in abandoned:
+            log.info("releasing %d instances placed for a caller that went away", len(deploy.ids))
+            await self.release(deploy.ids, deploy.owner)
 
     async def _commit_fitting(
         self, node: str, batch: list[Deploy]
@@ -155,16 +158,18 @@ class DeployBatches:
                 return {}, refused, record.version, None
             ids = [i for d in placed for i in d.ids]
             ledger = {a.workload_id: a.workload_resource for allocations in placed.values() for a in allocations}
+            owners = {wid: d.owner for d in placed if d.owner is not None for wid in d.ids}
             claimed = [d for d in placed if d.claim is not None]
             fence = min((d.claim.lease_end for d in claimed), default=0)
-            change = Change(plugins=after, ledger_add=ledger, index=dict.fromkeys(ids, node), fence=fence,
-                            journal=journal([(f"resource.{node}.allocated", NodeEvent(nodename=node, workload_ids=ids))]))
+            allocated = NodeEvent(nodename=node, workload_ids=ids)
+            change = Change(plugins=after, ledger_add=ledger, owners=owners, index=ids, fence=fence,
+                            journal=journal([(f"resource.{node}.allocated", allocated)]))
             failpoint("before-commit")
             try:
                 version = await self.store.commit(node, record.version, change, record.tag)
             except LeaseExpired:
                 # A run's lease ended (its worker paused?): renew each; a run taken over is refused.
-                await self.store.unindex_workloads(ids)
+                await self._unindex(node, change, ids)
                 held = await asyncio.gather(*(d.claim.still_held() for d in claimed))
                 for deploy in (d for d, alive in zip(claimed, held) if not alive):
                     batch = [d for d in batch if d is not deploy]
@@ -181,12 +186,12 @@ class DeployBatches:
             except LedgerConflict as conflict:
                 # A workload id is taken already: refuse the deploy that named it, try the rest again.
                 culprit = next(d for d in placed if conflict.subject in d.ids)
-                await self.store.unindex_workloads([i for i in culprit.ids if i != conflict.subject])
+                await self._unindex(node, change, [i for i in culprit.ids if i != conflict.subject])
                 batch = [d for d in batch if d is not culprit]
                 culprit.done.set_exception(workload_exists(conflict.subject))
                 continue
             except BaseException:
-                await self.store.unindex_workloads(ids)
+                await self._unindex(node, change, ids)
                 raise
             failpoint("after-commit")
             self.committed(node, record, change, version)
@@ -195,14 +200,24 @@ class DeployBatches:
             return placed, refused, version, change.journal
         raise node_busy(node)
 
+    async def _unindex(self, node: str, change: Change, ids: list[str]) -> None:
+        """Take back the index entries a refused commit wrote for `ids` (not those written since)."""
+        await self.store.unindex(dict.fromkeys(ids, self.store.index_entry(node, change.tag)))
+
     def _fit(
         self, record: NodeRecord, batch: list[Deploy]
     ) -> tuple[dict[Deploy, list[Allocation]], dict[Deploy, BaseException], dict[str, bytes]]:
-        """Each deploy in turn on the state the ones before it leave; those that do not fit are refused."""
+        """Each deploy in turn on the state the ones before it leave; those that do not fit are refused,
+        and so is one that names an id a deploy before it places (the ledger holds an id once)."""
         state = dict(record.raw)
         placed: dict[Deploy, list[Allocation]] = {}
         refused: dict[Deploy, BaseException] = {}
+        taken: set[str] = set()
         for deploy in batch:
+            twice = next((wid for wid in deploy.ids if wid in taken), None)
+            if twice is not None:
+                refused[deploy] = workload_exists(twice)
+                continue
             try:
                 deployment, after = self.plugins.deploy_stored(
                     record.name, state, len(deploy.ids), deploy.requests, deploy.request_keys
@@ -211,6 +226,7 @@ class DeployBatches:
                 refused[deploy] = error
                 continue
             state.update(after)
+            taken.update(deploy.ids)
             placed[deploy] = [
                 Allocation(wid, record.name, workload, engine)
                 for wid, workload, engine in zip(deploy.ids, deployment.workloads_resource, deployment.engines_params)

@@ -19,6 +19,7 @@ from typing import Any, Awaitable, Callable, TypeVar
 
 import msgspec
 
+from bus.callers import current_caller
 from bus.errors import BerthError
 from bus.failpoints import failpoint
 from bus.idempotency import own_claim, taken_over
@@ -33,6 +34,7 @@ from services.allocation.plugin_set import Keyed, PluginSet
 from services.allocation.store import (
     AlreadyApplied,
     Change,
+    Intent,
     LeaseExpired,
     LedgerConflict,
     NodeRecord,
@@ -57,14 +59,14 @@ class Committer:
         fleet: Fleet,
         outbox: VersionedOutboxes,
         *,
-        release: Callable[[list[str]], Awaitable[list[str]]],
+        release: Callable[[list[str], str | None], Awaitable[list[str]]],
         attempts: int = 200,
         intent_timeout: float = 30.0,
     ) -> None:
         self.store = store
         self.fleet = fleet
         self.outbox = outbox
-        self.release = release  # gives back workloads (by id) to their nodes
+        self.release = release  # gives back workloads (by id) placed for an owner to their nodes
         self.attempts = attempts
         self.intent_timeout = intent_timeout
         self.deploys = DeployBatches(
@@ -161,9 +163,10 @@ class Committer:
     ) -> list[Allocation]:
         """Commit a plan node by node. Over several nodes an intent records the ids first: if this
         worker dies half way, a reaper on any worker releases them (see `reap_intents`)."""
+        owner = current_caller.get().name
         intent = uuid.uuid4().hex if len(plan) > 1 else None
         if intent:
-            await self.store.begin_intent(intent, ids, time.time() + self.intent_timeout)
+            await self.store.begin_intent(intent, Intent(time.time() + self.intent_timeout, ids, owner))
         placed: list[Allocation] = []
         start = 0
         try:
@@ -183,14 +186,15 @@ class Committer:
                 raise BerthError("allocate took too long and was rolled back; retry", code="busy")
         except BaseException as error:
             # Release every id of the plan, not only those known placed: a commit interrupted by a
-            # cancellation may have landed. An id that turned out to be someone else's stays.
+            # cancellation may have landed. Only the caller's own go (another's stay theirs), and not
+            # the one found held already: it may be an earlier placement of this caller's.
             taken = error.details.get("workload_id") if isinstance(error, BerthError) and error.code == "workload_exists" else None
-            await asyncio.shield(self._roll_back([i for i in ids if i != taken], intent))
+            await asyncio.shield(self._roll_back([i for i in ids if i != taken], owner, intent))
             raise
         return placed
 
-    async def _roll_back(self, ids: list[str], intent: str | None) -> None:
-        released = await self.release(ids)
+    async def _roll_back(self, ids: list[str], owner: str | None, intent: str | None) -> None:
+        released = await self.release(ids, owner)
         if released:
             log.info("allocate failed after placing %d instances: rolled them back", len(released))
         if intent:
@@ -208,24 +212,25 @@ class Committer:
 
     async def reap_intents(self) -> None:
         """Release the instances of multi-node allocations whose worker died before finishing."""
-        for intent, ids in (await self.store.expired_intents(time.time())).items():
-            if await self.store.take_intent(intent):
-                log.warning("allocate %s never finished: releasing its %d instances", intent, len(ids))
-                await self.release(ids)
+        for intent_id, intent in (await self.store.expired_intents(time.time())).items():
+            if await self.store.take_intent(intent_id):
+                ids = intent.workload_ids
+                log.warning("allocate %s never finished: releasing its %d instances", intent_id, len(ids))
+                await self.release(ids, intent.owner)
 
     async def forget_runs(
         self, request_id: str, attempt: int, count: int, nodes: list[str] | None = None
     ) -> int:
         """Release what earlier runs of this very request placed without answering (their worker
         died, and this run took their claim over); how many. Their ids derive from the request id
-        and the run, so they are ours; no caller ever saw them. `nodes`: where they can be (default:
-        every node)."""
+        (the caller's own) and the run, so they are this caller's; no caller ever saw them.
+        `nodes`: where they can be (default: every node)."""
         earlier = [wid for run in range(attempt) for wid in workload_ids(count, None, request_id, run)]
         if len(await self.store.locate(earlier)) < len(earlier):
             # Not all were placed, or some lost their index entry with a Redis failover: look in the
             # ledgers (this reads the nodes' ledgers for these ids once).
             await self.store.repair_index(nodes if nodes is not None else await self.fleet.all_nodes(), earlier)
-        released = await self.release(earlier)
+        released = await self.release(earlier, current_caller.get().name)
         if released:
             log.info("request %s: released %d instances an unanswered run had placed", request_id, len(released))
         return len(released)

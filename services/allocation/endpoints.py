@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from bus.callers import Role
+from bus.callers import Role, current_caller
 from bus.errors import BerthError, InvalidArgument
 from bus.events import StreamSpec
 from bus.service import Command
@@ -320,7 +320,7 @@ class AllocationEndpoints:
     async def undo_allocate(self, req: AllocateWire, answer: bytes) -> None:
         """Give back what an allocate placed when its answer could not be kept (see Command.undo)."""
         placed = msgspec.msgpack.decode(answer, type=AllocateReply).allocations
-        await self.manager.give_back([a.workload_id for a in placed])
+        await self.manager.give_back([a.workload_id for a in placed], current_caller.get().name)
 
     async def release(self, req: ReleaseWorkloads) -> ReleaseReply:
         return ReleaseReply(await self.manager.release(req.workload_ids))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from bus.errors import BerthError, InvalidArgument
+from bus.errors import BerthError, InvalidArgument, PermissionDenied
 
 if TYPE_CHECKING:
     from services.allocation.view import Selection
@@ -35,6 +35,13 @@ def workload_not_found(workload_id: str) -> BerthError:
     return BerthError(
         f"workload {workload_id} not found", code="workload_not_found", field="workload_id",
         details={"workload_id": workload_id},
+    )
+
+
+def not_yours(field: str, workload_id: str) -> BerthError:
+    """A workload the caller may not act on (bus.callers `owns`); whose it is stays unsaid."""
+    return PermissionDenied(
+        f"{field}: workload {workload_id} is not yours", field=field, details={"workload_id": workload_id}
     )
 
 

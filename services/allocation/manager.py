@@ -9,18 +9,26 @@ capacity views, `Committer` (committer.py) commits changes and multi-node placem
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any, Callable
 
 import msgspec
 
+from bus.callers import Caller, current_caller
 from bus.errors import BerthError
 from bus.events import EventBus
 from bus.idempotency import Claim, current_claim, own_claim
 from bus.outbox import VersionedOutboxes
 from services.allocation import telemetry
 from services.allocation.committer import Committer, NodeFilledUp, workload_ids
-from services.allocation.errors import no_node_matches, node_not_found, reply_too_large, workload_not_found
+from services.allocation.errors import (
+    no_node_matches,
+    node_not_found,
+    not_yours,
+    reply_too_large,
+    workload_not_found,
+)
 from services.allocation.fleet import Fleet
 from services.allocation.messages import Allocation, NodeEvent
 from services.allocation.plugin import DeployCapacity, EngineInfo, ResourcePlugin
@@ -35,7 +43,9 @@ from services.allocation.plugin_set import (
 )
 from services.allocation.store import (
     Change,
+    Ledger,
     LedgerConflict,
+    Located,
     NodeRecord,
     NodeStore,
     PluginState,
@@ -142,7 +152,8 @@ class AllocationManager:
         record, ledger = await self.store.load_with_ledger(node)
         if record is None:
             raise node_not_found(node)
-        return record, self.plugins.states(record, names), list(ledger.values()) if workloads is None else workloads
+        source = list(ledger.resources.values()) if workloads is None else workloads
+        return record, self.plugins.states(record, names), source
 
     async def node_info(self, names: list[str], node: str, workloads: list[Raw] | None) -> NodeInfo:
         """Capacity, usage and the diffs against `workloads` (or the ledger, when none are given)."""
@@ -400,24 +411,42 @@ class AllocationManager:
     async def release(self, ids: list[str]) -> list[str]:
         """Return the workloads' resources to their nodes, once per request; ids nobody holds are
         skipped. The answer names every id this request removed, also those an earlier run of it
-        removed before it died unanswered: each node keeps what the request removed there."""
-        return await self._release(ids, once=True)
+        removed before it died unanswered: each node keeps what the request removed there.
 
-    async def give_back(self, ids: list[str]) -> list[str]:
-        """Release workloads that no answer named (a rolled-back or unanswered placement)."""
-        return await self._release(ids, once=False)
+        The caller must own every id a node holds (bus.callers): one it does not own refuses the
+        whole request before anything is released. An id that changes hands after that check
+        (released, and placed again by another) stays its new owner's: each commit re-checks owners."""
+        caller = current_caller.get()
+        located = await self.store.located(ids)
+        if not caller.owns_everything:
+            refuse_unowned(caller, ids, await self._held_owners(located.nodes))
+        return await self._release(ids, located, caller.owns, once=True)
 
-    async def _release(self, ids: list[str], *, once: bool) -> list[str]:
-        by_node: dict[str, list[str]] = {}
-        for wid, node in (await self.store.locate(ids)).items():
-            by_node.setdefault(node, []).append(wid)
+    async def give_back(self, ids: list[str], owner: str | None) -> list[str]:
+        """Release workloads that no answer named (a rolled-back or unanswered placement) placed for
+        `owner`: an id that someone else holds by then stays theirs."""
+        return await self._release(ids, await self.store.located(ids), lambda held: held == owner, once=False)
+
+    async def _held_owners(self, by_node: dict[str, list[str]]) -> dict[str, str | None]:
+        """Each of the ids (by the node the index places them on) that its node holds -> its owner."""
+        read = await asyncio.gather(*(self.store.load_with_ledger(n, ids) for n, ids in by_node.items()))
+        return {wid: ledger.owner(wid) for _, ledger in read for wid in ledger.resources}
+
+    async def _release(
+        self, ids: list[str], located: Located, mine: Callable[[str | None], bool], *, once: bool
+    ) -> list[str]:
+        """Release the `located` ids whose owner `mine` accepts; those of other owners stay, indexed."""
         released: list[str] = []
         run = own_claim() if once else None
-        if run is not None and run.attempt and len(by_node) < len(ids):
-            released += await self._released_before(run, set(ids) - {w for held in by_node.values() for w in held})
-        for node, held_ids in sorted(by_node.items()):
-            released += await self._release_on(node, held_ids, once)
-        await self.store.unindex_workloads(list(dict.fromkeys(ids)))
+        unknown = set(ids) - set(located.entries)
+        if run is not None and run.attempt and unknown:
+            released += await self._released_before(run, unknown)
+        others: set[str] = set()
+        for node, held_ids in sorted(located.nodes.items()):
+            gone, theirs = await self._release_on(node, held_ids, mine, once)
+            released += gone
+            others |= theirs
+        await self.store.unindex({wid: entry for wid, entry in located.entries.items() if wid not in others})
         return sorted(set(released))
 
     async def _released_before(self, run: Claim, ids: set[str]) -> list[str]:
@@ -427,20 +456,30 @@ class AllocationManager:
         return [wid for answer in kept.values() for wid in msgspec.msgpack.decode(answer.answer, type=list[str])
                 if wid in ids]
 
-    async def _release_on(self, node: str, ids: list[str], once: bool) -> list[str]:
+    async def _release_on(
+        self, node: str, ids: list[str], mine: Callable[[str | None], bool], once: bool
+    ) -> tuple[list[str], set[str]]:
+        """Release those of `ids` the node holds for an owner `mine` accepts; returns them, and the
+        ids it holds for other owners (as the computation that committed saw them)."""
+        theirs: set[str] = set()  # not part of the result: a retry's kept answer names only what went
+
         async def compute():
             record, ledger = await self.store.load_with_ledger(node, ids)
-            if record is None or not ledger:
+            theirs.clear()
+            theirs.update(wid for wid in ledger.resources if not mine(ledger.owner(wid)))
+            ours = [wid for wid in ledger.resources if wid not in theirs]
+            if record is None or not ours:
                 return record, Change(), []
-            after = self.plugins.released(record.plugins, list(ledger.values()))
-            return record, Change(plugins=encode_states(after), ledger_remove=list(ledger)), sorted(ledger)
+            after = self.plugins.released(record.plugins, [ledger.resources[wid] for wid in ours])
+            change = Change(plugins=encode_states(after), ledger_remove=ours, owners=ledger.owners)
+            return record, change, sorted(ours)
 
         released, _ = await self.committer.mutate(
             node, compute, retry_ledger=True, once=list[str] if once else None,
             events=lambda ids: [self._event(node, "released", workload_ids=ids)],
         )
         telemetry.RELEASED.inc(len(released))
-        return released
+        return released, theirs
 
     async def realloc(self, workload_id: str, requests: Keyed) -> tuple[str, Reallocation]:
         """A held workload's new resources, committed; returns its node and the reallocation."""
@@ -448,16 +487,20 @@ class AllocationManager:
         if node is None:
             raise workload_not_found(workload_id)
         names = list(self.plugins)
+        caller = current_caller.get()
 
         async def compute():
             record, ledger = await self.store.load_with_ledger(node, [workload_id])
-            if record is None or workload_id not in ledger:
+            if record is None or workload_id not in ledger.resources:
                 raise workload_not_found(workload_id)
+            if not caller.owns(ledger.owner(workload_id)):
+                raise not_yours("workload_id", workload_id)
             states = self.plugins.states(record, names)
-            current = ledger[workload_id]
+            current = ledger.resources[workload_id]
             result = self.plugins.realloc(states, current, requests)
             after = self.plugins.reallocated(states, current, result.workload_resource)
-            change = Change(plugins=encode_states(after), ledger_replace={workload_id: result.workload_resource})
+            change = Change(plugins=encode_states(after), owners=ledger.owners,
+                            ledger_replace={workload_id: result.workload_resource})
             return record, change, (current, result)
 
         (_, result), _ = await self.committer.mutate(
@@ -470,16 +513,29 @@ class AllocationManager:
         return node, result
 
     async def allocations(self, node: str) -> dict[str, Raw]:
-        """The node's ledger: workload id -> its resource keyed by plugin."""
+        """The node's ledger as the caller may see it: workload id -> its resource keyed by plugin."""
         record, ledger = await self.store.load_with_ledger(node)
         if record is None:
             raise node_not_found(node)
-        return ledger
+        return visible(current_caller.get(), ledger)
 
     async def list_nodes(
         self, nodenames: list[str] | None, labels: dict[str, str], offset: int, limit: int
     ) -> tuple[list[NodeRecord], int]:
         return await self.fleet.page(nodenames, labels, offset, limit)
+
+
+def refuse_unowned(caller: Caller, ids: list[str], owners: dict[str, str | None]) -> None:
+    """Refuse the first of `ids` that a node holds (`owners`: each held id's owner, None for none)
+    for an owner `caller` may not act on."""
+    for i, wid in enumerate(ids):
+        if wid in owners and not caller.owns(owners[wid]):
+            raise not_yours(f"workload_ids[{i}]", wid)
+
+
+def visible(caller: Caller, ledger: Ledger) -> dict[str, Raw]:
+    """The ledger's entries `caller` may see: a tenant only its own."""
+    return {wid: resource for wid, resource in ledger.resources.items() if caller.sees(ledger.owner(wid))}
 
 
 def _entry_size(entry: Allocation) -> int:

@@ -1,24 +1,33 @@
 """Node records and ledgers in Redis.
 
-Every key starts with `<prefix>:allocation:` (one ACL pattern covers the service). Per node, two
+Every key starts with `<prefix>:allocation:` (one ACL pattern covers the service). Per node, these
 keys share the hash tag `{node:<name>}` (so each per-node script is Redis-Cluster safe):
 - `<prefix>:allocation:{node:<name>}:node`, a hash: `v` (version), `labels`, and `p:<plugin>` with
   that plugin's `{capacity, usage}`;
-- `<prefix>:allocation:{node:<name>}:ledger`, a hash: workload id -> `{plugin: workload resource}`.
+- `<prefix>:allocation:{node:<name>}:ledger`, a hash: workload id -> `{plugin: workload resource}`;
+- `<prefix>:allocation:{node:<name>}:owners`, a hash: workload id -> the identity that placed it
+  (bus.callers), for the ledger's workloads that have one; a workload without an entry is the
+  services' own (placed by a service, an account-less deployment, or before owners were kept).
+  Owners are a hash of their own rather than a part of each ledger value so that the ledger stays
+  what the plugins read (`{plugin: workload resource}`); the commit that writes a ledger entry
+  writes its owner, and the one that removes it removes the owner.
 
 A removed node leaves a tombstone for a week (`v` and `gone`), so that a node removed and added
 again keeps counting versions up: an event consumer that skips versions it has seen never skips
 the new node's changes.
 
 Every change goes through one Lua script, `commit`: it re-checks the version the caller computed
-from and the ledger entries the change depends on, and only then writes everything at once (no
-WATCH loops). A caller whose version is stale reloads and computes again. Usage and ledger change
-in the same step, so usage is always what the ledger explains.
+from and the ledger entries the change depends on (and their owners), and only then writes
+everything at once (no WATCH loops). A caller whose version is stale reloads and computes again.
+Usage and ledger change in the same step, so usage is always what the ledger explains.
 
 Three global keys live outside the node slots, each written by single-key commands:
 `<prefix>:allocation:nodes` (name -> time added), `<prefix>:allocation:workloads` (workload id ->
-node) and `<prefix>:allocation:intents` (multi-node allocations in progress). They are written so
-that a crash between steps can only leave an index entry without a record, which readers skip.
+`<node>/<tag>`, the tag of the commit that placed it; `<node>` alone for an entry repaired from the
+ledgers) and `<prefix>:allocation:intents` (multi-node allocations in progress). They are written so
+that a crash between steps can only leave an index entry without a record, which readers skip. A
+release removes an index entry only while it is the one the release read: the same id placed
+again meanwhile, by anyone, has an entry of its own, which stays.
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ APPLIED_SECONDS = 24 * 3600  # as long as the idempotency layer keeps an answer
 
 _LEDGER_CONFLICTS = {
     "hadd": "ledger_exists", "hnotexists": "ledger_exists", "hexists": "ledger_missing", "hempty": "not_empty",
+    "hequals": "owner_changed",
 }
 
 
@@ -73,10 +83,39 @@ class NodeRecord:
 
 
 @dataclass
+class Ledger:
+    """Ledger entries as read: workload id -> its resource keyed by plugin, and the owners of those
+    that have one."""
+
+    resources: dict[str, Raw]
+    owners: dict[str, str]
+
+    def owner(self, workload_id: str) -> str | None:
+        return self.owners.get(workload_id)
+
+
+class Intent(msgspec.Struct, array_like=True):
+    """A multi-node allocation in progress: when it must be done by, its ids, and the identity it
+    places them for (an intent kept before owners were recorded has none)."""
+
+    deadline: float
+    workload_ids: list[str]
+    owner: str | None = None
+
+
+@dataclass
+class Located:
+    """Where the workload index places some ids: node -> its ids, and each id's index entry."""
+
+    nodes: dict[str, list[str]]
+    entries: dict[str, bytes]
+
+
+@dataclass
 class Change:
     """What one commit writes. Plugin states are encoded (`encode_state`); ledger values are
-    `{plugin: workload resource}` maps; `index` entries (workload id -> node) are written to the
-    global workload index just before the commit, in the same round trip."""
+    `{plugin: workload resource}` maps; the `index` ids are written to the global workload index
+    (`NodeStore.index_entry`) just before the commit, in the same round trip."""
 
     plugins: dict[str, bytes] = field(default_factory=dict)
     remove_plugins: list[str] = field(default_factory=list)
@@ -84,8 +123,11 @@ class Change:
     ledger_add: dict[str, Raw] = field(default_factory=dict)  # must not exist yet
     ledger_remove: list[str] = field(default_factory=list)  # must exist
     ledger_replace: dict[str, Raw] = field(default_factory=dict)  # must exist
+    # The owner of each entry the change adds (written with it), removes or replaces (it must still be
+    # the owner the change was computed for); an id not listed has none.
+    owners: dict[str, str] = field(default_factory=dict)
     delete: str = ""  # "", "delete" or "delete_if_empty" (refused while the ledger holds workloads)
-    index: dict[str, str] = field(default_factory=dict)
+    index: list[str] = field(default_factory=list)
     # A request applied at most once: (its marker, the answer to keep beside the record for a retry).
     once: tuple[str, bytes] | None = None
     journal: bytes | None = None  # the change's events, for the node's outbox (`bus.outbox.journal`)
@@ -125,9 +167,19 @@ class LedgerConflict(Exception):
 
 _encode = msgspec.msgpack.Encoder().encode
 decode_state = msgspec.msgpack.Decoder(PluginState).decode
+_decode_intent = msgspec.msgpack.Decoder(Intent).decode
 
 
-def _pairs(mapping: dict[str, str]) -> list[str]:
+def _decode_owners(fields: list[bytes]) -> dict[str, str]:
+    """An owners hash as HGETALL answers it."""
+    return {wid.decode(): owner.decode() for wid, owner in zip(fields[::2], fields[1::2])}
+
+
+def _node_of(entry: bytes) -> str:
+    return entry.decode().partition("/")[0]
+
+
+def _pairs(mapping: dict[str, Any]) -> list[Any]:
     return [item for pair in mapping.items() for item in pair]
 
 
@@ -152,12 +204,16 @@ class NodeStore:
         self.batch = Pipelined.of(redis)
         self._records = cas.VersionedHash(redis, version_field="v", tombstone_field="gone", batch=self.batch)
         self._read_with_ledger = scripts.register(redis, "services.allocation", "read_with_ledger")
+        self._unindex = scripts.register(redis, "services.allocation", "unindex")
 
     def record_key(self, node: str) -> str:
         return f"{self.base}:{{node:{node}}}:node"
 
     def ledger_key(self, node: str) -> str:
         return f"{self.base}:{{node:{node}}}:ledger"
+
+    def owners_key(self, node: str) -> str:
+        return f"{self.base}:{{node:{node}}}:owners"
 
     def outbox_key(self, node: str) -> str:
         """The events of the node's changes not yet acknowledged by the stream (bus/outbox.py)."""
@@ -210,14 +266,17 @@ class NodeStore:
 
     async def load_with_ledger(
         self, node: str, workload_ids: list[str] | None = None
-    ) -> tuple[NodeRecord | None, dict[str, Raw]]:
-        """The record and its ledger (all of it, or the given ids) read in one script, so they agree."""
-        keys = [self.record_key(node), self.ledger_key(node)]
-        fields, held = await self.batch.script(self._read_with_ledger, keys, workload_ids or [])
+    ) -> tuple[NodeRecord | None, Ledger]:
+        """The record, its ledger and the ledger's owners (all, or those of the given ids) read in
+        one script, so they agree."""
+        keys = [self.record_key(node), self.ledger_key(node), self.owners_key(node)]
+        fields, held, owners = await self.batch.script(self._read_with_ledger, keys, workload_ids or [])
         record = self._parse(node, dict(zip(fields[::2], fields[1::2])))
         if workload_ids is None:
-            return record, {k.decode(): _decode_map(v) for k, v in sorted(zip(held[::2], held[1::2]))}
-        return record, {wid: _decode_map(v) for wid, v in zip(workload_ids, held) if v}
+            resources = {k.decode(): _decode_map(v) for k, v in sorted(zip(held[::2], held[1::2]))}
+            return record, Ledger(resources, _decode_owners(owners))
+        resources = {wid: _decode_map(v) for wid, v in zip(workload_ids, held) if v}
+        return record, Ledger(resources, {wid: o.decode() for wid, o in zip(workload_ids, owners) if o})
 
     async def applied(self, nodes: list[str], marker: str) -> dict[str, AlreadyApplied]:
         """The answers kept for the request `marker` on those of `nodes` it was applied to."""
@@ -231,33 +290,53 @@ class NodeStore:
 
     async def locate(self, workload_ids: list[str]) -> dict[str, str]:
         """workload id -> node, for the ids the index knows."""
+        return {wid: _node_of(entry) for wid, entry in (await self._index_entries(workload_ids)).items()}
+
+    async def located(self, workload_ids: list[str]) -> Located:
+        """The nodes of the ids the index knows, and their entries (for `unindex`)."""
+        entries = await self._index_entries(workload_ids)
+        nodes: dict[str, list[str]] = {}
+        for wid, entry in entries.items():
+            nodes.setdefault(_node_of(entry), []).append(wid)
+        return Located(nodes, entries)
+
+    async def _index_entries(self, workload_ids: list[str]) -> dict[str, bytes]:
         if not workload_ids:
             return {}
-        nodes = await self.batch.execute_command("HMGET", self.workloads_key, *workload_ids)
-        return {wid: node.decode() for wid, node in zip(workload_ids, nodes) if node is not None}
+        entries = await self.batch.execute_command("HMGET", self.workloads_key, *workload_ids)
+        return {wid: entry for wid, entry in zip(workload_ids, entries) if entry is not None}
+
+    @staticmethod
+    def index_entry(node: str, tag: str) -> str:
+        """The index entry of a workload that the commit with `tag` placed on `node`."""
+        return f"{node}/{tag}"
 
     # -- writing ---------------------------------------------------------------------------
 
     async def commit(self, node: str, version: int, change: Change, tag: str = "") -> int:
         """Write `change` if the record is still at `version` (0: must not exist) and `tag` (the
         read record's). Returns the new version; the new tag is `change.tag`."""
-        record, ledger = self.record_key(node), self.ledger_key(node)
+        record, ledger, owners = self.record_key(node), self.ledger_key(node), self.owners_key(node)
         # Guards in the order of their reports: additions, removals, replacements; writes: additions,
-        # replacements, removals.
-        removed = [cas.hexists(ledger, wid) for wid in change.ledger_remove]
-        replaced = [cas.hexists(ledger, wid) for wid in change.ledger_replace]
+        # replacements, removals. An entry removed or replaced must still have the owner it was
+        # computed for: the caller was allowed to act on that owner's workload, no other's.
+        held = [*change.ledger_remove, *change.ledger_replace]
+        relied = [cas.hexists(ledger, wid) for wid in held]
+        relied += [cas.hequals(owners, wid, change.owners.get(wid, "")) for wid in held]
         if change.delete:
-            steps = [cas.hnotexists(ledger, wid) for wid in change.ledger_add] + removed + replaced
+            steps = [cas.hnotexists(ledger, wid) for wid in change.ledger_add] + relied
             if change.delete == "delete_if_empty":
                 steps.append(cas.hempty(ledger))
-            steps.append(cas.delete(ledger))
+            steps += [cas.delete(ledger), cas.delete(owners)]
             fields: list[Any] = []
             mode, ttl = cas.TOMBSTONE, TOMBSTONE_SECONDS
         else:
             steps = [cas.hadd(ledger, wid, _encode(res)) for wid, res in change.ledger_add.items()]
-            steps += removed + replaced
+            steps += relied
+            steps += [cas.hset(owners, w, who) for w, who in change.owners.items() if w in change.ledger_add]
             steps += [cas.hset(ledger, wid, _encode(res)) for wid, res in change.ledger_replace.items()]
             steps += [cas.hdel(ledger, wid) for wid in change.ledger_remove]
+            steps += [cas.hdel(owners, wid) for wid in change.ledger_remove if wid in change.owners]
             fields = [x for name, state in change.plugins.items() for x in (PLUGIN_FIELD + name, state)]
             if change.labels is not None:
                 fields += ["labels", _encode(change.labels)]
@@ -272,12 +351,14 @@ class NodeStore:
         unset = [PLUGIN_FIELD + name for name in change.remove_plugins]
         # The index entries go first, in the same batch: a crash between the two leaves index
         # entries without ledger entries, which readers skip.
+        change.tag = secrets.token_hex(6)
         before = []
         if change.index:
-            before.append(self.batch.execute_command("HSET", self.workloads_key, *_pairs(change.index)))
+            entry = self.index_entry(node, change.tag)
+            pairs = [item for wid in change.index for item in (wid, entry)]
+            before.append(self.batch.execute_command("HSET", self.workloads_key, *pairs))
         if change.journal is not None:  # the pointer first: a crash in between leaves a pointer, not lost events
             before.append(self.batch.execute_command("ZADD", self.pending_key, time.time(), node))
-        change.tag = secrets.token_hex(6)
         sent = self._records.send(record, version, steps, fields=fields, unset=unset, mode=mode, ttl=ttl,
                                   tags=(tag, change.tag))
         answer = (await asyncio.gather(*before, sent))[-1]
@@ -303,8 +384,8 @@ class NodeStore:
 
     # -- intents: multi-node allocations a crashed worker may have left half done ------------------
 
-    async def begin_intent(self, intent_id: str, workload_ids: list[str], deadline: float) -> None:
-        await self.redis.hset(self.intents_key, intent_id, _encode([deadline, workload_ids]))
+    async def begin_intent(self, intent_id: str, intent: Intent) -> None:
+        await self.redis.hset(self.intents_key, intent_id, _encode(intent))
 
     async def take_intent(self, intent_id: str) -> bool:
         """Remove an intent; True for exactly one caller (its owner finishing, or a reaper)."""
@@ -312,14 +393,10 @@ class NodeStore:
         replicas.wrote(self.redis, self.intents_key)  # an intent back after a failover would reap an answer
         return taken
 
-    async def expired_intents(self, now: float) -> dict[str, list[str]]:
+    async def expired_intents(self, now: float) -> dict[str, Intent]:
         held = await self.redis.hgetall(self.intents_key)
-        expired = {}
-        for intent_id, value in held.items():
-            deadline, workload_ids = msgspec.msgpack.decode(value)
-            if deadline < now:
-                expired[intent_id.decode()] = workload_ids
-        return expired
+        intents = {intent_id.decode(): _decode_intent(value) for intent_id, value in held.items()}
+        return {intent_id: intent for intent_id, intent in intents.items() if intent.deadline < now}
 
     async def add_to_index(self, node: str) -> None:
         await self.redis.zadd(self.nodes_key, {node: time.time()}, nx=True)
@@ -349,6 +426,8 @@ class NodeStore:
             await self.batch.execute_command("HSET", self.workloads_key, *_pairs(missing))
         return len(missing)
 
-    async def unindex_workloads(self, workload_ids: list[str]) -> None:
-        if workload_ids:
-            await self.batch.execute_command("HDEL", self.workloads_key, *workload_ids)
+    async def unindex(self, entries: dict[str, bytes | str]) -> None:
+        """Remove these index entries (workload id -> entry), each only while it is still the one
+        given: a placement of the same id since has an entry of its own, which stays."""
+        if entries:
+            await self.batch.script(self._unindex, [self.workloads_key], _pairs(entries))
