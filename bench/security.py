@@ -29,12 +29,13 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from statistics import mean
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.allocation import LABELS, REQUEST, Requests, Run, Table, add_nodes, load, ms  # noqa: E402
+from bench.allocation import LABELS, REQUEST, Requests, Table, add_nodes, load, ms  # noqa: E402
 from bench.stats import percentile  # noqa: E402
 from bus.callers import Role  # noqa: E402
 from bus.connection import connect  # noqa: E402
@@ -129,13 +130,8 @@ async def measure(d: Deployment, args) -> dict:
         run = await load(nc, subject, requests.next, args.placements, args.clients)
         raw_rtt = await sequential(nc, echo, Requests({"labels": LABELS}).next, 300)
         rtt = await sequential(nc, subject, requests.next, 300)
-        return {
-            "allocate, 64 clients": run.row(),
-            "anchor: echo, 64 clients": raw.row(),
-            "allocate, one client, round trip p50/p99": f"{ms(percentile(rtt, .5))}/{ms(percentile(rtt, .99))} ms",
-            "anchor: echo, one client, p50/p99": f"{ms(percentile(raw_rtt, .5))}/{ms(percentile(raw_rtt, .99))} ms",
-            "_rate": run.rate, "_raw": raw.rate,
-        }
+        return {"rate": run.rate, "p99": percentile(run.latencies, .99), "errors": sum(run.errors.values()),
+                "raw": raw.rate, "rtt": rtt, "raw_rtt": raw_rtt}
     finally:
         await nc.close()
         await admin.close()
@@ -160,16 +156,20 @@ def main() -> None:
             finally:
                 d.stop()
             results[name].append(figures)
-            print(f"round {round_ + 1}, {name}: {figures['allocate, 64 clients']}", file=sys.stderr, flush=True)
-    plain = sum(r["_rate"] for r in results["plain"]) / args.rounds
+            print(f"round {round_ + 1}, {name}: allocate {figures['rate']:,.0f}/s, echo {figures['raw']:,.0f}/s",
+                  file=sys.stderr, flush=True)
+    plain = mean([r["rate"] for r in results["plain"]])
     for name, _, _ in modes:
         runs = results[name]
-        for what in ("allocate, 64 clients", "anchor: echo, 64 clients", "allocate, one client, round trip p50/p99",
-                     "anchor: echo, one client, p50/p99"):
-            table.add(f"{name}: {what}", " | ".join(r[what] for r in runs), f"{args.rounds} rounds")
-        rate = sum(r["_rate"] for r in runs) / len(runs)
-        raw = sum(r["_raw"] for r in runs) / len(runs)
-        table.add(f"{name}: allocate / plain allocate", f"{rate / plain:.2f}", f"allocate / echo of the same: {rate / raw:.2f}")
+        rates, raws = [r["rate"] for r in runs], [r["raw"] for r in runs]
+        table.add(f"{name}: allocate, {args.clients} clients",
+                  f"{mean(rates):,.0f}/s ({min(rates):,.0f}-{max(rates):,.0f}), p99 {ms(max(r['p99'] for r in runs))} ms, "
+                  f"errors {sum(r['errors'] for r in runs)}; {mean(rates) / plain:.2f} of plain",
+                  f"echo on the same path {mean(raws):,.0f}/s ({min(raws):,.0f}-{max(raws):,.0f})")
+        rtt, raw_rtt = [x for r in runs for x in r["rtt"]], [x for r in runs for x in r["raw_rtt"]]
+        table.add(f"{name}: allocate, one client, round trip p50/p99",
+                  f"{ms(percentile(rtt, .5))}/{ms(percentile(rtt, .99))} ms",
+                  f"echo {ms(percentile(raw_rtt, .5))}/{ms(percentile(raw_rtt, .99))} ms")
     table.print()
 
 
