@@ -150,9 +150,11 @@ class Workers:
 
 
 ECHO = """
-import asyncio, sys, nats
+import asyncio, sys
+sys.path.insert(0, sys.argv[3])
+from bus.connection import connect  # nats-py's connect, with a URL's credentials and BERTH_TLS_CA
 async def main():
-    nc = await nats.connect(sys.argv[1])
+    nc = await connect(sys.argv[1], name="echo", inbox_prefix=sys.argv[4])
     async def echo(msg):
         await msg.respond(b"\\x80")
     await nc.subscribe(sys.argv[2], queue="echo", cb=echo)
@@ -167,13 +169,19 @@ class EchoResponders:
     """Bare nats-py responders in a queue group, one process each: the most any NATS service with
     that many processes can answer on this machine."""
 
-    def __init__(self, nats_url: str, subject: str) -> None:
-        self.argv = [sys.executable, "-c", ECHO, nats_url, subject]
+    def __init__(self, nats_url: str, subject: str, *, inbox_prefix: str = "_INBOX",
+                 env: dict[str, str] | None = None) -> None:
+        self.argv = [sys.executable, "-c", ECHO, nats_url, subject, str(ROOT), inbox_prefix]
+        self.env = env
         self.procs: list[subprocess.Popen] = []
+
+    @property
+    def subject(self) -> str:
+        return self.argv[4]
 
     def scale(self, count: int) -> None:
         while len(self.procs) < count:
-            proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, text=True)
+            proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, text=True, env=self.env)
             assert proc.stdout.readline().startswith("ready")
             self.procs.append(proc)
         while len(self.procs) > count:
@@ -367,7 +375,7 @@ async def bench_allocate(table: Table, args, nc, prefix, names, workers: Workers
         for selector in ("names", "labels"):
             chosen = {"nodenames": names} if selector == "names" else {"labels": LABELS}
             size = Requests(chosen).size()
-            raw = await load(nc, echo.argv[-1], Requests(chosen).next, args.placements, args.clients)
+            raw = await load(nc, echo.subject, Requests(chosen).next, args.placements, args.clients)
             shown = f"{size / 1024:.1f} KiB" if size >= 1024 else f"{size} B"
             table.add(f"anchor: raw NATS, {count} echo responder(s), {shown} requests", raw.row(), "-")
             for strategy in ("spread", "pack"):

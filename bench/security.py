@@ -35,31 +35,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.allocation import LABELS, REQUEST, Requests, Table, add_nodes, load, ms  # noqa: E402
+from bench.allocation import LABELS, REQUEST, EchoResponders, Requests, Table, add_nodes, load, ms  # noqa: E402
 from bench.stats import percentile  # noqa: E402
 from bus.callers import Role  # noqa: E402
 from bus.connection import connect  # noqa: E402
+from services.accounts import inbox_prefix  # noqa: E402
 from services.credentials import Credentials, prepare  # noqa: E402
 from services.servers import ServerProcess, start_nats, start_redis  # noqa: E402
 from services.tls import prepare as prepare_tls  # noqa: E402
 
 PREFIX = "sec"
-ECHO = """
-import asyncio, sys
-sys.path.insert(0, sys.argv[3])
-from bus.connection import connect
-async def main():
-    nc = await connect(sys.argv[1], name="echo", inbox_prefix="_INBOX_sec-allocation")
-    async def echo(msg):
-        await msg.respond(b"\\x80")
-    await nc.subscribe(sys.argv[2], queue="echo", cb=echo)
-    await nc.flush()
-    print("ready", flush=True)
-    await asyncio.Event().wait()
-asyncio.run(main())
-"""
-
-
+ECHO_SUBJECT = f"{PREFIX}.resource.echo-anchor"
 @dataclass
 class Deployment:
     name: str
@@ -68,12 +54,12 @@ class Deployment:
     admin_url: str  # who adds the nodes
     tls_ca: str | None
     worker: subprocess.Popen
-    echo: subprocess.Popen
+    echo: EchoResponders
 
     def stop(self) -> None:
-        for proc in (self.worker, self.echo):
-            proc.terminate()
-            proc.wait(30)
+        self.worker.terminate()
+        self.worker.wait(30)
+        self.echo.stop()
         for server in self.servers:
             server.stop()
 
@@ -98,11 +84,11 @@ def start(name: str, state: Path, accounts: bool, tls: bool) -> Deployment:
     worker = subprocess.Popen(
         [sys.executable, "-m", "services.runner", "services.allocation.worker", "--memory-stream", *argv],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
-    echo = subprocess.Popen([sys.executable, "-c", ECHO, service_url, f"{PREFIX}.resource.echo-anchor", str(ROOT)],
-                            stdout=subprocess.PIPE, text=True, env=env)
-    for proc in (worker, echo):
-        line = proc.stdout.readline()
-        assert line.startswith("ready"), f"{name}: {line!r}"
+    line = worker.stdout.readline()
+    assert line.startswith("ready"), f"{name}: {line!r}"
+    # served by allocation's own NATS user (its inbox root), so a tenant reaches it as it reaches allocation
+    echo = EchoResponders(service_url, ECHO_SUBJECT, inbox_prefix=inbox_prefix(PREFIX, "allocation"), env=env)
+    echo.scale(1)
     return Deployment(name, [nats, redis], client_url, admin_url, str(files.ca) if files else None, worker, echo)
 
 
@@ -125,7 +111,7 @@ async def measure(d: Deployment, args) -> dict:
         subject = f"{PREFIX}.resource.allocate"
         for _ in range(20):  # the worker builds its view first
             await nc.request(subject, requests.next(), timeout=60)
-        echo = f"{PREFIX}.resource.echo-anchor"
+        echo = ECHO_SUBJECT
         raw = await load(nc, echo, Requests({"labels": LABELS}).next, args.placements, args.clients)
         run = await load(nc, subject, requests.next, args.placements, args.clients)
         raw_rtt = await sequential(nc, echo, Requests({"labels": LABELS}).next, 300)
