@@ -252,17 +252,7 @@ class Service:
 
     async def serve_until_signalled(self, drain_timeout: float = 10.0) -> None:
         """Serve until SIGTERM or SIGINT, then drain; the caller closes the connection."""
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        try:
-            await stop.wait()
-            log.info("%s draining", self.name)
-            await self.drain(drain_timeout)
-        finally:
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.remove_signal_handler(sig)
+        await serve_until_signalled([self], drain_timeout)
 
     # -- serving one request ---------------------------------------------------------------
 
@@ -356,3 +346,19 @@ class Service:
         if reply.headers:
             stats._num_errors += 1
             stats._last_error = f"{reply.headers[ERROR_CODE_HEADER]}:{reply.headers[ERROR_HEADER]}"
+
+
+async def serve_until_signalled(services: list[Service], drain_timeout: float = 10.0) -> None:
+    """Serve until SIGTERM or SIGINT, then drain every service (one process may run several: a
+    `berth agent` is its node's agent and metrics services); the caller closes the connection."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+        log.info("%s draining", ", ".join(service.name for service in services))
+        await asyncio.gather(*(service.drain(drain_timeout) for service in services))
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)

@@ -35,23 +35,25 @@ from dataclasses import dataclass
 
 from bus.callers import NAME, Role, account_name
 
-SERVICES = ("allocation", "broker", "metrics")
+SERVICES = ("allocation", "broker", "metrics", "agent")
 SERVICES_ACCOUNT = "SERVICES"
 STREAMS_ACCOUNT = "STREAMS"
 # Pull consumers an identity may hold on each stream at once.
 CONSUMER_SLOTS = 8
 
 # The first subject token (below the prefix) of each service's commands, and of its events.
-COMMAND_TOKEN = {"allocation": "resource", "broker": "broker", "metrics": "metrics"}
-EVENT_TOKEN = {"allocation": "resource", "broker": "broker", "metrics": "metrics"}
+COMMAND_TOKEN = {"allocation": "resource", "broker": "broker", "metrics": "metrics", "agent": "agent"}
+EVENT_TOKEN = {"allocation": "resource", "broker": "broker", "metrics": "metrics", "agent": "agent"}
 # The events stream each service keeps its events in (`StreamSpec.name` of its worker module).
-STREAM = {"allocation": "events", "broker": "events", "metrics": "metrics"}
+STREAM = {"allocation": "events", "broker": "events", "metrics": "metrics", "agent": "events"}
 # The services each service sends requests to.
-CALLS = {"allocation": (), "broker": ("allocation",), "metrics": ()}
-# The service whose events each service watches.
-WATCHES = {"allocation": ("allocation",), "broker": (), "metrics": ()}
+CALLS = {"allocation": (), "broker": ("allocation", "agent"), "metrics": (), "agent": ("allocation",)}
+# The services whose events each service watches.
+WATCHES = {"allocation": ("allocation",), "broker": ("allocation", "agent"), "metrics": (), "agent": ()}
+# The other services a service's processes also run: a `berth agent` is its node's metrics agent too.
+HOSTS = {"allocation": (), "broker": (), "metrics": (), "agent": ("metrics",)}
 # Allocation events that describe a node, not anyone's workloads: what a tenant sees of them.
-NODE_EVENT_KINDS = ("added", "removed", "capacity", "labels")
+NODE_EVENT_KINDS = ("added", "removed", "capacity", "labels", "down", "up", "draining")
 # Names an identity may not take: the workers' users, and `resource`, which as a broker user would
 # make `P.events.broker.resource.>` (every resource's status events) its own broker events.
 RESERVED_NAMES = frozenset((*SERVICES, "resource"))
@@ -75,6 +77,11 @@ def streams(prefix: str) -> dict[str, list[str]]:
     for service in SERVICES:
         kept.setdefault(f"{prefix}-{STREAM[service]}", []).append(f"{prefix}.events.{EVENT_TOKEN[service]}.>")
     return kept
+
+
+def served(service: str) -> tuple[str, ...]:
+    """The services whose commands and events a service's processes serve and publish."""
+    return (service, *HOSTS[service])
 
 
 def check_name(name: str) -> None:
@@ -134,25 +141,25 @@ class Permissions:
 
 
 def service_permissions(prefix: str, service: str) -> Permissions:
-    name = f"{prefix}-{service}"
-    stream = f"{prefix}-{STREAM[service]}"
     own_inbox = f"{inbox_prefix(prefix, service)}.>"
-    callers = [caller for caller in SERVICES if service in CALLS[caller]]
+    mine = served(service)
+    callers = [caller for caller in SERVICES if set(mine) & set(CALLS[caller])]
     publish = [
-        f"{prefix}.events.{EVENT_TOKEN[service]}.>",
+        *(f"{prefix}.events.{EVENT_TOKEN[each]}.>" for each in mine),
         "_R_.>",  # replies to identities (the server maps them back to the identity's account)
         *(f"{inbox_prefix(prefix, caller)}.>" for caller in callers),  # replies to calling services
         own_inbox,  # bus.connection.subscriptions_in_place probes its own inbox
-        *(f"{js_api(prefix)}.STREAM.{verb}.{stream}" for verb in _STREAM_VERBS),
+        *(f"{js_api(prefix)}.STREAM.{verb}.{prefix}-{STREAM[each]}" for each in mine for verb in _STREAM_VERBS),
         *(f"{prefix}.{COMMAND_TOKEN[callee]}.>" for callee in CALLS[service]),
     ]
     subscribe = [
-        f"{prefix}.{COMMAND_TOKEN[service]}.>",
+        *(f"{prefix}.{COMMAND_TOKEN[each]}.>" for each in mine),
         *(f"{prefix}.events.{EVENT_TOKEN[watched]}.>" for watched in WATCHES[service]),
-        "$SRV.PING", "$SRV.INFO", "$SRV.STATS", f"$SRV.*.{name}", f"$SRV.*.{name}.*",
+        "$SRV.PING", "$SRV.INFO", "$SRV.STATS",
+        *(f"$SRV.*.{prefix}-{each}{tail}" for each in mine for tail in ("", ".*")),
         own_inbox,
     ]
-    return Permissions(tuple(publish), tuple(subscribe))
+    return Permissions(tuple(dict.fromkeys(publish)), tuple(dict.fromkeys(subscribe)))
 
 
 def identity_permissions(prefix: str) -> Permissions:

@@ -57,7 +57,10 @@ REDIS_EVAL = ("+eval", "+evalsha", "+script|load", "+script|exists")
 
 
 def redis_key_patterns(prefix: str, service: str) -> tuple[str, ...]:
-    return (f"{prefix}:{service}:*", f"{prefix}:idem:{prefix}-{service}:*")
+    """The keys of a service's Redis user: its own, and those of the services its processes also
+    run (a `berth agent` is its node's metrics agent too)."""
+    return tuple(pattern for each in accounts.served(service)
+                 for pattern in (f"{prefix}:{each}:*", f"{prefix}:idem:{prefix}-{each}:*"))
 
 
 def redis_rules(prefix: str, user: str, *, functions: bool = False) -> list[str]:

@@ -17,6 +17,7 @@ PACKAGES = {
     "allocation": ("bus", "services.allocation"),
     "broker": ("bus", "services.broker", "services.broker.operators"),
     "metrics": ("bus", "services.metrics"),
+    "agent": ("bus", "services.metrics"),  # a `berth agent` runs its node's metrics service
 }
 
 

@@ -8,6 +8,7 @@ SERVICES: dict[str, str] = {
     "allocation": "services.allocation.worker",
     "broker": "services.broker.worker",
     "metrics": "services.metrics.worker",
+    "agent": "services.agent.worker",
 }
 
 

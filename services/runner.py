@@ -1,7 +1,7 @@
 """Running one worker process of a service: `python -m services.runner <module> [options]`.
 
 A service module defines `NAME`, `STREAM` (the `bus.events.StreamSpec` keeping its events) and
-`async build(ctx) -> bus.Service`. Its options are read from flags and environment by
+`async build(ctx) -> bus.Service` (or a list of them, started and drained together). Its options are read from flags and environment by
 `services.settings` (`parse_worker`): `ctx.common` is the `CommonConfig` every worker has,
 `ctx.config` its service's own frozen config (None for a service settings does not know). The
 runner connects to NATS and Redis, makes sure the events stream exists, builds and starts the
@@ -28,6 +28,7 @@ from redis.asyncio import Redis
 from bus.connection import connect
 from bus.events import EventBus
 from bus.redis import connect_redis, ready
+from bus.service import serve_until_signalled
 from bus.telemetry import MetricsServer
 from services.settings import AnyServiceConfig, CommonConfig, parse_worker
 
@@ -107,11 +108,14 @@ async def _serve(module, common: CommonConfig, config: AnyServiceConfig | None, 
     await events.ensure_stream(module.STREAM, memory=common.memory_stream)
     ctx = WorkerContext(common=common, config=config, nc=nc, redis=redis, events=events, prefix=common.prefix)
     try:
-        service = await module.build(ctx)
-        await service.start(nc)
+        built = await module.build(ctx)
+        services = built if isinstance(built, list) else [built]  # a process may run several
+        for service in services:
+            await service.start(nc)
         tail = f" metrics={metrics.url}" if metrics is not None else ""
-        print(f"ready {service.name} {service.id}{tail}", flush=True)  # the supervisor and tests wait for this line
-        await service.serve_until_signalled(common.drain_timeout)
+        first = services[0]
+        print(f"ready {first.name} {first.id}{tail}", flush=True)  # the supervisor and tests wait for this line
+        await serve_until_signalled(services, common.drain_timeout)
     finally:
         for cleanup in reversed(ctx.cleanups):
             try:

@@ -18,6 +18,7 @@ environment (`log_level`, `state_dir`, `redis_maxmemory`) are read here too.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import re
@@ -331,6 +332,7 @@ class MetricsServiceConfig:
     insurance_seconds: float = 0.0  # 0: no staleness check; else at least 60 (katalyst's rule)
     notifier_lease: float = 30.0  # seconds a notifier registration lives unless renewed
     max_notifiers: int = 1000  # BERTH_METRICS_MAX_NOTIFIERS: live notifier registrations per node
+    root: str = "/"  # BERTH_HOST_ROOT: where the host's /proc and /sys are (a fake host's tree, in tests)
 
     @staticmethod
     def add_flags(parser: argparse.ArgumentParser, env: Env) -> None:
@@ -353,21 +355,84 @@ class MetricsServiceConfig:
                             default=env.get("BERTH_METRICS_MAX_NOTIFIERS", "1000"), metavar="N",
                             help="live notifier registrations a node takes, more are invalid_argument "
                             "(env BERTH_METRICS_MAX_NOTIFIERS)")
+        parser.add_argument("--root", default=env.get("BERTH_HOST_ROOT", "/"), metavar="DIR",
+                            help="the host's tree: its proc, sys and sys/fs/cgroup are read under DIR (a fake "
+                            "host's tree, for tests; env BERTH_HOST_ROOT, default /)")
 
     @classmethod
     def from_flags(cls, args: argparse.Namespace) -> MetricsServiceConfig:
         return cls(node=args.node, interval=args.interval, provisioner_intervals=dict(args.provisioner_interval),
                    cgroup_paths=args.cgroup_path, insurance_seconds=args.insurance_seconds,
-                   notifier_lease=args.notifier_lease, max_notifiers=args.max_notifiers)
+                   notifier_lease=args.notifier_lease, max_notifiers=args.max_notifiers, root=args.root)
 
 
-AnyServiceConfig = AllocationServiceConfig | BrokerServiceConfig | MetricsServiceConfig
+@dataclass(frozen=True, kw_only=True)
+class AgentServiceConfig:
+    """`berth agent`: its node's metrics agent (`metrics`), and the host's registration, lease and
+    instances (services/agent/)."""
+
+    metrics: MetricsServiceConfig
+    state: str  # BERTH_AGENT_STATE, default .berth/agent/<node>
+    labels: dict[str, str] = field(default_factory=dict)
+    reserve_cpu: float = 0.0  # cores kept out of the node's capacity for the system
+    reserve_memory: int = 0  # bytes
+    heartbeat: float = 2.0  # seconds between heartbeats (and host re-reads)
+    ttl: float = 6.0  # seconds without a heartbeat after which the node is down
+    catalog: str | None = None  # BERTH_CATALOG: the images this host may run
+    stop_grace: float = 5.0
+    probe_timeout: float = 0.5
+
+    @property
+    def node(self) -> str:
+        return self.metrics.node
+
+    @staticmethod
+    def add_flags(parser: argparse.ArgumentParser, env: Env) -> None:
+        MetricsServiceConfig.add_flags(parser, env)
+        parser.add_argument("--state", default=env.get("BERTH_AGENT_STATE"), metavar="DIR",
+                            help="the agent's own folder: what it runs, to adopt after a restart (env "
+                            "BERTH_AGENT_STATE; default .berth/agent/<node>)")
+        parser.add_argument("--label", action="append", default=[], metavar="K=V",
+                            help="a label of the node (city, platform, pool...), repeatable")
+        parser.add_argument("--labels-file", metavar="FILE", help="a JSON map of labels (--label adds to it)")
+        parser.add_argument("--reserve-cpu", type=seconds(0), default=0.0, metavar="CORES",
+                            help="cores kept out of the node's capacity for the system")
+        parser.add_argument("--reserve-memory", default="0", metavar="SIZE",
+                            help="memory kept out of the node's capacity (bytes or 1G, 512M...)")
+        parser.add_argument("--heartbeat", type=seconds(0.1, 60), default=2.0, metavar="SECONDS",
+                            help="seconds between heartbeats; the host is read again as often")
+        parser.add_argument("--ttl", type=seconds(0.3, 600), metavar="SECONDS",
+                            help="seconds without a heartbeat after which the node is down (default 3 heartbeats)")
+        parser.add_argument("--catalog", default=env.get("BERTH_CATALOG"), metavar="PATH",
+                            help="TOML file of the images this host may run (env BERTH_CATALOG; default: none)")
+        parser.add_argument("--stop-grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL")
+        parser.add_argument("--probe-timeout", type=float, default=0.5, help="TCP readiness probe timeout")
+
+    @classmethod
+    def from_flags(cls, args: argparse.Namespace) -> AgentServiceConfig:
+        from services.allocation.quantity import parse_size
+
+        labels = json.loads(Path(args.labels_file).read_text()) if args.labels_file else {}
+        for pair in args.label:
+            key, sep, value = pair.partition("=")
+            if not sep or not key:
+                raise SystemExit(f"--label {pair!r}: give key=value")
+            labels[key] = value
+        metrics = MetricsServiceConfig.from_flags(args)
+        return cls(metrics=metrics, state=args.state or f".berth/agent/{metrics.node}", labels=labels,
+                   reserve_cpu=args.reserve_cpu, reserve_memory=parse_size(args.reserve_memory, "--reserve-memory"),
+                   heartbeat=args.heartbeat, ttl=args.ttl or 3 * args.heartbeat, catalog=args.catalog,
+                   stop_grace=args.stop_grace, probe_timeout=args.probe_timeout)
+
+
+AnyServiceConfig = AllocationServiceConfig | BrokerServiceConfig | MetricsServiceConfig | AgentServiceConfig
 
 # Service name (a worker module's NAME) -> its config. A service module not listed has no options.
 SERVICE_CONFIGS: dict[str, type[AnyServiceConfig]] = {
     "allocation": AllocationServiceConfig,
     "broker": BrokerServiceConfig,
     "metrics": MetricsServiceConfig,
+    "agent": AgentServiceConfig,
 }
 
 

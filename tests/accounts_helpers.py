@@ -84,6 +84,7 @@ class Deployment:
             ("broker", ["--catalog", str(CATALOG), *extra_broker]),
             ("metrics", ["--node", NODE, "--interval", "1"]),
         ]
+        self.services = [service for service, _ in launches]
         with ThreadPoolExecutor(len(launches)) as pool:
             list(pool.map(lambda launch: self.start_worker(*launch), launches))
 

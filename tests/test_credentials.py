@@ -69,15 +69,15 @@ async def test_every_service_answers_on_its_own_users_and_writes_only_its_own_ke
         assert lease["key"]
         # discovery works for an identity, and lists every service
         names = {ping.name for ping in await discovery.ping(tenant.nc)}
-        assert {f"{d.prefix}-{s}" for s in accounts.SERVICES} <= names
+        assert {f"{d.prefix}-{s}" for s in d.services} <= names
     finally:
         await d.close_connections()
 
     keys = {k.decode() for k in d.redis_admin().scan_iter(match=f"{d.prefix}:*", count=1000)}
-    for service in accounts.SERVICES:
+    for service in d.services:
         own = [k for k in keys if any(_glob(k, p) for p in credentials.redis_key_patterns(d.prefix, service))]
         assert {k.split(":")[1] for k in own} == {service, "idem"}, own  # records and kept answers
-    patterns = [p for s in accounts.SERVICES for p in credentials.redis_key_patterns(d.prefix, s)]
+    patterns = [p for s in d.services for p in credentials.redis_key_patterns(d.prefix, s)]
     assert all(any(_glob(k, p) for p in patterns) for k in keys), keys  # nobody wrote outside its space
     calls = {name: stats["calls"] for name, stats in d.redis_admin().info("commandstats").items()}
     assert calls["cmdstat_fcall"] > 0 and "cmdstat_evalsha" not in calls  # its scripts ran as functions
@@ -274,8 +274,11 @@ def test_a_worker_gets_no_secret_on_its_command_line(tmp_path):
 
 
 def test_the_streams_and_subjects_the_permissions_name_are_the_services_own():
-    for service in accounts.SERVICES:
-        module = importlib.import_module(f"services.{service}.worker")
+    from services.registry import available
+
+    assert set(available()) <= set(accounts.SERVICES)
+    for service, name in available().items():
+        module = importlib.import_module(name)
         assert module.STREAM.name == accounts.STREAM[service]
         assert {subject.split(".")[0] for subject in module.STREAM.subjects} == {accounts.EVENT_TOKEN[service]}
         tokens = {command.subject.split(".")[0] for command in module.COMMANDS}

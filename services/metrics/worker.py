@@ -23,6 +23,7 @@ from services.metrics.agent import Agent
 from services.metrics.endpoints import COMMANDS, EVENTS, STREAM, MetricsEndpoints, commands
 from services.metrics.notifier import Notifier, Publishing, Registrations
 from services.metrics.provisioners import PROVISIONERS, CgroupProvisioner, Provisioner
+from services.metrics.provisioners.base import Roots
 from services.metrics.put_times import PutTimes
 from services.metrics.store import Store
 from services.metrics.telemetry import RegistrationCount
@@ -35,12 +36,14 @@ log = logging.getLogger("berth.metrics")
 
 
 def make_provisioners(options: MetricsServiceConfig) -> list[Provisioner]:
+    roots = Roots.under(options.root)
+
     def interval(cls: type[Provisioner]) -> float:
         return options.provisioner_intervals.get(cls.name, options.interval)
 
     return [
-        cls(interval=interval(cls), cgroup_paths=options.cgroup_paths) if cls is CgroupProvisioner
-        else cls(interval=interval(cls))
+        cls(roots, interval=interval(cls), cgroup_paths=options.cgroup_paths) if cls is CgroupProvisioner
+        else cls(roots, interval=interval(cls))
         for cls in PROVISIONERS
     ]
 

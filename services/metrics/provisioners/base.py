@@ -23,6 +23,12 @@ class Roots(msgspec.Struct, frozen=True):
     sys: str = "/sys"
     cgroup: str = "/sys/fs/cgroup"
 
+    @classmethod
+    def under(cls, root: str) -> Roots:
+        """The mount points of a host whose tree is at `root` (`/`: this machine's)."""
+        base = root.rstrip("/")
+        return cls(proc=f"{base}/proc", sys=f"{base}/sys", cgroup=f"{base}/sys/fs/cgroup")
+
 
 HOST = Roots()  # this machine's mount points
 
