@@ -57,8 +57,21 @@ def _durable_args(args: argparse.Namespace, service: str, own_redis: bool) -> li
 
 
 def _catalog_args(args: argparse.Namespace, service: str) -> list[str]:
-    """The broker runs only the images of a catalog: the one given, else the development one."""
-    return ["--catalog", str(Path(args.catalog).resolve())] if service == "broker" and args.catalog else []
+    """The broker (and the agent, on its host) runs only the images of a catalog: the one given,
+    else the development one."""
+    runs = service in ("broker", "agent") and args.catalog
+    return ["--catalog", str(Path(args.catalog).resolve())] if runs else []
+
+
+def _agent_args(state: Path, service: str) -> list[str]:
+    """The local machine's agent keeps what it runs in the state folder."""
+    return ["--state", str(state / "agent")] if service == "agent" else []
+
+
+def _services_to_start() -> dict[str, str]:
+    """Every installed service, but the metrics worker where an agent runs its node's metrics."""
+    installed = available()
+    return {name: module for name, module in installed.items() if not (name == "metrics" and "agent" in installed)}
 
 
 def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
@@ -108,7 +121,7 @@ def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
         _print_connection(args, state, creds if own_nats else None, tls)
         supervisor = Supervisor()
         scraped: list[str] = []  # the workers serving Prometheus metrics, in start order
-        for name, module in available().items():
+        for name, module in _services_to_start().items():
             if creds is None:
                 argv, env = _url_args(args)
             else:  # its own NATS user (a creds file) and Redis user (REDIS_URL in its environment)
@@ -117,7 +130,7 @@ def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
             env = {**os.environ, **(env or {}), **tls_env, DEPLOYMENT: str(state)}
             metrics = [] if args.no_metrics else _metrics_args(args.metrics_base_port or 0, len(scraped), args.metrics_addr)
             scraped += [name] if metrics else []
-            own = _durable_args(args, name, own_redis) + _catalog_args(args, name)
+            own = _durable_args(args, name, own_redis) + _catalog_args(args, name) + _agent_args(state, name)
             supervisor.add(name, worker_argv(module, argv + metrics + own), env)
         if not supervisor.children:
             print("no service is installed yet; serving NATS and Redis only", flush=True)
