@@ -40,7 +40,7 @@ from bench.stats import percentile  # noqa: E402
 from bus.client import BusClient  # noqa: E402
 from bus.connection import connect  # noqa: E402
 from bus.redis import connect_redis  # noqa: E402
-from services.broker.operators import procfs  # noqa: E402
+from services.processes import procfs  # noqa: E402
 
 USER = "bench"
 PARAM = {

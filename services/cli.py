@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from services import commands
-from services.broker.operators.procfs import DEPLOYMENT
+from services.processes.procfs import DEPLOYMENT
 from services.registry import SERVICES, available
 from services.runner import configure_logging
 from services.settings import (

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from services.broker.config import Timing
-from services.broker.operators import procfs
 from services.broker.operators.process import ProcessTable
+from services.processes import procfs
 
 ROOT = Path(__file__).resolve().parent.parent
 CATALOG = ROOT / "tests" / "catalog.toml"  # the images the tests' brokers may run

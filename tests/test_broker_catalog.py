@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from services.broker.operators.catalog import Catalog, CatalogError
+from services.processes.catalog import Catalog, CatalogError
 from tests.broker_helpers import (
     HTTP,
     ROOT,

@@ -11,10 +11,10 @@ import subprocess
 import sys
 
 from services.broker.messages import ResourceParam
-from services.broker.operators import procfs
 from services.broker.operators.base import LaunchSpec
-from services.broker.operators.catalog import Catalog
 from services.broker.operators.process import ProcessOperator, ProcessTable, Slot
+from services.processes import procfs
+from services.processes.catalog import Catalog
 from services.servers import free_port
 from tests.broker_helpers import CATALOG, HTTP, ROOT, SERVER, eventually, marked
 

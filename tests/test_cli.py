@@ -181,7 +181,7 @@ def test_schema_export_of_a_service_module():
 def test_ctrl_c_on_up_stops_the_processes_the_broker_launched(tmp_path):
     """The `process` operator starts each instance in a session of its own (to outlive a broker
     restart); `berth up` stopping must stop them too."""
-    from services.broker.operators.procfs import (
+    from services.processes.procfs import (
         DEPLOYMENT,
         is_running,
         marked_processes,

@@ -1,8 +1,9 @@
 """The `process` operator: each instance is a local process started from an entry of the catalog.
 
-- `image` names an entry of the operator-side catalog (`catalog.py`): its argv is run directly
-  (no shell), with placeholders filled from the process's variables; a request cannot add a
-  command, an argument or a variable the entry did not ask for.
+- `image` names an entry of the operator-side catalog (`services/processes/catalog.py`): its argv
+  is run directly (no shell), with placeholders filled from the process's variables; a request
+  cannot add a command, an argument or a variable the entry did not ask for. Processes are started
+  by `services/processes/spawn.py`, which the agent shares.
 - Every process gets free loopback ports as `PORT_<NAME>` (name upper-cased, `-` -> `_`), its host
   directories as `VOLUME_<NAME>`, and `BERTH_INSTANCE=<prefix>/<user>/<id>/<index>` as a marker;
   nothing of the broker's own environment but what `catalog.py` lists (no `REDIS_URL`).
@@ -23,22 +24,20 @@ the instance and the other stops the process it started (`set_slot.lua`).
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
-import pwd
 import subprocess
 
 import msgspec
 from redis.asyncio import Redis
 
 from bus import scripts
-from bus.errors import InvalidArgument
 from services.broker.layout import key_base
 from services.broker.messages import BlockDetail, Endpoint, ResourceParam, ServiceInfo
-from services.broker.operators import procfs
 from services.broker.operators.base import LaunchSpec, OperatorError
-from services.broker.operators.catalog import Catalog, Entry, variable
 from services.broker.views import unreserved
+from services.processes import procfs
+from services.processes.catalog import Catalog, check_command
+from services.processes.spawn import SpawnError, spawn
 from services.servers import free_port
 
 BLOCK = "local"
@@ -57,34 +56,6 @@ class Slot(msgspec.Struct):
 def alive(slot: Slot) -> bool:
     """The recorded process still runs (a zombie, or a pid reused by another process, does not)."""
     return bool(slot.pid) and procfs.is_running(slot.pid, slot.start_time)
-
-
-def check_command(param: ResourceParam, catalog: Catalog) -> None:
-    """The `image` names a catalog entry whose placeholders `param` fills; its ports and volumes
-    give distinct variables."""
-    _check_command(catalog, msgspec.msgpack.encode(param))
-
-
-@functools.lru_cache(maxsize=1024)
-def _check_command(catalog: Catalog, encoded: bytes) -> None:
-    # Cached by the encoded param: `apply` checks the same few params over and over.
-    param = msgspec.msgpack.decode(encoded, type=ResourceParam)
-    for kind, names in (("PORT", param.ports), ("VOLUME", param.volumes)):
-        variables = {variable(kind, name) for name in names}
-        if len(variables) != len(names):
-            raise InvalidArgument(
-                f"param.{kind.lower()}s", f"two names map to the same {kind}_<NAME> variable"
-            )
-    catalog.check(param)
-
-
-def identity(entry: Entry) -> dict:
-    """Popen's arguments that run `entry` as its OS user: that user's group (or the entry's), and
-    none of the broker's supplementary groups (root's would stay otherwise)."""
-    if entry.user is None:
-        return {}
-    account = pwd.getpwnam(entry.user)
-    return {"user": account.pw_uid, "group": entry.group or account.pw_gid, "extra_groups": []}
 
 
 async def stop_deployment(deployment: str, grace: float = 5.0) -> int:
@@ -285,32 +256,20 @@ class ProcessOperator:
         return ports
 
     def _spawn(self, spec: LaunchSpec, index: int, slot: Slot) -> subprocess.Popen:
-        param = spec.param
-        operator = {
-            **{variable("PORT", name): str(port) for name, port in slot.ports.items()},
-            **{variable("VOLUME", name): volume.host_dir for name, volume in param.volumes.items()},
-            "BERTH_INSTANCE": self.marker(spec.user, spec.resource_id, index),
-            "BERTH_INSTANCE_INDEX": str(index),
-            "BERTH_RESOURCE_ID": spec.resource_id,
-        }
-        argv, env, entry = self.catalog.command(param, operator)
         cpus = set(slot.cpus)
         try:
-            proc = subprocess.Popen(
-                argv,
-                env=env,
+            return spawn(
+                self.catalog,
+                spec.param,
+                marker=self.marker(spec.user, spec.resource_id, index),
+                ports=slot.ports,
+                extra={"BERTH_INSTANCE_INDEX": str(index), "BERTH_RESOURCE_ID": spec.resource_id},
                 cwd=self.workdir,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                start_new_session=True,
                 # Pinned before it runs a single instruction of its own (children inherit it).
-                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
-                **identity(entry),
+                pre_exec=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
             )
-        except (OSError, subprocess.SubprocessError) as error:
-            raise OperatorError(f"cannot start {argv[0]!r}: {error}") from None
-        return proc
+        except SpawnError as error:
+            raise OperatorError(str(error)) from None
 
     # -- status ----------------------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """What the kernel says about processes, read from /proc, and stopping a process group.
 
-A pid alone does not identify a process across a broker restart (pids are reused), so processes
+A pid alone does not identify a process across a broker or agent restart (pids are reused), so processes
 are recorded with their start time (field 22 of /proc/<pid>/stat, in clock ticks since boot): a
 pid whose start time differs is somebody else.
 """
@@ -42,8 +42,8 @@ def is_running(pid: int, started: int) -> bool:
 def marked_processes(prefix: str) -> dict[str, int]:
     """Live processes whose environment has `BERTH_INSTANCE=<value starting with prefix>`: value -> pid.
 
-    A launch records its intent before it starts a process and the pid after; if the broker dies
-    in between, this is how its successor finds the process instead of starting a duplicate.
+    A launch records its intent before it starts a process and the pid after; if the broker (or
+    agent) dies in between, this is how its successor finds the process instead of starting a duplicate.
     """
     wanted = f"{MARKER}={prefix}".encode()
     found: dict[str, int] = {}

@@ -1,7 +1,8 @@
-"""The `process` operator's catalog: the only commands it runs (issue 17, "no code from requests").
+"""The catalog: the only commands the `process` operator and the agent run (issue 17, "no code from
+requests").
 
-A request's `param.image` is the name of an entry in an operator-side TOML file (worker option
-`--catalog PATH`, env `BERTH_CATALOG`). The entry, not the request, says what runs:
+A request's `param.image` is the name of an entry in an operator-side TOML file (broker and agent
+option `--catalog PATH`, env `BERTH_CATALOG`). The entry, not the request, says what runs:
 
     [images.http-server]
     argv = ["python3", "$CATALOG_DIR/tests/http_server.py", "--port", "$PORT_HTTP"]
@@ -20,10 +21,14 @@ entry's `env`; the request's `param.env` (only names in `request_env`); the oper
 `PORT_<NAME>`, `VOLUME_<NAME>`, `BERTH_INSTANCE`, `BERTH_INSTANCE_INDEX`, `BERTH_RESOURCE_ID` and
 `BERTH_DEPLOYMENT` when the broker has it. Nothing else of the broker's environment (its
 `REDIS_URL` and NATS credentials above all) reaches a launched process.
+
+A param is anything with the four fields read here (`ProcessParam`): the broker's `ResourceParam`
+and the agent's `InstanceParam` alike, so this module imports neither service.
 """
 
 from __future__ import annotations
 
+import functools
 import grp
 import os
 import pwd
@@ -32,12 +37,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from string import Template
+from typing import Protocol
 
 import msgspec
 
 from bus.errors import InvalidArgument
-from services.broker.messages import ResourceParam
-from services.broker.operators.procfs import DEPLOYMENT
+from services.processes.procfs import DEPLOYMENT
 
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
 PASSED = ("LANG", "LC_ALL", "TZ")  # harmless variables of the broker a process keeps
@@ -46,6 +51,28 @@ CATALOG_DIR = "CATALOG_DIR"
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/-]{0,127}")
 # The operator's variables: an entry or a request that set them could fake another instance's marker.
 RESERVED = re.compile(r"(BERTH_|PORT_|VOLUME_).*|CATALOG_DIR")
+
+
+class HostVolume(Protocol):
+    @property
+    def host_dir(self) -> str: ...
+
+
+class ProcessParam(Protocol):
+    """What a request says about its process: the catalog entry, the variables it sets, the names of
+    its ports and its volumes (whose host folders become `VOLUME_<NAME>`)."""
+
+    @property
+    def image(self) -> str: ...
+
+    @property
+    def env(self) -> Mapping[str, str]: ...
+
+    @property
+    def ports(self) -> Mapping[str, str]: ...
+
+    @property
+    def volumes(self) -> Mapping[str, HostVolume]: ...
 
 
 class CatalogError(Exception):
@@ -94,11 +121,11 @@ class Catalog:
         if found is not None:
             return found
         if not self.entries:
-            raise InvalidArgument("param.image", "no image can run: the broker has no catalog (--catalog)")
+            raise InvalidArgument("param.image", "no image can run: there is no catalog (--catalog)")
         known = ", ".join(sorted(self.entries)[:20])
         raise InvalidArgument("param.image", f"{image[:80]!r} is not in the catalog (known: {known})")
 
-    def check(self, param: ResourceParam) -> None:
+    def check(self, param: ProcessParam) -> None:
         """`param` names an entry, sets only variables it takes, and fills every placeholder."""
         entry = self.entry(param.image)
         for name, value in param.env.items():
@@ -115,7 +142,7 @@ class Catalog:
             raise _missing(param.image, unknown[0])
 
     def command(
-        self, param: ResourceParam, operator: Mapping[str, str]
+        self, param: ProcessParam, operator: Mapping[str, str]
     ) -> tuple[list[str], dict[str, str], Entry]:
         """The argv, the environment and the entry of one process of `param` (already checked)."""
         entry = self.entry(param.image)
@@ -124,7 +151,7 @@ class Catalog:
         return argv, env, entry
 
     @staticmethod
-    def environment(entry: Entry, param: ResourceParam, operator: Mapping[str, str]) -> dict[str, str]:
+    def environment(entry: Entry, param: ProcessParam, operator: Mapping[str, str]) -> dict[str, str]:
         env = {"PATH": DEFAULT_PATH, **{k: os.environ[k] for k in PASSED if k in os.environ}}
         if entry.user is not None:
             account = pwd.getpwnam(entry.user)
@@ -136,7 +163,26 @@ class Catalog:
         return env | dict(operator)
 
 
-def _placeholder_values(param: ResourceParam) -> dict[str, str]:
+def check_command(param: ProcessParam, catalog: Catalog) -> None:
+    """The `image` names a catalog entry whose placeholders `param` fills; its ports and volumes
+    give distinct variables. Raises `invalid_argument` naming the field."""
+    _check_command(catalog, type(param), msgspec.msgpack.encode(param))
+
+
+@functools.lru_cache(maxsize=1024)
+def _check_command(catalog: Catalog, kind: type, encoded: bytes) -> None:
+    # Cached by the encoded param: the broker's `apply` checks the same few params over and over.
+    param = msgspec.msgpack.decode(encoded, type=kind)
+    for prefix, names in (("PORT", param.ports), ("VOLUME", param.volumes)):
+        variables = {variable(prefix, name) for name in names}
+        if len(variables) != len(names):
+            raise InvalidArgument(
+                f"param.{prefix.lower()}s", f"two names map to the same {prefix}_<NAME> variable"
+            )
+    catalog.check(param)
+
+
+def _placeholder_values(param: ProcessParam) -> dict[str, str]:
     """The operator's variables of `param`, with dummy values: only their names matter to a check."""
     names = [variable("PORT", n) for n in param.ports] + [variable("VOLUME", n) for n in param.volumes]
     return dict.fromkeys([*names, *INSTANCE_VARIABLES], "")
@@ -169,9 +215,11 @@ def _check_entry(where: str, name: str, entry: Entry) -> None:
     # A placeholder nothing can fill would refuse every request: a typo, said when the broker starts.
     fillable = {*entry.env, *entry.request_env, *INSTANCE_VARIABLES, "PATH", CATALOG_DIR}
     fillable |= {"HOME", "USER", "LOGNAME"} if entry.user is not None else set()
-    for name in sorted(_placeholders(entry) - fillable):
-        if not name.startswith(("PORT_", "VOLUME_")):  # those come with the request's ports and volumes
-            raise CatalogError(f"{where}: nothing gives ${name} (env, request_env, the operator's variables)")
+    for placeholder in sorted(_placeholders(entry) - fillable):
+        if not placeholder.startswith(("PORT_", "VOLUME_")):  # those come with the request's ports and volumes
+            raise CatalogError(
+                f"{where}: nothing gives ${placeholder} (env, request_env, the operator's variables)"
+            )
     _account(where, entry)
 
 
