@@ -36,9 +36,12 @@
 --           of this change, in an outbox written in the same step as the change)
 --   fence   before k ms (a guard: the server's time must be before ms, the end of the lease of the
 --           run that writes; a run whose lease ran out may have been taken over, its write is refused)
+--   leases  lapsed k field | live k field (guards: the hash field holds a time in ms, the end of a
+--           lease, that the server's clock has reached (lapsed), or not yet (live); an absent field
+--           fails both)
 -- Returns {'ok', the new version}, {'version', the current version} or, for the first guard that
 -- failed, {its name, its field (hexists, hnotexists, hequals, fits, hadd), key (exists), length (hempty),
--- the kept answer (once) or the server's time in ms (before)}.
+-- the kept answer (once) or the server's time in ms (before, lapsed, live)}.
 local record, version_field, tombstone, mode = KEYS[1], ARGV[1], ARGV[2], ARGV[4]
 if mode ~= 'update' and mode ~= 'replace' and mode ~= 'tombstone' then
   return redis.error_reply('cas: unknown mode ' .. tostring(mode))
@@ -65,7 +68,12 @@ local steps = i
 -- How many ARGV items each step takes, its name included.
 local size = {exists = 2, hexists = 3, hnotexists = 3, hequals = 4, hempty = 2, fits = 5, hset = 4, hdel = 3,
               hcount = 4, sadd = 3, srem = 3, zadd = 4, zrem = 3, del = 2, hadd = 4, once = 4, before = 3,
-              journal = 3}
+              journal = 3, lapsed = 3, live = 3}
+
+local function server_ms()
+  local now = redis.call('TIME')
+  return tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+end
 
 local j = steps
 while j <= #ARGV do
@@ -88,9 +96,11 @@ while j <= #ARGV do
   elseif name == 'once' then
     if redis.call('EXISTS', key) == 1 then return {name, redis.call('HGET', key, 'r') or ''} end
   elseif name == 'before' then
-    local now = redis.call('TIME')
-    now = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+    local now = server_ms()
     if now >= tonumber(ARGV[j + 2]) then return {name, tostring(now)} end
+  elseif name == 'lapsed' or name == 'live' then
+    local now, ends = server_ms(), tonumber(redis.call('HGET', key, ARGV[j + 2]) or '')
+    if not ends or (name == 'lapsed') ~= (now >= ends) then return {name, tostring(now)} end
   end
   j = j + size[name]
 end

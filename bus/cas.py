@@ -17,6 +17,7 @@ Steps are guards (checked first, in order, whatever their place) and ops (applie
   both    hadd(k, field, value): the field must not exist yet, and is set
           once(k, answer, ttl): the key must not exist yet, and keeps the answer and the new version
   fence   before(k, ms): the server's time must be before ms (the writer's lease end)
+  leases  lapsed(k, field), live(k, field): the hash field's time (ms, a lease's end) has passed, or not
   op      journal(k, value): field <the record's new version> of hash k is set (an outbox)
 Every key must be in the record's Redis Cluster hash slot (the caller's keys share a hash tag).
 
@@ -43,7 +44,7 @@ TOMBSTONE = "tombstone"  # only the version and the tombstone field remain
 
 _MODES = frozenset({UPDATE, REPLACE, TOMBSTONE})
 _STEPS = frozenset({"exists", "hexists", "hnotexists", "hequals", "hempty", "fits", "hadd", "once", "before",
-                    "journal", "hset", "hdel", "hcount", "sadd", "srem", "zadd", "zrem", "del"})
+                    "lapsed", "live", "journal", "hset", "hdel", "hcount", "sadd", "srem", "zadd", "zrem", "del"})
 
 
 # -- guards: checked before anything is written ------------------------------------------------
@@ -85,6 +86,17 @@ def before(key: str, deadline_ms: int) -> Step:
     (`Conflict("before", <server ms>)`), so a paused writer never overwrites its successor. `key` is
     any key of the record's slot (the clock is that server's)."""
     return ("before", key, str(int(deadline_ms)))
+
+
+def lapsed(key: str, field: str) -> Step:
+    """The hash's field holds the end of a lease (ms of the server's clock) that has passed: the
+    holder stopped renewing it. An absent field fails."""
+    return ("lapsed", key, field)
+
+
+def live(key: str, field: str) -> Step:
+    """The hash's field holds the end of a lease (ms of the server's clock) still to come."""
+    return ("live", key, field)
 
 
 def once(key: str, answer: bytes, ttl: int) -> Step:
@@ -145,7 +157,7 @@ class Conflict(Exception):
     """A write was refused and nothing changed. `reason`: "version" (the record is not at the
     version given; `subject` is its version) or the name of the first guard that failed
     (`subject`: its field, for `exists` its key, for `hempty` the hash's length, for `once` the
-    kept answer, for `before` the server's time in ms)."""
+    kept answer, for `before`, `lapsed` and `live` the server's time in ms)."""
 
     def __init__(self, reason: str, subject: str, raw: bytes = b"") -> None:
         super().__init__(f"{reason}: {subject}")

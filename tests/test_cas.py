@@ -227,3 +227,29 @@ async def test_a_version_given_again_with_another_tag_is_refused(redis, prefix, 
     assert await snapshot(redis, prefix) == before
     assert await records.commit(keys.record, 1, fields=["s", "ok"], tags=("t9", "t10")) == 2
     assert await redis.hmget(keys.record, ["s", "tag"]) == [b"ok", b"t10"]
+
+
+async def test_lapsed_and_live_compare_a_leases_end_with_the_servers_clock(redis, prefix, keys):
+    """A node's lease (its end in ms of the server's clock) decides who may write: the sweeper that
+    marks the node down only once it has lapsed, the agent that marks it up only while it is live."""
+    records = cas.VersionedHash(redis)
+    lease = f"{prefix}:{{t}}:lease"
+    seconds, micros = await redis.time()
+    now_ms = seconds * 1000 + micros // 1000
+    await redis.hset(lease, "ends", now_ms + 60_000)
+    assert await records.commit(keys.record, 0, [cas.live(lease, "ends")], fields=["s", "up"]) == 1
+    before = await snapshot(redis, prefix)
+    with pytest.raises(cas.Conflict) as refused:
+        await records.commit(keys.record, 1, [cas.lapsed(lease, "ends"), cas.hcount(keys.counts, "b", 1)],
+                             fields=["s", "down"])
+    assert refused.value.reason == "lapsed" and int(refused.value.subject) >= now_ms
+    assert await snapshot(redis, prefix) == before
+    await redis.hset(lease, "ends", now_ms - 1)  # the holder stopped renewing
+    with pytest.raises(cas.Conflict) as refused:
+        await records.commit(keys.record, 1, [cas.live(lease, "ends")], fields=["s", "up again"])
+    assert refused.value.reason == "live"
+    assert await records.commit(keys.record, 1, [cas.lapsed(lease, "ends")], fields=["s", "down"]) == 2
+    for guard in (cas.lapsed, cas.live):  # no lease at all: neither holds
+        with pytest.raises(cas.Conflict) as refused:
+            await records.commit(keys.record, 2, [guard(lease, "absent")], fields=["s", "x"])
+        assert refused.value.reason == guard.__name__
