@@ -29,6 +29,8 @@ _STATUS: dict[str, int] = {
     "permission_denied": 403,  # the caller's role or identity may not do this (bus.callers)
     # DESIGN.md §8 "HTTP-like statuses", where the shape alone would say 500
     "node_not_empty": 409,
+    "node_down": 409,  # its agent's lease lapsed: it takes no new workloads (services/allocation/leases.py)
+    "node_draining": 409,
     "insufficient_capacity": 409,
     "insufficient_resource": 409,
     "no_enough_resources": 409,

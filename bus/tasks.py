@@ -11,7 +11,10 @@ task has really ended.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+
+log = logging.getLogger("berth.tasks")
 
 
 async def cancel_and_wait(
@@ -33,3 +36,16 @@ async def cancel_and_wait(
             break
         _, pending = await asyncio.wait(pending, timeout=wait)
     return pending
+
+
+async def every(period: float, work, what: str) -> None:
+    """Run `await work()` every `period` seconds until cancelled. A failure is logged and the next
+    round comes as usual: a background chore must outlive a moment without Redis or NATS."""
+    while True:
+        try:
+            await work()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("%s failed; trying again in %.1f s", what, period)
+        await asyncio.sleep(period)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from bus.errors import BerthError
 from bus.subjects import NAME_CHARS, NAME_PATTERN
 from services.broker.config import Timing
 
@@ -235,9 +236,13 @@ class AllocationServiceConfig:
     max_deploy_count: int = 10000  # BERTH_MAX_DEPLOY_COUNT
     wait_replicas: int = 0  # BERTH_WAIT_REPLICAS; 0: answer without waiting (bus/replicas.py)
     wait_timeout_ms: int = 500  # BERTH_WAIT_TIMEOUT_MS
+    lease_interval: float = 0.5  # seconds between looks for nodes whose agent's lease lapsed
 
     @staticmethod
     def add_flags(parser: argparse.ArgumentParser, env: Env) -> None:
+        parser.add_argument("--lease-interval", type=seconds(0.05, 60), default=0.5, metavar="SECONDS",
+                            help="how often to look for nodes whose agent's lease lapsed, and mark them down "
+                            "(a node is down within its agent's TTL plus this)")
         parser.add_argument("--share-base", type=int, default=int(env.get("BERTH_SHARE_BASE", "100")),
                             help="pieces per CPU core (env BERTH_SHARE_BASE)")
         parser.add_argument("--max-share", type=int, default=int(env.get("BERTH_MAX_SHARE", "-1")),
@@ -381,6 +386,10 @@ class AgentServiceConfig:
     catalog: str | None = None  # BERTH_CATALOG: the images this host may run
     stop_grace: float = 5.0
     probe_timeout: float = 0.5
+    address: str = "127.0.0.1"  # BERTH_AGENT_ADDRESS: where this host's instances are reached
+    cgroups: bool = True  # confine instances in cgroups where the host allows it (else CPU affinity)
+    reconcile_interval: float = 60.0  # seconds between comparisons of what runs with the node's ledger
+    stop_on_exit: bool = False  # stop every instance when the agent stops (`berth up`'s own machine)
 
     @property
     def node(self) -> str:
@@ -405,8 +414,19 @@ class AgentServiceConfig:
                             help="seconds without a heartbeat after which the node is down (default 3 heartbeats)")
         parser.add_argument("--catalog", default=env.get("BERTH_CATALOG"), metavar="PATH",
                             help="TOML file of the images this host may run (env BERTH_CATALOG; default: none)")
-        parser.add_argument("--stop-grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL")
-        parser.add_argument("--probe-timeout", type=float, default=0.5, help="TCP readiness probe timeout")
+        parser.add_argument("--stop-grace", type=seconds(0, 600), default=5.0,
+                            help="seconds between SIGTERM and SIGKILL")
+        parser.add_argument("--probe-timeout", type=seconds(0.01, 60), default=0.5,
+                            help="TCP readiness probe timeout")
+        parser.add_argument("--address", default=env.get("BERTH_AGENT_ADDRESS", "127.0.0.1"), metavar="IP",
+                            help="the address this host's instances are reached at, given to the broker's callers "
+                            "(env BERTH_AGENT_ADDRESS; default 127.0.0.1: this machine only)")
+        parser.add_argument("--no-cgroups", dest="cgroups", action="store_false",
+                            help="never make cgroups: pin instances with CPU affinity only")
+        parser.add_argument("--reconcile-interval", type=seconds(1, 86400), default=60.0, metavar="SECONDS",
+                            help="how often to stop instances whose workload the node's ledger no longer holds")
+        parser.add_argument("--stop-on-exit", action="store_true",
+                            help="stop every instance when the agent stops (default: leave them to the next agent)")
 
     @classmethod
     def from_flags(cls, args: argparse.Namespace) -> AgentServiceConfig:
@@ -418,11 +438,19 @@ class AgentServiceConfig:
             if not sep or not key:
                 raise SystemExit(f"--label {pair!r}: give key=value")
             labels[key] = value
+        ttl = args.ttl or 3 * args.heartbeat
+        if ttl <= args.heartbeat:
+            raise SystemExit(f"--ttl {ttl:g} must be longer than --heartbeat {args.heartbeat:g}")
+        try:
+            reserve_memory = parse_size(args.reserve_memory, "--reserve-memory")
+        except BerthError as error:
+            raise SystemExit(str(error)) from None
         metrics = MetricsServiceConfig.from_flags(args)
         return cls(metrics=metrics, state=args.state or f".berth/agent/{metrics.node}", labels=labels,
-                   reserve_cpu=args.reserve_cpu, reserve_memory=parse_size(args.reserve_memory, "--reserve-memory"),
-                   heartbeat=args.heartbeat, ttl=args.ttl or 3 * args.heartbeat, catalog=args.catalog,
-                   stop_grace=args.stop_grace, probe_timeout=args.probe_timeout)
+                   reserve_cpu=args.reserve_cpu, reserve_memory=reserve_memory, heartbeat=args.heartbeat,
+                   ttl=ttl, catalog=args.catalog, stop_grace=args.stop_grace, probe_timeout=args.probe_timeout,
+                   address=args.address, cgroups=args.cgroups, reconcile_interval=args.reconcile_interval,
+                   stop_on_exit=args.stop_on_exit)
 
 
 AnyServiceConfig = AllocationServiceConfig | BrokerServiceConfig | MetricsServiceConfig | AgentServiceConfig

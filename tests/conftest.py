@@ -135,8 +135,8 @@ async def serve(nc):
 @pytest_asyncio.fixture
 async def serve_allocation(serve, prefix, redis, events):
     """Serve the allocation service in this process: `await serve_allocation()` -> its manager,
-    following the node events (`watch=False`: not; `sweep_interval`; other keywords go to
-    `make_service`). Unwatched at the end, before the service drains."""
+    following the node events (`watch=False`: not; `sweep_interval`, `lease_interval`; other
+    keywords go to `make_service`). Unwatched at the end, before the service drains."""
     from bus.idempotency import IdempotencyStore
     from services.allocation.manager import AllocationManager
     from services.allocation.store import NodeStore
@@ -144,11 +144,12 @@ async def serve_allocation(serve, prefix, redis, events):
 
     watching = []
 
-    async def start(*, watch: bool = True, sweep_interval: float = 5.0, **service_options):
+    async def start(*, watch: bool = True, sweep_interval: float = 5.0, lease_interval: float = 0.5,
+                    **service_options):
         await events.ensure_stream(STREAM, memory=True)  # its events are published with acknowledgements
         manager = AllocationManager(NodeStore(redis, prefix), make_plugins(), events)
         if watch:
-            await manager.watch(sweep_interval=sweep_interval)
+            await manager.watch(sweep_interval=sweep_interval, lease_interval=lease_interval)
             watching.append(manager)
         await serve(make_service(manager, prefix, IdempotencyStore(redis, prefix=prefix), **service_options))
         return manager

@@ -24,7 +24,7 @@ from bus.failpoints import failpoint
 from bus.idempotency import Claim, own_claim, taken_over
 from bus.outbox import VersionedOutboxes, journal
 from services.allocation import telemetry
-from services.allocation.errors import node_busy, node_not_found, workload_exists
+from services.allocation.errors import node_busy, node_not_found, not_schedulable, workload_exists
 from services.allocation.messages import Allocation, NodeEvent
 from services.allocation.plugin_set import Keyed, PluginSet
 from services.allocation.store import (
@@ -153,6 +153,8 @@ class DeployBatches:
             record = self.latest(node) or await self.store.load(node)
             if record is None:
                 return {}, {d: node_not_found(node) for d in batch}, 0, None
+            if not record.schedulable:  # a node going down after this read fails the commit's version check
+                return {}, {d: not_schedulable(node, record.status) for d in batch}, record.version, None
             placed, refused, after = self._fit(record, batch)
             if not placed:
                 return {}, refused, record.version, None

@@ -32,6 +32,7 @@ from services.allocation.fleet import Fleet
 from services.allocation.messages import Allocation
 from services.allocation.plugin_set import Keyed, PluginSet
 from services.allocation.store import (
+    UP,
     AlreadyApplied,
     Change,
     Intent,
@@ -151,10 +152,11 @@ class Committer:
             raw = {} if record is None else {n: v for n, v in record.raw.items() if n not in change.remove_plugins}
             raw.update(change.plugins)
             labels = change.labels if change.labels is not None else record.labels if record else {}
-            after = NodeRecord(node, version, labels, raw, change.tag)
+            status = change.status if change.status is not None else record.status if record else UP
+            after = NodeRecord(node, version, labels, raw, change.tag, status)
             fleet.views.committed(after)
         if fleet.directory.note(after, node):
-            fleet.views.relabelled(node, None if after is None else after.labels)
+            fleet.views.relabelled(node, fleet.directory.selectable(node))
 
     # -- placements over several nodes ---------------------------------------------------------
 
@@ -177,7 +179,7 @@ class Committer:
                     )
                     placed += deployed.allocations
                 except BerthError as error:
-                    if error.code in ("insufficient_capacity", "insufficient_resource"):
+                    if error.code in ("insufficient_capacity", "insufficient_resource", "node_down", "node_draining"):
                         raise NodeFilledUp(node, error) from None
                     raise
                 start += plan[node]
@@ -237,7 +239,7 @@ class Committer:
 
 
 class NodeFilledUp(Exception):
-    """A node planned for an allocate had no room left at its commit."""
+    """A node planned for an allocate had no room left at its commit (or stopped taking workloads)."""
 
     def __init__(self, node: str, error: BerthError) -> None:
         super().__init__(node)

@@ -1,5 +1,6 @@
-"""Which nodes exist and what their labels are, as this worker knows them: selecting nodes by label
-(or every node) without a client listing them, and without reading every record per request.
+"""Which nodes exist, what their labels are and which take new workloads (their status), as this
+worker knows them: selecting nodes by label (or every node) without a client listing them, and
+without reading every record per request.
 
 The directory is loaded once from the node index and kept fresh the same way capacity views are:
 change events name the node that changed (own commits are noted directly), and a periodic sweep
@@ -12,12 +13,13 @@ from __future__ import annotations
 import asyncio
 from typing import Iterable
 
-from services.allocation.store import NodeRecord, NodeStore
+from services.allocation.store import UP, NodeRecord, NodeStore
 
 Labels = dict[str, str]
 
-# The changes that can add or remove a node or change its labels; any other only bumps its version.
-_LABEL_KINDS = frozenset({"added", "removed", "labels"})
+# The changes that can add or remove a node, change its labels or its status; any other only bumps
+# its version.
+_LABEL_KINDS = frozenset({"added", "removed", "labels", "up", "down", "draining"})
 
 
 def matches(labels: Labels, selector: Labels) -> bool:
@@ -30,6 +32,7 @@ class NodeDirectory:
         self.store = store
         self.labels: dict[str, Labels] = {}
         self.versions: dict[str, int] = {}
+        self.unschedulable: set[str] = set()  # nodes down or draining: in no selection
         self.pending: set[str] = set()
         self.loaded = False
         self._lock = asyncio.Lock()
@@ -38,7 +41,7 @@ class NodeDirectory:
         """Read every node in the index: its version and labels."""
         async with self._lock:
             names = await self.store.node_names()
-            self._apply(zip(names, await self.store.versions_and_labels(names)))
+            self._apply(zip(names, await self.store.directory_entries(names)))
             self.loaded = True
 
     async def refresh(self) -> list[str]:
@@ -48,30 +51,46 @@ class NodeDirectory:
         async with self._lock:
             todo = sorted(self.pending)
             self.pending.difference_update(todo)
-            return self._apply(zip(todo, await self.store.versions_and_labels(todo)))
+            return self._apply(zip(todo, await self.store.directory_entries(todo)))
 
-    def _apply(self, found: Iterable[tuple[str, tuple[int, Labels] | None]]) -> list[str]:
+    def _apply(self, found: Iterable[tuple[str, tuple[int, Labels, str] | None]]) -> list[str]:
         changed = []
         for node, state in found:
-            before = self.labels.get(node)
+            before = self.selectable(node)
             if state is None:
-                self.labels.pop(node, None)
-                self.versions.pop(node, None)
+                self._forget(node)
             else:
-                self.versions[node], self.labels[node] = state
-            if before != (None if state is None else state[1]):
+                version, labels, status = state
+                self._set(node, version, labels, status)
+            if before != self.selectable(node):
                 changed.append(node)
         return changed
 
+    def _set(self, node: str, version: int, labels: Labels, status: str) -> None:
+        self.versions[node], self.labels[node] = version, labels
+        if status == UP:
+            self.unschedulable.discard(node)
+        else:
+            self.unschedulable.add(node)
+
+    def _forget(self, node: str) -> None:
+        self.labels.pop(node, None)
+        self.versions.pop(node, None)
+        self.unschedulable.discard(node)
+
+    def selectable(self, node: str) -> Labels | None:
+        """The labels of a node that selections take (None: it does not exist, or takes no new
+        workloads now)."""
+        return None if node in self.unschedulable else self.labels.get(node)
+
     def note(self, record: NodeRecord | None, node: str) -> bool:
-        """A record this worker just wrote (None: deleted). True if presence or labels changed."""
-        before = self.labels.get(node)
+        """A record this worker just wrote (None: deleted). True if what selections see changed."""
+        before = self.selectable(node)
         if record is None:
-            self.labels.pop(node, None)
-            self.versions.pop(node, None)
-            return before is not None
-        self.labels[node], self.versions[node] = record.labels, record.version
-        return before != record.labels
+            self._forget(node)
+        else:
+            self._set(node, record.version, record.labels, record.status)
+        return before != self.selectable(node)
 
     def changed(self, node: str, kind: str, version: int) -> None:
         """An event says `node` changed (`kind`) at `version` (0: unknown)."""
@@ -82,9 +101,12 @@ class NodeDirectory:
         else:
             self.versions[node] = version  # usage or capacity moved: labels and presence did not
 
-    def select(self, selector: Labels) -> list[str]:
-        """The names of the nodes whose labels match, sorted."""
-        return sorted(node for node, labels in self.labels.items() if matches(labels, selector))
+    def select(self, selector: Labels, *, schedulable: bool = False) -> list[str]:
+        """The names of the nodes whose labels match, sorted; `schedulable`: only those up."""
+        return sorted(
+            node for node, labels in self.labels.items()
+            if matches(labels, selector) and not (schedulable and node in self.unschedulable)
+        )
 
     async def sweep(self) -> set[str]:
         """Catch what lost events hid: nodes added or removed (the index) and changed (versions).

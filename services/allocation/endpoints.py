@@ -25,6 +25,7 @@ from services.allocation.manager import AllocationManager
 from services.allocation.messages import (
     NULL,
     AddNode,
+    AgentReport,
     Allocate,
     AllocateReply,
     AllocateWire,
@@ -44,6 +45,7 @@ from services.allocation.messages import (
     GetNodesDeployCapacity,
     GetNodesDeployCapacityReply,
     GetNodesDeployCapacityWire,
+    HeartbeatReply,
     ListNodes,
     ListNodesReply,
     MetricsDescriptionReply,
@@ -51,6 +53,8 @@ from services.allocation.messages import (
     MostIdleNode,
     NodeDeployCapacityMsg,
     NodeEvent,
+    NodeHeartbeat,
+    NodeLease,
     NodeRequest,
     NodeResourceInfo,
     NodeSummary,
@@ -68,6 +72,7 @@ from services.allocation.messages import (
 from services.allocation.placement import total_capacity
 from services.allocation.plugin import EngineInfo, keyed_field
 from services.allocation.plugin_set import Keyed, PluginSet, States, capacities, usages
+from services.allocation.store import Lease
 from services.allocation.view import NodeSet, Selection
 
 Raw = dict[str, Any]
@@ -103,6 +108,8 @@ MANAGER_ONLY_COMMANDS = [
     Command("resource.list-nodes", ListNodes, ListNodesReply, "list_nodes"),
     Command("resource.get-allocations", GetAllocations, AllocationsReply, "get_allocations"),
     Command("resource.set-node-labels", SetNodeLabels, Empty, "set_node_labels", idempotent=True),
+    # An agent's heartbeat: no request_id (renewing a lease twice is renewing it), admins only.
+    Command("resource.node-heartbeat", NodeHeartbeat, HeartbeatReply, "node_heartbeat", role=Role.ADMIN),
     Command("resource.plugins", Empty, PluginsReply, "list_plugins"),
 ]
 
@@ -119,9 +126,15 @@ def plugin_commands(plugin: str | None) -> list[Command]:
 COMMANDS = plugin_commands(None) + MANAGER_ONLY_COMMANDS + [
     command for plugin in PLUGIN_NAMES for command in plugin_commands(plugin)
 ]
-EVENTS = {"resource.<node>.<added|removed|capacity|usage|allocated|released|labels>": NodeEvent}
+EVENTS = {"resource.<node>.<added|removed|capacity|usage|allocated|released|labels|down|up|draining>": NodeEvent}
 # Change events are kept a day for replay, in the stream all services' change events share.
 STREAM = StreamSpec("events", ("resource.>",), max_age=24 * 3600, max_bytes=1 << 30)
+
+
+def node_lease(lease: Lease) -> NodeLease:
+    """A lease as list-nodes shows it (seconds, where the store keeps ms)."""
+    agent = msgspec.msgpack.decode(lease.agent, type=AgentReport) if lease.agent else AgentReport()
+    return NodeLease(lease.ends / 1000, lease.beat / 1000, lease.ttl / 1000, agent)
 
 
 def selection(nodenames: msgspec.Raw, labels: dict[str, str] | None) -> Selection:
@@ -334,12 +347,13 @@ class AllocationEndpoints:
         )
 
     async def list_nodes(self, req: ListNodes) -> ListNodesReply:
-        records, total = await self.manager.list_nodes(req.nodenames, req.labels, req.offset, req.limit)
+        records, leases, total = await self.manager.list_nodes(req.nodenames, req.labels, req.offset, req.limit)
         nodes = []
         room = self.reply_bytes
         for record in records:
             states = dict(sorted(record.plugins.items()))
-            node = NodeSummary(record.name, record.labels, capacities(states), usages(states))
+            lease = node_lease(leases[record.name]) if record.name in leases else None
+            node = NodeSummary(record.name, record.labels, capacities(states), usages(states), record.status, lease)
             room -= len(msgspec.msgpack.encode(node))
             if room < 0 and nodes:  # no reply may exceed the server's max payload: the page ends here
                 break
@@ -350,6 +364,11 @@ class AllocationEndpoints:
     async def get_allocations(self, req: GetAllocations) -> AllocationsReply:
         ledger = await self.manager.allocations(req.nodename)
         return AllocationsReply([WorkloadAllocation(wid, resource) for wid, resource in ledger.items()])
+
+    async def node_heartbeat(self, req: NodeHeartbeat) -> HeartbeatReply:
+        report = msgspec.msgpack.encode(req.agent)
+        beat = await self.manager.heartbeat(req.nodename, req.ttl_seconds, req.draining, report)
+        return HeartbeatReply(req.nodename, beat.status, beat.was, beat.lease_ends_ms / 1000)
 
     async def set_node_labels(self, req: SetNodeLabels) -> Empty:
         await self.manager.set_labels(req.nodename, req.labels)

@@ -18,6 +18,16 @@ def node_not_found(node: str, plugin: str | None = None) -> BerthError:
     )
 
 
+def not_schedulable(node: str, status: str) -> BerthError:
+    """A node that takes no new workloads now: its agent stopped renewing its lease (`down`), or
+    it is being drained (`draining`)."""
+    why = "its agent's lease lapsed" if status == "down" else "it is being drained"
+    return BerthError(
+        f"node {node} takes no new workloads: {why}", code=f"node_{status}", field="nodename",
+        details={"nodename": node, "status": status},
+    )
+
+
 def no_node_matches(nodes: Selection) -> BerthError:
     return BerthError(
         "no node matches the selection", code="node_not_found", field="labels", details={"labels": nodes.labels or {}}

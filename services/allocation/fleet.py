@@ -82,7 +82,8 @@ class Fleet:
         if not nodes.dynamic:
             return nodes.names.names
         await self.follow_directory()
-        return [n for n in self.directory.select(nodes.labels or {}) if nodes.admits(n, self.directory.labels[n])]
+        directory = self.directory
+        return [n for n in directory.select(nodes.labels or {}, schedulable=True) if nodes.admits(n, directory.labels[n])]
 
     async def follow_directory(self) -> None:
         """Read the nodes that events said were added, removed or relabelled, and move them in or
@@ -91,7 +92,7 @@ class Fleet:
             await self.directory.load()
             return
         for node in await self.directory.refresh():
-            self.views.relabelled(node, self.directory.labels.get(node))
+            self.views.relabelled(node, self.directory.selectable(node))
 
     async def all_nodes(self) -> list[str]:
         return sorted(self.directory.labels) if self.watching else await self.store.node_names()

@@ -20,6 +20,7 @@ from bus.errors import BerthError
 from bus.events import EventBus
 from bus.idempotency import Claim, current_claim, own_claim
 from bus.outbox import VersionedOutboxes
+from bus.tasks import cancel_and_wait, every
 from services.allocation import telemetry
 from services.allocation.committer import Committer, NodeFilledUp, workload_ids
 from services.allocation.errors import (
@@ -30,6 +31,7 @@ from services.allocation.errors import (
     workload_not_found,
 )
 from services.allocation.fleet import Fleet
+from services.allocation.leases import Heartbeat, Leases
 from services.allocation.messages import Allocation, NodeEvent
 from services.allocation.plugin import DeployCapacity, EngineInfo, ResourcePlugin
 from services.allocation.plugin_set import (
@@ -44,6 +46,7 @@ from services.allocation.plugin_set import (
 from services.allocation.store import (
     Change,
     Ledger,
+    Lease,
     LedgerConflict,
     Located,
     NodeRecord,
@@ -78,12 +81,20 @@ class AllocationManager:
             attempts=attempts, intent_timeout=intent_timeout,
         )
         self.deploys = self.committer.deploys
+        self.leases = Leases(store, self.committer)
+        self._lease_sweeper: asyncio.Task | None = None
 
-    async def watch(self, sweep_interval: float = 5.0) -> None:
-        """Follow every worker's change events to keep views fresh; reap what dead workers left."""
+    async def watch(self, sweep_interval: float = 5.0, lease_interval: float = 0.5) -> None:
+        """Follow every worker's change events to keep views fresh; reap what dead workers left;
+        every `lease_interval` mark down the nodes whose agent's lease lapsed."""
         await self.fleet.watch(self.events, sweep_interval, self.committer.recover)
+        if self._lease_sweeper is None:
+            self._lease_sweeper = asyncio.create_task(every(lease_interval, self.leases.sweep, "lease sweep"))
 
     async def unwatch(self) -> None:
+        if self._lease_sweeper is not None:
+            await cancel_and_wait(self._lease_sweeper)
+            self._lease_sweeper = None
         await self.fleet.unwatch()
 
     async def _existing(self, node: str) -> NodeRecord:
@@ -134,7 +145,10 @@ class AllocationManager:
                 if record is None:
                     raise node_not_found(node)
                 self.plugins.states(record, names)
-        usable = {n: r.plugins for n, r in records.items() if r is not None and all(name in r.plugins for name in names)}
+        usable = {
+            n: r.plugins for n, r in records.items()
+            if r is not None and r.schedulable and all(name in r.plugins for name in names)
+        }
         if not usable:
             raise no_node_matches(nodes)
         return self.plugins.most_idle(names, usable)
@@ -230,6 +244,7 @@ class AllocationManager:
             ) from None
         if gone:
             await self.store.remove_from_index(node)
+            await self.store.forget_lease(node, ends=2**62)  # its lease went with the record
 
     async def _change_states(
         self, node: str, names: list[str], kind: str, update: Callable[[States], States]
@@ -286,6 +301,9 @@ class AllocationManager:
         await self.committer.mutate(
             node, compute, once=States, events=lambda before: self._state_events(node, "usage", given, before)
         )
+
+    async def heartbeat(self, node: str, ttl_seconds: float, draining: bool, agent: bytes) -> Heartbeat:
+        return await self.leases.heartbeat(node, ttl_seconds, draining, agent)
 
     async def set_labels(self, node: str, labels: dict[str, str]) -> None:
         async def compute():
@@ -521,8 +539,10 @@ class AllocationManager:
 
     async def list_nodes(
         self, nodenames: list[str] | None, labels: dict[str, str], offset: int, limit: int
-    ) -> tuple[list[NodeRecord], int]:
-        return await self.fleet.page(nodenames, labels, offset, limit)
+    ) -> tuple[list[NodeRecord], dict[str, Lease], int]:
+        """One page of nodes, the leases of those an agent keeps, and how many nodes there are."""
+        records, total = await self.fleet.page(nodenames, labels, offset, limit)
+        return records, await self.store.leases([r.name for r in records]), total
 
 
 def refuse_unowned(caller: Caller, ids: list[str], owners: dict[str, str | None]) -> None:

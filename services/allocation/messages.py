@@ -270,11 +270,55 @@ class ListNodes(Struct):
     limit: Annotated[int, Meta(ge=1, le=1000)] = 100
 
 
+class AgentReport(Struct, frozen=True):
+    """What a node's agent says of itself in its heartbeats (shown by list-nodes)."""
+
+    address: str = ""
+    instances: Annotated[int, Meta(ge=0)] = 0
+    running: Annotated[int, Meta(ge=0)] = 0
+    pinning: str = ""
+    started_at: float = 0.0
+
+
+class NodeHeartbeat(Struct):
+    """An agent renews its node's lease for `ttl_seconds`; past it, without another heartbeat,
+    the node is down. `draining` takes it out of new placements while it stays alive."""
+
+    nodename: NodeName
+    ttl_seconds: Annotated[float, Meta(ge=0.1, le=3600)]
+    draining: bool = False
+    agent: AgentReport = AgentReport()
+
+
+class HeartbeatReply(Struct):
+    """The node's status now and before this heartbeat (`was: "down"`: the agent had been away),
+    and when its lease ends (unix seconds, by the Redis server's clock)."""
+
+    nodename: str
+    status: str
+    was: str
+    lease_expires: float
+
+
+class NodeLease(Struct):
+    """A node's lease as its agent's last heartbeat left it (unix seconds, Redis server's clock)."""
+
+    expires: float
+    last_heartbeat: float
+    ttl_seconds: float
+    agent: AgentReport
+
+
 class NodeSummary(Struct):
+    """`status`: `up`, `draining` or `down` (only `up` nodes take new workloads); `lease`: for a
+    node an agent keeps alive, its lease (None for a node added by hand)."""
+
     nodename: str
     labels: dict[str, str]
     capacity: Raw
     usage: Raw
+    status: str = "up"
+    lease: NodeLease | None = None
 
 
 class ListNodesReply(Struct):
@@ -300,7 +344,9 @@ class PluginsReply(Struct):
 
 
 class NodeEvent(Event, kw_only=True, omit_defaults=True):
-    """`berth.events.resource.<node>.<added|removed|capacity|usage|allocated|released|labels>`."""
+    """`berth.events.resource.<node>.<added|removed|capacity|usage|allocated|released|labels|down|up|draining>`.
+
+    A status change (`down`, `up`, `draining`) has `before` and `after` of the form {status}."""
 
     type: str = ""
     nodename: str

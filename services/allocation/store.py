@@ -2,15 +2,19 @@
 
 Every key starts with `<prefix>:allocation:` (one ACL pattern covers the service). Per node, these
 keys share the hash tag `{node:<name>}` (so each per-node script is Redis-Cluster safe):
-- `<prefix>:allocation:{node:<name>}:node`, a hash: `v` (version), `labels`, and `p:<plugin>` with
-  that plugin's `{capacity, usage}`;
+- `<prefix>:allocation:{node:<name>}:node`, a hash: `v` (version), `labels`, `status` (`down` or
+  `draining`; absent: up) and `p:<plugin>` with that plugin's `{capacity, usage}`;
 - `<prefix>:allocation:{node:<name>}:ledger`, a hash: workload id -> `{plugin: workload resource}`;
 - `<prefix>:allocation:{node:<name>}:owners`, a hash: workload id -> the identity that placed it
   (bus.callers), for the ledger's workloads that have one; a workload without an entry is the
   services' own (placed by a service, an account-less deployment, or before owners were kept).
   Owners are a hash of their own rather than a part of each ledger value so that the ledger stays
   what the plugins read (`{plugin: workload resource}`); the commit that writes a ledger entry
-  writes its owner, and the one that removes it removes the owner.
+  writes its owner, and the one that removes it removes the owner;
+- `<prefix>:allocation:{node:<name>}:lease`, a hash: the node's lease, renewed by its agent's
+  heartbeats (`ends` and `beat`, ms of the Redis server's clock; `ttl` ms; `agent`, what the agent
+  reported). It is not part of the record: a heartbeat does not change the node's version, only a
+  change of status does (see `LeaseKeeping` in leases.py).
 
 A removed node leaves a tombstone for a week (`v` and `gone`), so that a node removed and added
 again keeps counting versions up: an event consumer that skips versions it has seen never skips
@@ -21,13 +25,14 @@ from and the ledger entries the change depends on (and their owners), and only t
 everything at once (no WATCH loops). A caller whose version is stale reloads and computes again.
 Usage and ledger change in the same step, so usage is always what the ledger explains.
 
-Three global keys live outside the node slots, each written by single-key commands:
+Four global keys live outside the node slots, each written by single-key commands:
 `<prefix>:allocation:nodes` (name -> time added), `<prefix>:allocation:workloads` (workload id ->
 `<node>/<tag>`, the tag of the commit that placed it; `<node>` alone for an entry repaired from the
-ledgers) and `<prefix>:allocation:intents` (multi-node allocations in progress). They are written so
-that a crash between steps can only leave an index entry without a record, which readers skip. A
-release removes an index entry only while it is the one the release read: the same id placed
-again meanwhile, by anyone, has an entry of its own, which stays.
+ledgers), `<prefix>:allocation:intents` (multi-node allocations in progress) and
+`<prefix>:allocation:leases` (node -> its lease's end, ms: where the sweeper looks for lapsed
+ones). They are written so that a crash between steps can only leave an index entry without a
+record, which readers skip. A release removes an index entry only while it is the one the release
+read: the same id placed again meanwhile, by anyone, has an entry of its own, which stays.
 """
 
 from __future__ import annotations
@@ -57,8 +62,9 @@ APPLIED_SECONDS = 24 * 3600  # as long as the idempotency layer keeps an answer
 
 _LEDGER_CONFLICTS = {
     "hadd": "ledger_exists", "hnotexists": "ledger_exists", "hexists": "ledger_missing", "hempty": "not_empty",
-    "hequals": "owner_changed",
+    "hequals": "owner_changed", "lapsed": "lease_live", "live": "lease_lapsed",
 }
+UP, DOWN, DRAINING = "up", "down", "draining"  # a node's status; only an `up` node takes new workloads
 
 
 class PluginState(msgspec.Struct, array_like=True):
@@ -76,6 +82,12 @@ class NodeRecord:
     labels: dict[str, str]
     raw: dict[str, bytes]
     tag: str = ""  # names the write that made this version (bus/cas.lua: versions repeat after a failover)
+    status: str = UP
+
+    @property
+    def schedulable(self) -> bool:
+        """Whether new workloads may be placed here: not while its agent is gone or it drains."""
+        return self.status == UP
 
     @cached_property
     def plugins(self) -> dict[str, PluginState]:
@@ -120,6 +132,8 @@ class Change:
     plugins: dict[str, bytes] = field(default_factory=dict)
     remove_plugins: list[str] = field(default_factory=list)
     labels: dict[str, str] | None = None
+    status: str | None = None  # the node's new status (None: unchanged)
+    lease: str | None = None  # with `status`: "lapsed" or "live", what the node's lease must be
     ledger_add: dict[str, Raw] = field(default_factory=dict)  # must not exist yet
     ledger_remove: list[str] = field(default_factory=list)  # must exist
     ledger_replace: dict[str, Raw] = field(default_factory=dict)  # must exist
@@ -136,9 +150,18 @@ class Change:
 
     def is_empty(self) -> bool:
         return not (
-            self.plugins or self.remove_plugins or self.labels is not None or self.ledger_add
+            self.plugins or self.remove_plugins or self.labels is not None or self.status is not None or self.ledger_add
             or self.ledger_remove or self.ledger_replace or self.delete
         )
+
+
+class Lease(msgspec.Struct, frozen=True):
+    """A node's lease as its last heartbeat left it (ms of the Redis server's clock)."""
+
+    ends: int
+    beat: int
+    ttl: int
+    agent: bytes = b""
 
 
 class StaleVersion(Exception):
@@ -201,9 +224,12 @@ class NodeStore:
         self.workloads_key = f"{self.base}:workloads"
         self.intents_key = f"{self.base}:intents"
         self.pending_key = f"{self.base}:outboxes"  # nodes whose outbox may hold events (bus/outbox.py)
+        self.leases_key = f"{self.base}:leases"  # node -> its lease's end (ms): the sweeper's list
         self.batch = Pipelined.of(redis)
         self._records = cas.VersionedHash(redis, version_field="v", tombstone_field="gone", batch=self.batch)
         self._read_with_ledger = scripts.register(redis, "services.allocation", "read_with_ledger")
+        self._renew_lease = scripts.register(redis, "services.allocation", "renew_lease")
+        self._forget_lease = scripts.register(redis, "services.allocation", "forget_lease")
         self._unindex = scripts.register(redis, "services.allocation", "unindex")
 
     def record_key(self, node: str) -> str:
@@ -214,6 +240,10 @@ class NodeStore:
 
     def owners_key(self, node: str) -> str:
         return f"{self.base}:{{node:{node}}}:owners"
+
+    def lease_key(self, node: str) -> str:
+        """The node's lease, renewed by its agent (see the module docstring)."""
+        return f"{self.base}:{{node:{node}}}:lease"
 
     def outbox_key(self, node: str) -> str:
         """The events of the node's changes not yet acknowledged by the stream (bus/outbox.py)."""
@@ -232,7 +262,8 @@ class NodeStore:
             return None
         raw = {key[len(PLUGIN_FIELD):].decode(): value for key, value in fields.items() if key.startswith(b"p:")}
         labels = _decode_map(fields[b"labels"]) if b"labels" in fields else {}
-        return NodeRecord(name, int(fields.get(b"v", b"0")), labels, raw, fields.get(b"tag", b"").decode())
+        status = fields.get(b"status", b"up").decode()
+        return NodeRecord(name, int(fields.get(b"v", b"0")), labels, raw, fields.get(b"tag", b"").decode(), status)
 
     async def load(self, node: str) -> NodeRecord | None:
         return self._parse(node, await self.batch.execute_command("HGETALL", self.record_key(node)))
@@ -252,16 +283,18 @@ class NodeStore:
             results = await pipe.execute()
         return [int(v) if v else 0 for v in results]
 
-    async def versions_and_labels(self, nodes: list[str]) -> list[tuple[int, dict[str, str]] | None]:
-        """Each node's (version, labels), None for a node without a record."""
-        found: list[tuple[int, dict[str, str]] | None] = []
+    async def directory_entries(self, nodes: list[str]) -> list[tuple[int, dict[str, str], str] | None]:
+        """Each node's (version, labels, status), None for a node without a record."""
+        found: list[tuple[int, dict[str, str], str] | None] = []
         for start in range(0, len(nodes), 1000):
             async with self.redis.pipeline(transaction=False) as pipe:
                 for node in nodes[start:start + 1000]:
-                    pipe.hmget(self.record_key(node), ["v", "labels", "gone"])
-                for version, labels, gone in await pipe.execute():
-                    present = version is not None and gone is None
-                    found.append((int(version), _decode_map(labels) if labels else {}) if present else None)
+                    pipe.hmget(self.record_key(node), ["v", "labels", "gone", "status"])
+                for version, labels, gone, status in await pipe.execute():
+                    if version is None or gone is not None:
+                        found.append(None)
+                    else:
+                        found.append((int(version), _decode_map(labels) if labels else {}, (status or b"up").decode()))
         return found
 
     async def load_with_ledger(
@@ -327,7 +360,7 @@ class NodeStore:
             steps = [cas.hnotexists(ledger, wid) for wid in change.ledger_add] + relied
             if change.delete == "delete_if_empty":
                 steps.append(cas.hempty(ledger))
-            steps += [cas.delete(ledger), cas.delete(owners)]
+            steps += [cas.delete(ledger), cas.delete(owners), cas.delete(self.lease_key(node))]
             fields: list[Any] = []
             mode, ttl = cas.TOMBSTONE, TOMBSTONE_SECONDS
         else:
@@ -340,6 +373,10 @@ class NodeStore:
             fields = [x for name, state in change.plugins.items() for x in (PLUGIN_FIELD + name, state)]
             if change.labels is not None:
                 fields += ["labels", _encode(change.labels)]
+            if change.status is not None:
+                fields += ["status", change.status]
+            if change.lease is not None:
+                steps.append((cas.lapsed if change.lease == "lapsed" else cas.live)(self.lease_key(node), "ends"))
             mode, ttl = cas.UPDATE, 0
         if change.once is not None:
             marker, answer = change.once
@@ -381,6 +418,40 @@ class NodeStore:
         """Note a commit to `node` for the request being served: with --wait-replicas its answer
         waits until the commit is on replicas (bus.replicas)."""
         replicas.wrote(self.redis, self.record_key(node))
+
+    # -- leases: each agent's heartbeat keeps its node's lease ------------------------------------
+
+    async def renew_lease(self, node: str, ttl_ms: int, agent: bytes) -> tuple[str, int] | None:
+        """Renew the node's lease for `ttl_ms`: (the node's status, the lease's new end in ms of the
+        server's clock), or None for a node that does not exist."""
+        keys = [self.record_key(node), self.lease_key(node)]
+        found = await self.batch.script(self._renew_lease, keys, [ttl_ms, agent])
+        if not found[0]:
+            return None
+        status, ends = found[1].decode() or UP, int(found[2])
+        await self.batch.execute_command("ZADD", self.leases_key, ends, node)
+        return status, ends
+
+    async def lapsed_leases(self, limit: int = 500) -> dict[str, int]:
+        """Nodes whose lease ended by the server's clock (node -> the end it had), at most `limit`."""
+        seconds, micros = await self.redis.time()
+        now = seconds * 1000 + micros // 1000
+        found = await self.redis.zrangebyscore(self.leases_key, "-inf", now, start=0, num=limit, withscores=True)
+        return {node.decode(): int(ends) for node, ends in found}
+
+    async def forget_lease(self, node: str, ends: int) -> None:
+        """Take the node off the sweeper's list, unless its lease was renewed past `ends` since."""
+        await self._forget_lease(keys=[self.leases_key], args=[node, ends])
+
+    async def leases(self, nodes: list[str]) -> dict[str, Lease]:
+        """The leases of those of `nodes` that have one (an agent ever beat for them)."""
+        found = await asyncio.gather(*(self.batch.execute_command("HGETALL", self.lease_key(n)) for n in nodes))
+        leases = {}
+        for node, fields in zip(nodes, found):
+            if b"ends" in fields:
+                leases[node] = Lease(int(fields[b"ends"]), int(fields[b"beat"]), int(fields[b"ttl"]),
+                                     fields.get(b"agent", b""))
+        return leases
 
     # -- intents: multi-node allocations a crashed worker may have left half done ------------------
 

@@ -5,6 +5,7 @@ Counted as they happen, in this process:
     berth_allocation_placements_total               instances placed (committed deploys)
     berth_allocation_released_total                 workloads released
     berth_allocation_commit_deploys                 deploys committed together in one commit (histogram)
+    berth_allocation_node_status_total{status}      node status changes this worker wrote (down, up, draining)
 
 Read on scrape, for the whole deployment (every allocation worker reports the same figures):
     berth_allocation_nodes                          nodes
@@ -47,6 +48,12 @@ COMMIT_DEPLOYS = Histogram(
     "berth_allocation_commit_deploys",
     "Deploys (allocate requests' parts for one node) committed together in one commit to a node.",
     buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+)
+
+NODE_STATUS = Counter(
+    "berth_allocation_node_status",
+    "Node status changes this worker wrote: down (the agent's lease lapsed), up (its agent is back), draining.",
+    ("status",),
 )
 
 NODES = GaugeTable("berth_allocation_nodes", "Nodes (every allocation worker reports the same figure).")

@@ -182,7 +182,7 @@ class CapacityView:
         """Recompute the given (freshly loaded) nodes; reservations still in flight stay counted."""
         for record in records:
             self.seen[record.name] = record.version
-            base = self.compute(record)
+            base = self.compute(record) if record.schedulable else None
             if base is None or base.capacity <= 0:
                 self.entries.pop(record.name, None)
                 continue

@@ -57,7 +57,7 @@ async def build(ctx) -> Service:
     config = ctx.config
     plugins = make_plugins(config.share_base, config.max_share, config.max_deploy_count)
     manager = AllocationManager(NodeStore(ctx.redis, ctx.prefix), plugins, ctx.events)
-    await manager.watch()
+    await manager.watch(lease_interval=config.lease_interval)
     ctx.cleanups.append(manager.unwatch)
     ctx.cleanups.append(on_scrape("allocation totals", NodeTotals(manager).refresh, every=ctx.common.metrics_refresh))
     replicas = None

@@ -280,6 +280,7 @@ PLUGIN_COMMANDS = [
 ]
 MANAGER_ONLY = [
     "allocate", "release", "realloc", "list-nodes", "get-allocations", "set-node-labels", "plugins",
+    "node-heartbeat",
 ]
 
 

@@ -34,9 +34,11 @@ PLUGIN_COMMANDS = [
     "get-metrics-description", "get-metrics",
 ]  # fmt: skip
 PLUGINS = ["cpumem", "storage", "gpu"]
-# §3 "plus: allocate, release, realloc, list-nodes, get-allocations"; §8 set-node-labels, plugins.
+# §3 "plus: allocate, release, realloc, list-nodes, get-allocations"; §8 set-node-labels, plugins;
+# the agents' node-heartbeat (README "Agents").
 MANAGER_ONLY = [
     "allocate", "release", "realloc", "list-nodes", "get-allocations", "set-node-labels", "plugins",
+    "node-heartbeat",
 ]  # fmt: skip
 # §4 "Commands: ..."
 BROKER_COMMANDS = [
