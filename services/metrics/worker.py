@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from nats.aio.client import Client
 from redis.asyncio import Redis
@@ -20,6 +20,7 @@ from bus.service import Service
 from bus.tasks import cancel_and_wait
 from bus.telemetry import on_scrape
 from services.metrics.agent import Agent
+from services.metrics.cgroups import PodCgroups
 from services.metrics.endpoints import COMMANDS, EVENTS, STREAM, MetricsEndpoints, commands
 from services.metrics.notifier import Notifier, Publishing, Registrations
 from services.metrics.provisioners import PROVISIONERS, CgroupProvisioner, Provisioner
@@ -35,14 +36,17 @@ __all__ = ["NAME", "COMMANDS", "EVENTS", "STREAM", "build", "MetricsWorker"]
 log = logging.getLogger("berth.metrics")
 
 
-def make_provisioners(options: MetricsServiceConfig) -> list[Provisioner]:
+def make_provisioners(
+    options: MetricsServiceConfig, pods: Mapping[str, PodCgroups] | None = None
+) -> list[Provisioner]:
+    """`pods`: pods a launcher on this host names (see `CgroupProvisioner`)."""
     roots = Roots.under(options.root)
 
     def interval(cls: type[Provisioner]) -> float:
         return options.provisioner_intervals.get(cls.name, options.interval)
 
     return [
-        cls(roots, interval=interval(cls), cgroup_paths=options.cgroup_paths) if cls is CgroupProvisioner
+        cls(roots, interval=interval(cls), cgroup_paths=options.cgroup_paths, pods=pods) if cls is CgroupProvisioner
         else cls(roots, interval=interval(cls))
         for cls in PROVISIONERS
     ]
@@ -59,12 +63,13 @@ class MetricsWorker:
         options: MetricsServiceConfig,
         *,
         provisioners: Sequence[Provisioner] | None = None,
+        pods: Mapping[str, PodCgroups] | None = None,
         concurrency: int = 64,
         clock: Callable[[], float] = time.time,
     ) -> None:
         node = options.node
         self.store = Store(options.insurance_seconds, clock)  # `clock`: the store's unix time (tests)
-        self.agent = Agent(self.store, make_provisioners(options) if provisioners is None else provisioners)
+        self.agent = Agent(self.store, make_provisioners(options, pods) if provisioners is None else provisioners)
         self.notifier = Notifier(
             nc, Registrations(redis, prefix, node), Publishing(redis, prefix, node), self.store,
             prefix=prefix, node=node, default_lease_seconds=options.notifier_lease,

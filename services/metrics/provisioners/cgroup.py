@@ -8,11 +8,11 @@ metrics of each scope.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import msgspec
 
-from services.metrics.cgroups import CgroupLayout, Discovery, detect_layout, discover
+from services.metrics.cgroups import CgroupLayout, Discovery, PodCgroups, detect_layout, discover
 from services.metrics.metrics_list import MEMORY_COUNTERS, METRICS, PSI_RESOURCES, cgroup_name
 from services.metrics.parsers import (
     parse_blkio,
@@ -293,20 +293,27 @@ class CgroupProvisioner(Provisioner):
     cgroups (cgroup scopes), on cgroup v1, v2 or hybrid hosts.
 
     `discovery` holds the last successful discovery, for the service layer's pod clean-up
-    (`Store.retain_pods(discovery.living_pods())`); it stays None until one succeeds.
+    (`Store.retain_pods(discovery.living_pods())`); it stays None until one succeeds. `pods` are
+    pods their launcher names (a `berth agent`'s instances, whose cgroups follow no runtime's
+    naming): they join every discovery as they are at that moment.
     """
 
     name = "cgroup"
 
-    def __init__(self, roots: Roots = HOST, interval: float = 5.0, cgroup_paths: Sequence[str] = ()) -> None:
+    def __init__(
+        self, roots: Roots = HOST, interval: float = 5.0, cgroup_paths: Sequence[str] = (),
+        pods: Mapping[str, PodCgroups] | None = None,
+    ) -> None:
         super().__init__(roots, interval)
         self.cgroup_paths = tuple(cgroup_paths)
+        self.pods = pods if pods is not None else {}
         self.layout = detect_layout(roots.cgroup)
         self.reader = CgroupReader(self.layout, os.sysconf("SC_PAGE_SIZE"))
         self.discovery: Discovery | None = None
 
     def _collect(self, batch: Batch, now: float) -> None:
         discovery = discover(self.layout, self.cgroup_paths)
+        discovery.pods.update(dict(self.pods))  # a copy in one step: the launcher changes it meanwhile
         self.discovery = discovery
         cpu_nodes = {cpu: node for node, cpus in numa_cpus(self.roots.sys).items() for cpu in cpus}
         for pod in discovery.pods.values():

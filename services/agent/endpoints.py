@@ -1,0 +1,76 @@
+"""The agent service's transport: which command answers on which subject, and who may call it.
+
+Every command is `agent.<node>.<command>` below the prefix, so each host's agent answers for its own
+node. Starting, stopping and draining change the host: admins only (the broker, a service, acts
+as one); reading what runs is a reader's.
+"""
+
+from __future__ import annotations
+
+from bus.callers import Role
+from bus.events import StreamSpec
+from bus.service import Command
+from schemas.common import Empty
+from services.agent.host_agent import HostAgent
+from services.agent.messages import (
+    AgentEvent,
+    AgentInfo,
+    Drain,
+    InstanceEvent,
+    InstanceInfo,
+    InstancePage,
+    InstanceRequest,
+    InstancesReply,
+    InstancesRequest,
+    ListInstances,
+    StartInstance,
+    Stopped,
+)
+
+
+def commands(node: str) -> list[Command]:
+    """The commands of one host's agent (`node` is "<node>" in the exported schema)."""
+    group = f"agent.{node}"
+    return [
+        Command(f"{group}.start", StartInstance, InstanceInfo, "start", role=Role.ADMIN),
+        Command(f"{group}.stop", InstanceRequest, Stopped, "stop", role=Role.ADMIN),
+        Command(f"{group}.status", InstancesRequest, InstancesReply, "status", role=Role.READER),
+        Command(f"{group}.list", ListInstances, InstancePage, "list", role=Role.READER),
+        Command(f"{group}.info", Empty, AgentInfo, "info", role=Role.READER),
+        Command(f"{group}.drain", Drain, AgentInfo, "drain", role=Role.ADMIN),
+    ]
+
+
+COMMANDS = commands("<node>")
+EVENTS = {
+    "agent.<node>.<started|ready|unready|exited|stopped>": InstanceEvent,
+    "agent.<node>.<registered|capacity|draining|resumed>": AgentEvent,
+}
+# An agent's news is change news: kept a day for replay, in the stream allocation and broker share.
+STREAM = StreamSpec("events", ("agent.>",), max_age=24 * 3600, max_bytes=1 << 30)
+
+
+class AgentEndpoints:
+    def __init__(self, agent: HostAgent) -> None:
+        self.agent = agent
+
+    async def start(self, req: StartInstance) -> InstanceInfo:
+        return await self.agent.start(req)
+
+    async def stop(self, req: InstanceRequest) -> Stopped:
+        return Stopped(req.instance, await self.agent.instances.stop(req.instance))
+
+    async def status(self, req: InstancesRequest) -> InstancesReply:
+        found, missing = self.agent.instances.get(req.instances)
+        return InstancesReply(found, missing)
+
+    async def list(self, req: ListInstances) -> InstancePage:
+        every = self.agent.instances.list()
+        return InstancePage(every[req.offset:req.offset + req.limit], len(every))
+
+    async def info(self, req: Empty) -> AgentInfo:
+        return self.agent.info()
+
+    async def drain(self, req: Drain) -> AgentInfo:
+        await self.agent.set_draining(req.draining)
+        return self.agent.info()
