@@ -147,21 +147,24 @@ class EventBus:
         pattern: str,
         type_: type[E] = dict,
         cb: Callable[[str, E], Awaitable[None]] | None = None,
+        *,
+        queue: str = "",
     ) -> Subscription | EventSubscription[E]:
         """Subscribe to `<prefix>.events.<pattern>` (NATS wildcards allowed).
 
         With `cb`, every event is handed to it and the subscription is returned; without, an
-        `EventSubscription` to iterate.
+        `EventSubscription` to iterate. With `queue`, each event goes to one of the subscribers
+        that name the same queue (one replica of a service reacts, not all).
         """
         subject = self.subject(pattern)
         if cb is None:
-            return EventSubscription(await self.nc.subscribe(subject), type_)
+            return EventSubscription(await self.nc.subscribe(subject, queue=queue), type_)
         decoder = msgspec.msgpack.Decoder(type_)
 
         async def deliver(msg) -> None:
             await cb(msg.subject, decoder.decode(msg.data))
 
-        return await self.nc.subscribe(subject, cb=deliver)
+        return await self.nc.subscribe(subject, queue=queue, cb=deliver)
 
 
 async def _when_ready(step: str, call: Callable[[], Awaitable[T]], deadline: float) -> T:

@@ -99,7 +99,7 @@ async def start_broker(serve, nc, redis, events, prefix, broker_processes):
         await events.ensure_stream(STREAM, memory=True)  # its events are published with acknowledgements
         service, replica = make_broker(settings, redis=redis, nc=nc, events=events, prefix=prefix)
         await serve(service)
-        replica.start()
+        await replica.start()
         replicas.append((service, replica))
         return service, replica
 

@@ -1,6 +1,7 @@
 """The `allocation` operator: instances placed by a real allocation service on nodes whose labels
-match the resource's city and platform, processes pinned to the CPUs the allocation bound, capacity
-from the allocation service, allocations freed on release (retried when the service was away)."""
+match the resource's city and platform, started by each node's agent pinned to the CPUs the
+allocation bound, capacity from the allocation service, allocations freed on release (retried when
+the service was away)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from services.allocation.store import NodeStore
 from services.allocation.worker import STREAM, make_plugins, make_service
 from tests.broker_helpers import eventually, marked, param
 
-pytest_plugins = ["tests.broker_fixtures"]
+pytest_plugins = ["tests.broker_fixtures", "tests.agent_fixtures"]
 
 U = "team-a"
 ONE = {"least_instance": 1, "request_instance": 1}
@@ -25,16 +26,9 @@ async def start_allocation(serve, redis, events, prefix):
     return await serve(make_service(manager, prefix, IdempotencyStore(redis, prefix=prefix)))
 
 
-async def add_node(client, name: str, city: str, cpu: int = 2) -> None:
-    await client.request(
-        "resource.add-node",
-        {
-            "nodename": name,
-            "resource": {"cpumem": {"cpu": cpu, "memory": "4G"}},
-            "labels": {"city": city, "platform": "linux"},
-        },
-        dict,
-    )
+async def add_node(start_agent, name: str, city: str, cpu: int = 2) -> None:
+    """A node whose agent registers it: `cpu` cores (this machine's first ones), 4 GiB."""
+    await start_agent(name, cpus=cpu, memory=4 << 30, labels={"city": city, "platform": "linux"})
 
 
 async def allocations(client, node: str) -> list[str]:
@@ -50,11 +44,11 @@ def allowed_cpus(pid: int) -> str:
 
 
 async def test_instances_are_allocated_pinned_and_freed(
-    serve, redis, events, prefix, client, start_broker, broker_call
+    serve, redis, events, prefix, client, start_broker, broker_call, start_agent
 ):
     await start_allocation(serve, redis, events, prefix)
-    await add_node(client, "n1", "sz")
-    await add_node(client, "n2", "gz")
+    await add_node(start_agent, "n1", "sz")
+    await add_node(start_agent, "n2", "gz")
     await start_broker(operator="allocation", instance_types=TYPES)
     b = broker_call
     assert await b("get-instance-type", {"user": U, "platform": "linux", "group": "sz"}) == {
@@ -102,10 +96,10 @@ async def test_instances_are_allocated_pinned_and_freed(
 
 
 async def test_a_warm_pool_on_the_allocation_operator(
-    serve, redis, events, prefix, client, start_broker, broker_call
+    serve, redis, events, prefix, client, start_broker, broker_call, start_agent
 ):
     await start_allocation(serve, redis, events, prefix)
-    await add_node(client, "n1", "sz")
+    await add_node(start_agent, "n1", "sz")
     await start_broker(operator="allocation", instance_types=TYPES)
     b = broker_call
     await b(
@@ -136,10 +130,10 @@ async def test_a_warm_pool_on_the_allocation_operator(
 
 
 async def test_a_failed_release_is_retried_until_the_allocations_are_freed(
-    serve, redis, events, prefix, client, start_broker, broker_call
+    serve, redis, events, prefix, client, start_broker, broker_call, start_agent
 ):
     allocation = await start_allocation(serve, redis, events, prefix)
-    await add_node(client, "n1", "sz")
+    await add_node(start_agent, "n1", "sz")
     await start_broker(operator="allocation", instance_types=TYPES, allocation_timeout=0.5)
     b = broker_call
     await b("init", {"user": U, "resource_id": "job", "param": param()})
@@ -152,7 +146,7 @@ async def test_a_failed_release_is_retried_until_the_allocations_are_freed(
     err = await b.error("release", {"user": U, "resource_id": "job"})
     assert (err.code, err.status) == ("internal", 500) and "retried" in err.message
     assert (await b("get-resource", {"user": U, "resource_id": "job"}))["status"] == "deleting"
-    assert not marked(prefix)  # the process is stopped; only the allocation is left to free
+    assert not marked(prefix)  # the agent stopped the process; only the allocation is left to free
 
     await start_allocation(serve, redis, events, prefix)  # it comes back
 
@@ -164,11 +158,11 @@ async def test_a_failed_release_is_retried_until_the_allocations_are_freed(
 
 
 async def test_a_command_line_is_refused_before_anything_is_allocated(
-    serve, redis, events, prefix, client, start_broker, broker_call, tmp_path
+    serve, redis, events, prefix, client, start_broker, broker_call, start_agent, tmp_path
 ):
-    # The allocation operator validates and launches through the process operator and its catalog.
+    # The broker validates with its catalog, the one its agents run.
     await start_allocation(serve, redis, events, prefix)
-    await add_node(client, "n1", "sz")
+    await add_node(start_agent, "n1", "sz")
     await start_broker(operator="allocation", instance_types=TYPES)
     b = broker_call
     target = tmp_path / "ran"

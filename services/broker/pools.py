@@ -173,9 +173,11 @@ class PoolKeeper:
 
     async def _drop_dead_idle(self, broker: BrokerConfig) -> None:
         """An idle resource that no longer passes the readiness gate (its processes died) goes."""
-        idle = [rid for rid, _ in await self._idle(broker)]
-        counts = await self.resources.operator.running_instances(broker.user, idle) if idle else []
-        for resource_id, running in zip(idle, counts):
+        await self._drop_dead(broker, [rid for rid, _ in await self._idle(broker)])
+
+    async def _drop_dead(self, broker: BrokerConfig, resource_ids: list[str]) -> None:
+        counts = await self.resources.operator.running_instances(broker.user, resource_ids) if resource_ids else []
+        for resource_id, running in zip(resource_ids, counts):
             if not model.ready_enough(broker.instance, running):
                 log.warning(
                     "broker %s/%s: idle %s has %d instances left: releasing it",
@@ -185,6 +187,32 @@ class PoolKeeper:
                     running,
                 )
                 await self._release_idle(broker, resource_id)
+
+    async def instances_lost(self, user: str, resource_ids: list[str], *, draining: bool = False) -> None:
+        """Some instances of these resources exited, stopped answering, or their node went down
+        (`draining`: their node stops taking work). Warming ones are judged now (a failed one is
+        rejected), idle ones that no longer pass the gate go, and with `draining` every idle one
+        goes: the pool loop launches their replacements elsewhere. Sold ones stay their callers'
+        (their service info says `failed`)."""
+        records = await self.store.load_many((user, rid) for rid in resource_ids)
+        by_broker: dict[str, list[Resource]] = {}
+        for record in records:
+            if record is not None and record.live and record.in_pool:
+                by_broker.setdefault(record.broker_name, []).append(record)
+        for name, pooled in by_broker.items():
+            broker = await self.store.broker(user, name)
+            if broker is None:
+                continue
+            idle = {rid for rid, _ in await self._idle(broker)}
+            for record in pooled:
+                if record.resource_id not in idle:
+                    await self._judge(broker, await self.store.broker_state(user, name), record)
+            lost = [r.resource_id for r in pooled if r.resource_id in idle]
+            if draining:
+                for resource_id in lost:
+                    await self._release_idle(broker, resource_id)
+            else:
+                await self._drop_dead(broker, lost)
 
     async def _recycle(self, broker: BrokerConfig, state: BrokerState) -> None:
         t = now()

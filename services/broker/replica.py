@@ -16,8 +16,9 @@ import os
 import socket
 import uuid
 
-from bus.tasks import cancel_and_wait
+from bus.tasks import cancel_and_wait, every
 from services.broker.config import Timing
+from services.broker.failover import Failover
 from services.broker.model import now
 from services.broker.pools import PoolKeeper
 from services.broker.resources import BrokerResources
@@ -31,8 +32,11 @@ def replica_id() -> str:
 
 
 class Replica:
-    def __init__(self, resources: BrokerResources, keeper: PoolKeeper, timing: Timing) -> None:
+    def __init__(
+        self, resources: BrokerResources, keeper: PoolKeeper, timing: Timing, failover: Failover | None = None
+    ) -> None:
         self.id = replica_id()
+        self.failover = failover  # reacts to instance and node events (the `allocation` operator's)
         self.resources = resources
         self.keeper = keeper
         self.store = resources.store
@@ -40,30 +44,22 @@ class Replica:
         self._loops: list[asyncio.Task] = []
         self._held: set[tuple[str, str]] = set()
 
-    def start(self) -> None:
+    async def start(self) -> None:
+        if self.failover is not None:
+            await self.failover.start()
         self._loops = [
-            asyncio.create_task(
-                self._every(self.timing.sweep_interval, self.run_timers), name="broker-timers"
-            ),
-            asyncio.create_task(self._every(self.timing.pool_interval, self.run_pools), name="broker-pools"),
+            asyncio.create_task(every(self.timing.sweep_interval, self.run_timers, "timers"), name="timers"),
+            asyncio.create_task(every(self.timing.pool_interval, self.run_pools, "pool loops"), name="pools"),
         ]
 
     async def stop(self) -> None:
+        if self.failover is not None:
+            await self.failover.stop()
         await cancel_and_wait(*self._loops)
         await self.resources.close()
         for user, name in self._held:
             await self.store.drop_lease(user, name, self.id)
         self._held.clear()
-
-    async def _every(self, period: float, work) -> None:
-        while True:
-            try:
-                await work()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("%s failed; trying again in %.1f s", work.__name__, period)
-            await asyncio.sleep(period)
 
     async def run_timers(self) -> None:
         if delivered := await self.store.outbox.sweep():

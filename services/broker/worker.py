@@ -13,9 +13,9 @@ from bus.telemetry import on_scrape
 from services.broker.brokers import BrokerRegistry
 from services.broker.config import InstanceTypes
 from services.broker.endpoints import COMMANDS, EVENTS, STREAM, BrokerEndpoints, for_callers
+from services.broker.failover import Failover
 from services.broker.operators.allocation import AllocationOperator
 from services.broker.operators.base import Operator
-from services.broker.operators.catalog import Catalog, CatalogError
 from services.broker.operators.process import ProcessOperator, ProcessTable
 from services.broker.pools import PoolKeeper
 from services.broker.publisher import Publisher
@@ -23,6 +23,7 @@ from services.broker.replica import Replica
 from services.broker.resources import BrokerResources
 from services.broker.store import BrokerStore
 from services.broker.telemetry import PoolSizes
+from services.processes.catalog import Catalog, CatalogError
 from services.settings import BrokerServiceConfig
 
 NAME = "broker"
@@ -32,25 +33,28 @@ __all__ = ["COMMANDS", "EVENTS", "NAME", "STREAM", "build", "make_broker"]
 def make_operator(
     settings: BrokerServiceConfig, redis: Redis, nc: Client, prefix: str, types: InstanceTypes
 ) -> Operator:
-    processes = ProcessOperator(
-        ProcessTable(redis, prefix),
-        prefix=prefix,
-        max_instances=settings.max_instances,
-        stop_grace=settings.stop_grace,
-        probe_timeout=settings.probe_timeout,
-        workdir=settings.workdir,
-        catalog=Catalog.load(settings.catalog),
-    )
+    catalog = Catalog.load(settings.catalog)
     if settings.operator == "process":
-        return processes
+        return ProcessOperator(
+            ProcessTable(redis, prefix),
+            prefix=prefix,
+            max_instances=settings.max_instances,
+            stop_grace=settings.stop_grace,
+            probe_timeout=settings.probe_timeout,
+            workdir=settings.workdir,
+            catalog=catalog,
+        )
     return AllocationOperator(
-        processes,
+        redis,
+        prefix,
         BusClient(nc, prefix=prefix, timeout=settings.allocation_timeout),
         types,
+        catalog=catalog,
         city_label=settings.city_label,
         platform_label=settings.platform_label,
         bind_cpus=settings.bind_cpus,
         placement=settings.placement,
+        agent_timeout=settings.allocation_timeout,
     )
 
 
@@ -72,7 +76,10 @@ def make_broker(
         description="resources on an operator and warm pools of them (crm broker)",
     )
     service.bind(COMMANDS, for_callers(BrokerEndpoints(resources, keeper, types, settings.namespace)))
-    return service, Replica(resources, keeper, settings.timing)
+    failover = None
+    if isinstance(operator, AllocationOperator):  # its instances run on agents, whose events it follows
+        failover = Failover(events, operator, keeper, queue=f"{prefix}-broker")
+    return service, Replica(resources, keeper, settings.timing, failover)
 
 
 async def build(ctx) -> Service:
@@ -88,7 +95,7 @@ async def build(ctx) -> Service:
         )
     except CatalogError as error:
         raise SystemExit(str(error)) from None
-    replica.start()
+    await replica.start()
     ctx.cleanups.append(replica.stop)
     pools = PoolSizes(BrokerStore(ctx.redis, ctx.prefix))
     ctx.cleanups.append(on_scrape("broker pools", pools.refresh, every=ctx.common.metrics_refresh))

@@ -1,44 +1,70 @@
-"""The `allocation` operator: instances are placed by the allocation service, then run as processes.
+"""The `allocation` operator: instances are placed by the allocation service, then run by the agent
+of the node each was placed on (`berth agent`, README "Agents").
 
 - A resource's capacity block is "<platform>/<city>": the nodes whose labels (`--city-label`,
   `--platform-label`) hold that city and platform.
 - An instance is one `resource.allocate` of the instance type for (platform, group = city) from
-  the configuration; its bound CPUs (if `--bind-cpus`) pin the process the `process` operator starts.
+  the configuration. The node's agent starts it (`agent.<node>.start`), pinned to the CPUs and NUMA
+  nodes the allocation bound, within the instance type's memory; the instance's id is its
+  workload id, so the agent stops it by itself once the workload is released.
 - Free capacity for `launch` is what the allocation service says those nodes can still take.
-- Release stops the processes, then frees the allocations.
+- Status comes from the agents; an instance on a node whose agent's lease lapsed (`down`) is lost,
+  as an exited one: the resource is `failed`, and a warm pool replaces it elsewhere.
+- Release stops the instances through their agents, then frees the allocations. An agent that
+  does not answer while its node is up fails the release (retried); on a node that is down, the
+  instance is left to its agent, which stops it when it comes back (the workload is gone).
 
-Placements are kept in Redis (`alloc:<user>:<id>`: index -> node and CPUs). Each allocate carries a
+Placements are kept in Redis (`alloc:<user>:<id>`: index -> node, CPUs, NUMA nodes, memory), and
+each node's resources in `on-node:<node>` (for the node's `down` event). Each allocate carries a
 `request_id` derived from the instances it places, so a launch retried after a crash gets the same
-placement back instead of a second one.
+placement back instead of a second one; an agent's start is idempotent by instance id.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+from redis.asyncio import Redis
 
 from bus.client import BusClient
 from bus.errors import BusError
+from services.agent.messages import (
+    InstanceInfo,
+    InstanceParam,
+    InstancesReply,
+    Owner,
+    StartInstance,
+    Stopped,
+    Volume,
+)
 from services.allocation.messages import AllocateReply, ListNodesReply, NodeSummary
 from services.broker.config import InstanceTypes
-from services.broker.messages import BlockDetail, ResourceParam, ServiceInfo
+from services.broker.layout import key_base
+from services.broker.messages import BlockDetail, Endpoint, ResourceParam, ServiceInfo
 from services.broker.operators.base import LaunchSpec, OperatorError
-from services.broker.operators.process import ProcessOperator
 from services.broker.views import unreserved
+from services.processes.catalog import Catalog, check_command
 
 PAGE = 1000
+# An agent's error codes that say "nobody answers there", not "it refused".
+UNREACHABLE = ("no_responders", "timeout")
+RUNNING_STATES = ("starting", "ready", "unready")
 
 
 class Placement(msgspec.Struct):
     nodename: str
     cpus: list[int] = []
+    mems: list[int] = []
+    memory: int = 0
 
 
 def workload_id(user: str, resource_id: str, index: int) -> str:
-    """The allocation service's id for one instance (ids of at most 256 characters)."""
+    """The allocation service's id for one instance (ids of at most 256 characters), also the
+    instance's id on its agent."""
     name = f"broker/{user}/{resource_id}/{index}"
     if len(name) <= 256:
         return name
@@ -62,8 +88,12 @@ class BlockLabels:
         return node.labels.get(self.platform, ""), node.labels.get(self.city, "")
 
 
-def bound_cpus(engine_params: dict[str, Any]) -> list[int]:
-    return sorted(int(core) for core in ((engine_params.get("cpumem") or {}).get("cpu_map") or {}))
+def bound(engine_params: dict[str, Any]) -> tuple[list[int], list[int]]:
+    """The CPUs an allocation bound, and the NUMA node it bound them on (none: not bound)."""
+    cpumem = engine_params.get("cpumem") or {}
+    cpus = sorted(int(core) for core in (cpumem.get("cpu_map") or {}))
+    numa = cpumem.get("numa_node")
+    return cpus, [int(numa)] if cpus and numa not in (None, "") else []
 
 
 class AllocationOperator:
@@ -71,26 +101,31 @@ class AllocationOperator:
 
     def __init__(
         self,
-        processes: ProcessOperator,
+        redis: Redis,
+        prefix: str,
         client: BusClient,
         types: InstanceTypes,
         *,
+        catalog: Catalog | None = None,
         city_label: str = "city",
         platform_label: str = "platform",
         bind_cpus: bool = True,
         placement: str = "spread",
+        agent_timeout: float = 5.0,
     ) -> None:
-        self.processes = processes
+        self.redis = redis
+        self.base = key_base(prefix)
         self.client = client
         self.types = types
+        self.catalog = catalog or Catalog.load(None)
         self.labels = BlockLabels(city_label, platform_label)
         self.bind_cpus = bind_cpus
         self.placement = placement
-        self.redis = processes.table.redis
-        self.base = processes.table.base
+        self.agent_timeout = agent_timeout
 
     def validate(self, param: ResourceParam) -> None:
-        self.processes.validate(param)
+        """The agents run the same catalog as the broker: a param it refuses, they would refuse."""
+        check_command(param, self.catalog)
 
     def block_key(self, param: ResourceParam) -> str:
         return f"{param.platform}/{param.city}"
@@ -111,12 +146,11 @@ class AllocationOperator:
         except BusError as error:
             raise OperatorError(f"allocation service, {command}: {error.code}: {error.message}") from None
 
-    async def _nodes(self, labels: dict[str, str]) -> list[NodeSummary]:
+    async def _nodes(self, labels: dict[str, str] | None = None, names: list[str] | None = None) -> list[NodeSummary]:
         nodes: list[NodeSummary] = []
+        selection: dict[str, Any] = {"labels": labels or {}} if names is None else {"nodenames": names}
         while True:
-            page = await self._call(
-                "list-nodes", {"labels": labels, "offset": len(nodes), "limit": PAGE}, ListNodesReply
-            )
+            page = await self._call("list-nodes", {**selection, "offset": len(nodes), "limit": PAGE}, ListNodesReply)
             nodes += page.nodes
             if not page.nodes or len(nodes) >= page.total:
                 return nodes
@@ -133,11 +167,11 @@ class AllocationOperator:
 
     async def free_instances(self, param: ResourceParam) -> int:
         nodes = await self._nodes(self.labels.selector(param))
-        return await self._free([n.nodename for n in nodes], param.platform, param.city)
+        return await self._free([n.nodename for n in nodes if n.status == "up"], param.platform, param.city)
 
     async def blocks(self) -> list[BlockDetail]:
         by_block: dict[tuple[str, str], list[NodeSummary]] = {}
-        for node in await self._nodes({}):
+        for node in await self._nodes():
             by_block.setdefault(self.labels.block_of(node), []).append(node)
         blocks = []
         for (platform, city), nodes in sorted(by_block.items()):
@@ -150,7 +184,7 @@ class AllocationOperator:
                 sum(c.get("memory", 0) for c, _ in cpumem),
                 sum(u.get("memory", 0) for _, u in cpumem),
             )
-            free = await self._free([n.nodename for n in nodes], platform, city)
+            free = await self._free([n.nodename for n in nodes if n.status == "up"], platform, city)
             size = self.types.get(platform, city)
             used = int(
                 min(
@@ -177,24 +211,29 @@ class AllocationOperator:
     def _key(self, user: str, resource_id: str) -> str:
         return f"{self.base}:alloc:{user}:{resource_id}"
 
+    def _on_node_key(self, node: str) -> str:
+        return f"{self.base}:on-node:{node}"
+
     async def _placements(self, user: str, resource_id: str) -> dict[int, Placement]:
         raw = await self.redis.hgetall(self._key(user, resource_id))
-        return {int(k): msgspec.msgpack.decode(v, type=Placement) for k, v in raw.items()}
+        placed = {int(k): msgspec.msgpack.decode(v, type=Placement) for k, v in raw.items()}
+        return dict(sorted(placed.items()))
+
+    async def resources_on(self, node: str) -> list[tuple[str, str]]:
+        """(user, resource id) of the resources with an instance placed on `node`."""
+        members = await self.redis.smembers(self._on_node_key(node))
+        return sorted(tuple(m.decode().split("/", 1)) for m in members)  # type: ignore[misc]
 
     async def _allocate(self, spec: LaunchSpec, indexes: list[int]) -> dict[int, Placement]:
         param = spec.param
         selector = self.labels.selector(param)
-        nodes = await self._nodes(selector)
-        if not nodes:
-            raise OperatorError(
-                "no node has labels " + ", ".join(f"{label}={value!r}" for label, value in selector.items())
-            )
         ids = [workload_id(spec.user, spec.resource_id, i) for i in indexes]
         digest = hashlib.blake2b("\0".join(ids).encode(), digest_size=16).hexdigest()
+        memory = self.types.get(param.platform, param.city).mem_per_instance
         reply = await self._call(
             "allocate",
             {
-                "nodenames": [n.nodename for n in nodes],
+                "labels": selector,
                 "strategy": self.placement,
                 "deploy_count": len(ids),
                 "workload_resource_request": self._request(param.platform, param.city),
@@ -204,15 +243,69 @@ class AllocationOperator:
             AllocateReply,
         )
         by_id = {a.workload_id: a for a in reply.allocations}
-        placed = {
-            i: Placement(by_id[wid].nodename, bound_cpus(by_id[wid].engine_params))
-            for i, wid in zip(indexes, ids)
-        }
-        await self.redis.hset(
-            self._key(spec.user, spec.resource_id),
-            mapping={str(i): msgspec.msgpack.encode(p) for i, p in placed.items()},
-        )
+        placed = {i: Placement(by_id[wid].nodename, *bound(by_id[wid].engine_params), memory)
+                  for i, wid in zip(indexes, ids)}
+        member = f"{spec.user}/{spec.resource_id}"
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(self._key(spec.user, spec.resource_id),
+                  mapping={str(i): msgspec.msgpack.encode(p) for i, p in placed.items()})
+        for node in {p.nodename for p in placed.values()}:
+            pipe.sadd(self._on_node_key(node), member)
+        await pipe.execute()
         return placed
+
+    # -- the agents ------------------------------------------------------------------------------
+
+    async def _agent(self, node: str, command: str, payload: Any, reply: type):
+        return await self.client.request(f"agent.{node}.{command}", payload, reply, timeout=self.agent_timeout)
+
+    async def _start(self, spec: LaunchSpec, index: int, placement: Placement) -> InstanceInfo:
+        param = spec.param
+        start = StartInstance(
+            instance=workload_id(spec.user, spec.resource_id, index),
+            param=InstanceParam(image=param.image, env=param.env, ports=param.ports, volumes={
+                name: Volume(volume.host_dir, volume.container_dir) for name, volume in param.volumes.items()}),
+            cpus=placement.cpus, mems=placement.mems, memory_limit=placement.memory,
+            workload_id=workload_id(spec.user, spec.resource_id, index),
+            owner=Owner(spec.user, spec.resource_id, index),
+        )
+        try:
+            return await self._agent(placement.nodename, "start", start, InstanceInfo)
+        except BusError as error:
+            raise OperatorError(f"agent of {placement.nodename}, start: {error.code}: {error.message}") from None
+
+    async def _states(self, user: str, resource_id: str, placed: dict[int, Placement]) -> dict[int, InstanceInfo | str]:
+        """Each instance as its agent reports it, or "lost" (its node is down or gone, or its agent
+        knows it not) or "unknown" (its agent does not answer, its node is up)."""
+        by_node: dict[str, list[int]] = {}
+        for index, placement in placed.items():
+            by_node.setdefault(placement.nodename, []).append(index)
+        replies = await asyncio.gather(*(
+            self._agent(node, "status", {"instances": [workload_id(user, resource_id, i) for i in indexes]},
+                        InstancesReply)
+            for node, indexes in by_node.items()
+        ), return_exceptions=True)
+        silent = [node for node, reply in zip(by_node, replies) if isinstance(reply, BaseException)]
+        down = await self._down(silent)
+        states: dict[int, InstanceInfo | str] = {}
+        for (node, indexes), reply in zip(by_node.items(), replies):
+            if isinstance(reply, BaseException):
+                if not isinstance(reply, BusError):
+                    raise reply
+                for index in indexes:
+                    states[index] = "lost" if node in down else "unknown"
+                continue
+            known = {info.instance: info for info in reply.instances}
+            for index in indexes:
+                states[index] = known.get(workload_id(user, resource_id, index), "lost")
+        return states
+
+    async def _down(self, nodes: list[str]) -> set[str]:
+        """Those of `nodes` that are down (their agent's lease lapsed) or gone."""
+        if not nodes:
+            return set()
+        up = {n.nodename for n in await self._nodes(names=nodes) if n.status != "down"}
+        return set(nodes) - up
 
     # -- the operator interface ------------------------------------------------------------------
 
@@ -221,19 +314,52 @@ class AllocationOperator:
         missing = [i for i in range(spec.instances) if i not in placed]
         if missing:
             placed.update(await self._allocate(spec, missing))
-        await self.processes.launch(spec, cpus={i: p.cpus for i, p in placed.items()})
+        await asyncio.gather(*(self._start(spec, i, placed[i]) for i in range(spec.instances)))
 
     async def status(self, user: str, resource_id: str) -> ServiceInfo:
-        return await self.processes.status(user, resource_id)
+        placed = await self._placements(user, resource_id)
+        states = await self._states(user, resource_id, placed)
+        endpoints = [
+            Endpoint(ip=info.address, ports=dict(info.ports), name=f"{resource_id}-{index}")
+            for index, info in states.items()
+            if isinstance(info, InstanceInfo) and info.state == "ready"
+        ]
+        dead = sum(1 for info in states.values()
+                   if info == "lost" or (isinstance(info, InstanceInfo) and info.state == "exited"))
+        waiting = len(placed) - len(endpoints) - dead
+        if not placed or (waiting and not dead):
+            status, message = "staging", f"{len(endpoints)} of {len(placed)} instances ready"
+        elif dead:
+            status, message = "failed", f"{dead} of {len(placed)} instances exited or lost with their node"
+        else:
+            status, message = "running", ""
+        return ServiceInfo(status, message, len(placed), len(endpoints), endpoints)
 
     async def running_instances(self, user: str, resource_ids: list[str]) -> list[int]:
-        return await self.processes.running_instances(user, resource_ids)
+        async def running(resource_id: str) -> int:
+            states = await self._states(user, resource_id, await self._placements(user, resource_id))
+            return sum(1 for info in states.values()
+                       if info == "unknown" or (isinstance(info, InstanceInfo) and info.state in RUNNING_STATES))
+
+        return list(await asyncio.gather(*(running(rid) for rid in resource_ids)))
 
     async def release(self, user: str, resource_id: str, instances: int) -> None:
         placed = await self._placements(user, resource_id)
-        await self.processes.release(user, resource_id, instances)
+        stopped = await asyncio.gather(*(
+            self._agent(p.nodename, "stop", {"instance": workload_id(user, resource_id, i)}, Stopped)
+            for i, p in placed.items()
+        ), return_exceptions=True)
+        silent = {placed[i].nodename for i, result in zip(placed, stopped) if isinstance(result, BaseException)}
+        alive = silent - await self._down(sorted(silent))
+        if alive:
+            raise OperatorError(f"the agents of {', '.join(sorted(alive))} do not answer; release retried")
         # Also ids of a launch that allocated but died before recording it: release skips unknown ids.
         ids = sorted({workload_id(user, resource_id, i) for i in set(placed) | set(range(instances))})
         if ids:
             await self._call("release", {"workload_ids": ids}, dict)
-        await self.redis.delete(self._key(user, resource_id))
+        member = f"{user}/{resource_id}"
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.delete(self._key(user, resource_id))
+        for node in {p.nodename for p in placed.values()}:
+            pipe.srem(self._on_node_key(node), member)
+        await pipe.execute()

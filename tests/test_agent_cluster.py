@@ -1,0 +1,158 @@
+"""Several hosts on one machine: three `berth agent` processes with different topologies (fake host
+trees), an allocation worker and a broker worker with the `allocation` operator, all real
+processes. The broker launches on the nodes allocation chose; a SIGKILLed agent's node goes down
+within its TTL and a warm pool replaces its servers elsewhere; a restarted agent adopts its
+processes, and stops those whose workload was released while it was away."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import pytest
+
+from services.processes import procfs
+from tests.agent_helpers import TTL
+from tests.broker_helpers import FAST_ARGS, eventually, marked, param
+
+pytest_plugins = ["tests.agent_fixtures", "tests.broker_fixtures"]
+pytestmark = pytest.mark.slow
+
+U = "team-a"
+TYPES = '[{"platform": "linux", "group": "sz", "cpu_per_instance": 1, "mem_per_instance": 268435456}]'
+GiB = 1 << 30
+
+
+@pytest.fixture
+def cluster(spawn_worker, spawn_agent):
+    """An allocation worker, a broker worker on the `allocation` operator, and `agents(...)`."""
+    spawn_worker("services.allocation.worker", "--lease-interval", "0.05")
+    spawn_worker("services.broker.worker", "--operator", "allocation", "--instance-types", TYPES,
+                 "--allocation-timeout", "2", *FAST_ARGS)
+
+    def agents(*shapes: tuple[str, str, dict]):
+        return {node: spawn_agent(node, "--label", f"city={city}", "--label", "platform=linux", **host)
+                for node, city, host in shapes}
+
+    return agents
+
+
+async def ledger(client, node: str) -> set[str]:
+    reply = await client.request("resource.get-allocations", {"nodename": node}, dict)
+    return {a["workload_id"] for a in reply["allocations"]}
+
+
+async def running_on(client, node: str) -> set[str]:
+    reply = await client.request(f"agent.{node}.list", {"limit": 1000}, dict)
+    return {i["instance"] for i in reply["instances"] if i["state"] != "exited"}
+
+
+async def registered(client, *nodes: str) -> None:
+    async def listed():
+        reply = await client.request("resource.list-nodes", {"nodenames": list(nodes)}, dict)
+        return len(reply["nodes"]) == len(nodes) and all(n["status"] == "up" for n in reply["nodes"])
+
+    await eventually(listed, timeout=20)
+
+
+async def test_the_broker_launches_where_allocation_placed(cluster, client, broker_call, prefix):
+    cluster(("small", "sz", {"cpus": 2}), ("numa", "sz", {"cpus": 4, "numa_nodes": 2, "memory": 8 * GiB}),
+            ("far", "gz", {"cpus": 8}))
+    await registered(client, "small", "numa", "far")
+    numa = (await client.request("resource.list-nodes", {"nodenames": ["numa"]}, dict))["nodes"][0]
+    assert numa["capacity"]["cpumem"]["numa"] == {"0": "0", "1": "0", "2": "1", "3": "1"}  # its own topology
+
+    b = broker_call
+    await b("init", {"user": U, "resource_id": "job", "param": param()})
+    reply = await b("launch", {"user": U, "resource_id": "job", "filter": {"least_instance": 1, "request_instance": 5}})
+    assert reply["request_instance"] == 5  # 2 cores + 4 cores in city sz, bound: room for 6
+    info = await b.wait_running(U, "job", timeout=30)
+    assert (info["status"], info["current_instances"]) == ("running", 5)
+    for node in ("small", "numa", "far"):
+        assert await running_on(client, node) == await ledger(client, node)  # each runs what it holds
+    assert await ledger(client, "far") == set()
+    assert len(await ledger(client, "small")) + len(await ledger(client, "numa")) == 5
+    for endpoint in info["available_endpoints"]:
+        reader, writer = await asyncio.open_connection(endpoint["ip"], endpoint["ports"]["http"])
+        writer.write(b"GET / HTTP/1.0\r\n\r\n")
+        assert b"hello" in await reader.read()
+        writer.close()
+    await b("release", {"user": U, "resource_id": "job"})
+    for node in ("small", "numa"):
+        assert await running_on(client, node) == set() and await ledger(client, node) == set()
+    assert not marked(prefix)
+
+
+async def test_a_killed_agents_node_goes_down_and_its_pool_servers_are_replaced_elsewhere(
+    cluster, client, broker_call, events, spawn_agent, tmp_path
+):
+    agents = cluster(("left", "sz", {"cpus": 2}), ("right", "sz", {"cpus": 2}))
+    await registered(client, "left", "right")
+    b = broker_call
+    await b("add-broker", {"user": U, "name": "warm", "strategy": {"type": "const", "num": 2}, "param": param()})
+    await b.wait_idle(U, "warm", 2, timeout=30)
+    victim = "left" if await running_on(client, "left") else "right"
+    survivor = "right" if victim == "left" else "left"
+    lost = await running_on(client, victim)
+    listed = (await client.request(f"agent.{victim}.list", {}, dict))["instances"]
+    processes = [(i["pid"], procfs.start_time(i["pid"])) for i in listed]
+    down = await events.subscribe(f"resource.{victim}.down")
+    try:
+        agents[victim].proc.send_signal(signal.SIGKILL)
+        agents[victim].proc.wait(10)
+        await down.next(timeout=TTL + 10)  # the fault hit: the node's lease lapsed
+    finally:
+        await down.close()
+    listed = (await client.request("resource.list-nodes", {"nodenames": [victim]}, dict))["nodes"][0]
+    assert listed["status"] == "down"
+    assert all(procfs.is_running(*process) for process in processes)  # they outlived their agent
+
+    async def replaced():  # two idle servers again, none of them on the dead node
+        pool = await b.pool(U, "warm")
+        return pool["idle"] == 2 and await ledger(client, victim) == set()
+
+    await eventually(replaced, timeout=30)
+    assert len(await running_on(client, survivor)) == 2
+    # The agent comes back on its state folder: it adopts what still runs, and stops what the
+    # broker released while it was away (nothing holds those workloads any more).
+    stopped = await events.subscribe(f"agent.{victim}.stopped")
+    await events.nc.flush()  # the subscription is in place before the agent (spawned blocking) starts
+    try:
+        spawn_agent(victim, "--label", "city=sz", "--label", "platform=linux", state=tmp_path / f"{victim}-state",
+                    cpus=2)
+        gone = {(await stopped.next(timeout=20))[1]["instance"] for _ in lost}
+    finally:
+        await stopped.close()
+    assert gone == lost
+    assert not any(procfs.is_running(*process) for process in processes)
+    await b("remove-broker", {"user": U, "name": "warm"})
+    await eventually(lambda: _empty(client, "left", "right"), timeout=20)
+
+
+async def test_a_restarted_agent_adopts_its_processes(spawn_worker, spawn_agent, client, tmp_path, prefix):
+    spawn_worker("services.allocation.worker", "--lease-interval", "0.05")
+    first = spawn_agent("solo", cpus=2)
+    await registered(client, "solo")
+    await client.request("resource.allocate", {"nodename": "solo", "deploy_count": 1, "workload_ids": ["w"]}, dict)
+    started = await client.request("agent.solo.start", {
+        "instance": "one", "param": {"image": "http-server", "ports": {"http": "http"}}, "workload_id": "w"}, dict)
+    first.proc.send_signal(signal.SIGKILL)
+    first.proc.wait(10)
+    spawn_agent("solo", state=tmp_path / "solo-state", cpus=2)
+
+    async def adopted():
+        found = (await client.request("agent.solo.status", {"instances": ["one"]}, dict))["instances"]
+        return found[0] if found and found[0]["state"] == "ready" else None
+
+    info = await eventually(adopted, timeout=20)
+    assert info["pid"] == started["pid"] and info["ports"] == started["ports"]
+    assert list(marked(prefix).values()) == [started["pid"]]  # one process, not a second one
+    await client.request("agent.solo.stop", {"instance": "one"}, dict)
+    assert not marked(prefix)
+
+
+async def _empty(client, *nodes: str) -> bool:
+    for node in nodes:
+        if await running_on(client, node) or await ledger(client, node):
+            return False
+    return True
