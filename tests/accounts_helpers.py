@@ -29,6 +29,7 @@ from bus.errors import BusError
 from services import redis_functions
 from services.credentials import Credentials, prepare
 from services.servers import reload_nats, start_nats, start_redis
+from tests.agent_hosts import fake_host
 from tests.broker_helpers import CATALOG
 from tests.conftest import Worker, start_worker, stop_workers
 
@@ -99,6 +100,15 @@ class Deployment:
                               env={**own_env, **(env or {})})
         self.workers.append(worker)  # from the pool's threads too: an append is atomic
         return worker
+
+    def start_agent(self, node: str, *labels: str, **host) -> Worker:
+        """A `berth agent` for `node` on its own NATS and Redis users, on a fake host tree of the
+        shape `host` asks (tests/agent_hosts.py), with `labels` ("city=sz")."""
+        root = fake_host(self.directory / f"{node}-host", **host)
+        extra = ["--node", node, "--root", str(root), "--state", str(self.directory / f"{node}-state"),
+                 "--catalog", str(CATALOG), "--heartbeat", "0.5", "--interval", "1", "--stop-grace", "1",
+                 *(arg for label in labels for arg in ("--label", label))]
+        return self.start_worker("agent", extra)
 
     def add_identity(self, name: str, role: Role) -> None:
         """As `berth user add`: written, and the running server told."""

@@ -50,7 +50,7 @@ async def test_a_cpu_unplugged_changes_capacity_and_leaves_usage(call, start_age
     await call("resource.allocate", {"nodename": "h2", "deploy_count": 1, "workload_resource_request": {
         "cpumem": {"cpu-request": 0.5, "memory-request": GiB}}})
     before = await node(call, "h2")
-    capacity = await events.subscribe("agent.h2.capacity")
+    capacity = await events.subscribe("agent.h2.host.capacity")
     try:
         set_online(tmp_path / "h2-host", [0, 1, 2])  # cpu 3 goes away
         _, event = await capacity.next(timeout=10)
@@ -94,6 +94,10 @@ async def test_instances_start_and_stop_over_the_bus_with_events(call, start_age
     ({"instance": "x", "param": {"image": "http-server"}, "cpus": [-1]}, "cpus[0]"),
     ({"instance": "x", "param": {"image": "http-server"}, "memory_limit": -5}, "memory_limit"),
     ({"param": {"image": "http-server"}}, "instance"),
+    ({"instance": "x", "param": {"image": "http-server", "env": {"A=B": "1"}}}, "param.env"),
+    ({"instance": "x", "param": {"image": "http-server", "ports": {f"p{i}": "tcp" for i in range(65)}}},
+     "param.ports"),
+    ({"instance": "x" * 257, "param": {"image": "http-server"}}, "instance"),
 ])
 async def test_a_bad_start_names_the_field_and_starts_nothing(call, start_agent, payload, field):
     await start_agent("h4", cpus=2)

@@ -284,8 +284,15 @@ def test_every_command_and_event_is_there(doc):
         "allocated",
         "released",
         "labels",
+        "down",
+        "up",
+        "draining",
     ]
     assert doc["operations"]["events_resource_node_type"]["action"] == "send"
+    start = doc["channels"]["agent_node_start"]  # each host's agent answers on its own subjects
+    assert start["address"] == "p.agent.{node}.start" and set(start["parameters"]) == {"node"}
+    exited = doc["channels"]["events_agent_node_type"]
+    assert "exited" in exited["parameters"]["type"]["enum"]
 
 
 def test_the_checks_catch_a_broken_document(doc):

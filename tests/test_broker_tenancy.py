@@ -16,16 +16,14 @@ from tests.accounts_helpers import deployed, refused
 from tests.broker_helpers import FAST_ARGS, const_broker, eventually, kill_marked, param
 
 ONE = {"least_instance": 1, "request_instance": 1}
-NODE = "placed"  # the one node the allocation operator places on (city and platform of `param()`)
+NODE = "placed"  # the one node the allocation operator places on (city and platform of `param()`), and its agent
 
 
 @pytest_asyncio.fixture(scope="module")
 async def deployment(tmp_path_factory):
     with deployed(tmp_path_factory.mktemp("broker-tenancy"), *FAST_ARGS,
                   "--operator", "allocation", "--no-bind-cpus") as d:
-        await (await d.client("admin")).request("resource.add-node", {
-            "nodename": NODE, "resource": {"cpumem": {"cpu": 8, "memory": "16G"}},
-            "labels": {"city": "sz", "platform": "linux"}})
+        d.start_agent(NODE, "city=sz", "platform=linux", cpus=8, memory=16 << 30)  # it registers the node
         yield d
     kill_marked(d.prefix)  # what a failed test launched and left
 
@@ -197,3 +195,19 @@ async def test_refusals_and_answers_stay_under_retries(as_):
     for _ in range(2):
         assert await alice("release", ref("alice", mine, request_id="same")) == {}
     assert (await alice("get-resource", ref("alice", mine)))["status"] == "released"
+
+
+async def test_only_an_admin_runs_and_stops_processes_on_a_host(as_):
+    """The agent's commands over accounts: a tenant or a reader may not start, stop or drain (nor
+    renew the node's lease: it could keep a dead host in selections); a reader reads what runs."""
+    admin, alice, watcher = await as_("admin"), await as_("alice"), await as_("watcher")
+    start = {"instance": rid("direct"), "param": {"image": "http-server", "ports": {"http": "http"}}}
+    for caller in (alice, watcher):
+        await refused(caller("start", start, f"agent.{NODE}"))
+        await refused(caller("stop", {"instance": start["instance"]}, f"agent.{NODE}"))
+        await refused(caller("drain", {"draining": True}, f"agent.{NODE}"))
+        await refused(caller("node-heartbeat", {"nodename": NODE, "ttl_seconds": 600}, "resource"))
+    started = await admin("start", start, f"agent.{NODE}")
+    listed = await watcher("status", {"instances": [start["instance"]]}, f"agent.{NODE}")
+    assert [i["pid"] for i in listed["instances"]] == [started["pid"]]
+    assert (await admin("stop", {"instance": start["instance"]}, f"agent.{NODE}"))["stopped"] is True

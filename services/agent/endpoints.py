@@ -44,7 +44,7 @@ def commands(node: str) -> list[Command]:
 COMMANDS = commands("<node>")
 EVENTS = {
     "agent.<node>.<started|ready|unready|exited|stopped>": InstanceEvent,
-    "agent.<node>.<registered|capacity|draining|resumed>": AgentEvent,
+    "agent.<node>.host.<registered|capacity|draining|resumed>": AgentEvent,
 }
 # An agent's news is change news: kept a day for replay, in the stream allocation and broker share.
 STREAM = StreamSpec("events", ("agent.>",), max_age=24 * 3600, max_bytes=1 << 30)

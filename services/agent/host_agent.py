@@ -111,7 +111,7 @@ class HostAgent:
             kind = "registered" if not self.capacity else "capacity"
         log.info("node %s %s: %s", self.node, kind, describe(host))
         self.capacity = capacity
-        self._publish(kind, AgentEvent(type=kind, node=self.node, status=self.status, capacity=capacity))
+        self._publish(f"host.{kind}", AgentEvent(type=kind, node=self.node, status=self.status, capacity=capacity))
 
     async def heartbeat(self) -> None:
         """Renew the node's lease; after a time down, stop what was released meanwhile."""
@@ -177,7 +177,8 @@ class HostAgent:
             self._draining_file.unlink(missing_ok=True)
         await self.heartbeat()  # the allocation service learns it now, not at the next beat
         kind = "draining" if draining else "resumed"
-        self._publish(kind, AgentEvent(type=kind, node=self.node, status=self.status, capacity=self.capacity))
+        self._publish(f"host.{kind}", AgentEvent(type=kind, node=self.node, status=self.status,
+                                                 capacity=self.capacity))
 
     @property
     def pinning(self) -> str:
@@ -210,8 +211,9 @@ class HostAgent:
         else:
             self.pods.pop(info.instance, None)
 
-    def _publish(self, kind: str, event) -> None:
-        task = asyncio.get_running_loop().create_task(self._send(f"agent.{self.node}.{kind}", event))
+    def _publish(self, suffix: str, event) -> None:
+        """Publish on `agent.<node>.<suffix>` (an instance's `<kind>`, the host's `host.<kind>`)."""
+        task = asyncio.get_running_loop().create_task(self._send(f"agent.{self.node}.{suffix}", event))
         self._publishing.add(task)
         task.add_done_callback(self._publishing.discard)
 

@@ -12,14 +12,17 @@ from typing import Annotated, Literal
 
 from msgspec import Meta, Struct
 
-from bus.subjects import END
+from bus.subjects import END, ShortName
 from schemas.common import Event
 
 # Printable text of at most 256 characters: the broker's workload ids ("broker/<user>/<id>/<n>").
 InstanceId = Annotated[str, Meta(pattern=rf"^[^\x00-\x1f\x7f]+{END}", min_length=1, max_length=256)]
 Protocol = Literal["tcp", "http"]
 Cpu = Annotated[int, Meta(ge=0, le=65535)]
-MAX_INSTANCES_PER_REQUEST = 10_000
+# A status reply of this many instances stays well under NATS's 1 MiB max payload (about 300 bytes each).
+MAX_INSTANCES_PER_REQUEST = 1000
+MAX_ENTRIES = 64  # env variables, ports, volumes of one instance
+EnvName = Annotated[str, Meta(pattern=rf"^[A-Za-z_][A-Za-z0-9_]*{END}", max_length=128)]
 # starting: the process runs, a port does not answer yet; ready: every port answers (or it has none);
 # unready: it was ready and a port stopped answering; exited: the process is gone.
 InstanceStateName = Literal["starting", "ready", "unready", "exited"]
@@ -36,10 +39,10 @@ class InstanceParam(Struct):
     command; `env` sets only the variables that entry takes; every port gets a free port on the
     host as `PORT_<NAME>`, every volume its host folder as `VOLUME_<NAME>`."""
 
-    image: str
-    env: dict[str, str] = {}
-    ports: dict[str, Protocol] = {}
-    volumes: dict[str, Volume] = {}
+    image: Annotated[str, Meta(max_length=128)]
+    env: Annotated[dict[EnvName, str], Meta(max_length=MAX_ENTRIES)] = {}
+    ports: Annotated[dict[ShortName, Protocol], Meta(max_length=MAX_ENTRIES)] = {}
+    volumes: Annotated[dict[ShortName, Volume], Meta(max_length=MAX_ENTRIES)] = {}
 
 
 class Owner(Struct, frozen=True):
@@ -152,7 +155,7 @@ class InstanceEvent(Event, kw_only=True):
 
 
 class AgentEvent(Event, kw_only=True):
-    """`<prefix>.events.agent.<node>.<registered|capacity|draining|resumed>`: the agent's own news."""
+    """`<prefix>.events.agent.<node>.host.<registered|capacity|draining|resumed>`: the host's news."""
 
     node: str
     status: AgentStatus

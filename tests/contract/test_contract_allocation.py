@@ -1437,7 +1437,8 @@ async def test_list_nodes_pages_default_100_at_most_1000_sorted_by_name_with_tot
     ))
     page = await wire.ok("resource.list-nodes", {"labels": {"batch": batch}})
     assert [n["nodename"] for n in page["nodes"]] == names[:100] and page["total"] == 101
-    assert set(page["nodes"][0]) == {"nodename", "labels", "capacity", "usage"}
+    assert set(page["nodes"][0]) == {"nodename", "labels", "capacity", "usage", "status", "lease"}
+    assert (page["nodes"][0]["status"], page["nodes"][0]["lease"]) == ("up", None)  # no agent keeps it
     assert page["nodes"][0]["labels"] == {"batch": batch}
     assert set(page["nodes"][0]["capacity"]) == set(PLUGINS)
     rest = await wire.ok("resource.list-nodes", {"labels": {"batch": batch}, "offset": 100})
