@@ -348,11 +348,11 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """For `worker`, options berth does not know are passed on to the service processes."""
+    """For `worker` and `agent`, options berth does not know are passed on to the service processes."""
     configure_logging(log_level())
     berth = parser()
     args, extra = berth.parse_known_args(sys.argv[1:] if argv is None else argv)
-    if extra and args.command != "worker":
+    if extra and args.command not in ("worker", "agent"):
         berth.error(f"unrecognized arguments: {' '.join(extra)}")
     sys.exit(args.run(args, extra))
 

@@ -388,6 +388,7 @@ class AgentServiceConfig:
     probe_timeout: float = 0.5
     address: str = "127.0.0.1"  # BERTH_AGENT_ADDRESS: where this host's instances are reached
     cgroups: bool = True  # confine instances in cgroups where the host allows it (else CPU affinity)
+    cgroup_parent: str = "berth"  # instances' cgroups are /<parent>/<node>/<instance> in each hierarchy
     reconcile_interval: float = 60.0  # seconds between comparisons of what runs with the node's ledger
     stop_on_exit: bool = False  # stop every instance when the agent stops (`berth up`'s own machine)
 
@@ -423,6 +424,8 @@ class AgentServiceConfig:
                             "(env BERTH_AGENT_ADDRESS; default 127.0.0.1: this machine only)")
         parser.add_argument("--no-cgroups", dest="cgroups", action="store_false",
                             help="never make cgroups: pin instances with CPU affinity only")
+        parser.add_argument("--cgroup-parent", type=node_name, default="berth", metavar="NAME",
+                            help="instances' cgroups are /NAME/<node>/<instance> in each hierarchy (default berth)")
         parser.add_argument("--reconcile-interval", type=seconds(1, 86400), default=60.0, metavar="SECONDS",
                             help="how often to stop instances whose workload the node's ledger no longer holds")
         parser.add_argument("--stop-on-exit", action="store_true",
@@ -449,7 +452,8 @@ class AgentServiceConfig:
         return cls(metrics=metrics, state=args.state or f".berth/agent/{metrics.node}", labels=labels,
                    reserve_cpu=args.reserve_cpu, reserve_memory=reserve_memory, heartbeat=args.heartbeat,
                    ttl=ttl, catalog=args.catalog, stop_grace=args.stop_grace, probe_timeout=args.probe_timeout,
-                   address=args.address, cgroups=args.cgroups, reconcile_interval=args.reconcile_interval,
+                   address=args.address, cgroups=args.cgroups, cgroup_parent=args.cgroup_parent,
+                   reconcile_interval=args.reconcile_interval,
                    stop_on_exit=args.stop_on_exit)
 
 

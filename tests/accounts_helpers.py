@@ -105,7 +105,7 @@ class Deployment:
         """A `berth agent` for `node` on its own NATS and Redis users, on a fake host tree of the
         shape `host` asks (tests/agent_hosts.py), with `labels` ("city=sz")."""
         root = fake_host(self.directory / f"{node}-host", **host)
-        extra = ["--node", node, "--root", str(root), "--state", str(self.directory / f"{node}-state"),
+        extra = ["--node", node, "--root", str(root), "--no-cgroups", "--state", str(self.directory / f"{node}-state"),
                  "--catalog", str(CATALOG), "--heartbeat", "0.5", "--interval", "1", "--stop-grace", "1",
                  *(arg for label in labels for arg in ("--label", label))]
         return self.start_worker("agent", extra)

@@ -63,11 +63,13 @@ async def start_agent(serve, nc, events, prefix, tmp_path, agent_processes):
 @pytest.fixture
 def spawn_agent(spawn_worker, tmp_path, agent_processes):
     """`spawn_agent("n1", "--label", "city=sz", cpus=8)`: a `berth agent` process on a fake host
-    (or `root="/"`), with its own state folder (`state=` to reuse one: a restarted agent)."""
+    (or `root="/"`), with its own state folder (`state=` to reuse one: a restarted agent). On a fake
+    host it makes no cgroups: their CPUs are not this machine's."""
 
     def spawn(node: str, *args: str, root: str | None = None, state: Path | None = None, **host: Any):
+        fake = ["--no-cgroups"] if root is None else []
         return spawn_worker(
-            "services.agent.worker", "--node", node, "--root", host_root(tmp_path, node, root, host),
+            "services.agent.worker", "--node", node, "--root", host_root(tmp_path, node, root, host), *fake,
             "--state", str(state or tmp_path / f"{node}-state"), "--catalog", str(CATALOG),
             "--heartbeat", str(HEARTBEAT), "--ttl", str(TTL), "--stop-grace", "1", "--interval", "1", *args,
         )

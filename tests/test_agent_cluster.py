@@ -8,12 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import subprocess
+import sys
+
+from pathlib import Path
 
 import pytest
 
+from bus.errors import BusError
+from services.agent.cgroups import CgroupRoot
 from services.processes import procfs
-from tests.agent_helpers import TTL
-from tests.broker_helpers import FAST_ARGS, eventually, marked, param
+from tests.agent_helpers import TTL, remove_parent_cgroup
+from tests.broker_helpers import FAST_ARGS, ROOT, eventually, marked, param
 
 pytest_plugins = ["tests.agent_fixtures", "tests.broker_fixtures"]
 pytestmark = pytest.mark.slow
@@ -156,3 +162,73 @@ async def _empty(client, *nodes: str) -> bool:
         if await running_on(client, node) or await ledger(client, node):
             return False
     return True
+
+
+async def test_berth_agent_drain_waits_for_the_instances_to_end(spawn_worker, spawn_agent, client, nats_url, prefix):
+    spawn_worker("services.allocation.worker", "--lease-interval", "0.05")
+    spawn_agent("busy", cpus=2)
+    await registered(client, "busy")
+    await client.request("agent.busy.start", {
+        "instance": "job", "param": {"image": "http-server", "ports": {"http": "http"}}}, dict)
+    drain = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "agent", "--node", "busy", "--drain", "--wait", "60",
+         "--nats", nats_url, "--prefix", prefix], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        async def draining():
+            listed = await client.request("resource.list-nodes", {"nodenames": ["busy"]}, dict)
+            return listed["nodes"][0]["status"] == "draining"
+
+        await eventually(draining, timeout=20)
+        assert drain.poll() is None  # it waits: an instance still runs
+        await client.request("agent.busy.stop", {"instance": "job"}, dict)
+        out, err = drain.communicate(timeout=30)
+    finally:
+        if drain.poll() is None:
+            drain.kill()
+    assert drain.returncode == 0, err
+    assert "still run" in out and out.strip().endswith("drained, nothing runs there")
+    resumed = subprocess.run(
+        [sys.executable, "-m", "services.cli", "agent", "--node", "busy", "--resume", "--nats", nats_url,
+         "--prefix", prefix], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert resumed.returncode == 0, resumed.stderr
+    listed = await client.request("resource.list-nodes", {"nodenames": ["busy"]}, dict)
+    assert listed["nodes"][0]["status"] == "up"
+
+
+async def test_the_agents_metrics_answer_for_the_instances_it_launched(spawn_worker, spawn_agent, client, prefix):
+    """On this machine (root "/", cgroups on): an instance gets a cgroup of its own, pinned to the CPU
+    it was bound to, and `metrics.<node>.get` answers for it as a pod of one container."""
+    root = CgroupRoot(parent=f"berth-test-{prefix}")
+    if root.mode() != "cgroup":
+        pytest.skip("this host lets no cpuset cgroup be made")
+    spawn_worker("services.allocation.worker", "--lease-interval", "0.05")
+    agent = spawn_agent("here", "--cgroup-parent", root.parent, root="/")
+    try:
+        await registered(client, "here")
+        started = await client.request("agent.here.start", {
+            "instance": "w/1", "param": {"image": "http-server", "ports": {"http": "http"}},
+            "cpus": [0], "mems": [0], "memory_limit": 256 << 20}, dict)
+        assert started["pinning"] == "cgroup" and started["cgroup"].startswith(f"/{root.parent}/here/")
+        status = Path(f"/proc/{started['pid']}/status").read_text()
+        assert "Cpus_allowed_list:\t0\n" in status
+
+        async def measured():
+            try:
+                return await client.request("metrics.here.get", {
+                    "scope": "container", "metric": "mem.limit.container", "pod_uid": "w/1",
+                    "container": "http-server"}, dict)
+            except BusError as error:
+                assert error.code == "metric_not_found"
+                return None
+
+        limit = await eventually(measured, timeout=20)
+        assert limit["value"] == 256 << 20
+        usage = await client.request("metrics.here.get", {
+            "scope": "container", "metric": "mem.usage.container", "pod_uid": "w/1", "container": "http-server"},
+            dict)
+        assert 0 < usage["value"] <= 256 << 20
+        await client.request("agent.here.stop", {"instance": "w/1"}, dict)
+    finally:
+        agent.signal(signal.SIGTERM)
+        agent.wait(15)
+        assert await remove_parent_cgroup(root) == []  # the agent removed the instance's cgroup

@@ -28,6 +28,7 @@ from services.agent.state import Record, StateDir
 from services.processes import procfs
 from services.processes.catalog import Catalog
 from services.servers import free_port
+from tests.agent_helpers import remove_parent_cgroup
 from tests.broker_helpers import CATALOG, ROOT, eventually, kill_marked, marked_pids
 
 NODE = "n1"
@@ -78,25 +79,8 @@ async def cgroup_root(tag):
     an instance's cgroup behind fails."""
     root = CgroupRoot(parent=f"berth-test-{tag}")
     yield root
-    left = sorted({f"/{root.parent}/{node.name}/{path.name}"
-                   for node in _children(root, root.parent) for path in node.iterdir() if path.is_dir()})
-    for path in left:
-        await root.remove(path)
-    for node in _children(root, root.parent):
-        node.rmdir()
-    for hierarchy in root.hierarchies.values():
-        if Path(hierarchy, root.parent).is_dir():
-            Path(hierarchy, root.parent).rmdir()
+    left = await remove_parent_cgroup(root)
     assert not left, f"cgroups left behind: {left}"
-
-
-def _children(root: CgroupRoot, path: str) -> list[Path]:
-    """The child cgroups of `path` in every hierarchy of `root`."""
-    found = []
-    for hierarchy in root.hierarchies.values():
-        top = Path(hierarchy, path)
-        found += [child for child in top.iterdir() if child.is_dir()] if top.is_dir() else []
-    return found
 
 
 @pytest.fixture

@@ -29,7 +29,7 @@ def make_agent(config: AgentServiceConfig, *, nc, events, prefix: str, concurren
     """The agent's service (not started) and the agent behind it (not opened)."""
     instances = Instances(
         state_dir=Path(config.state), catalog=Catalog.load(config.catalog), node=config.node, prefix=prefix,
-        address=config.address, cgroups=CgroupRoot() if config.cgroups else None,
+        address=config.address, cgroups=CgroupRoot(parent=config.cgroup_parent) if config.cgroups else None,
         stop_grace=config.stop_grace, probe_timeout=config.probe_timeout,
     )
     agent = HostAgent(config, instances, BusClient(nc, prefix=prefix, timeout=10.0), events)

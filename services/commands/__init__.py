@@ -1,4 +1,5 @@
-"""Everyday commands of `berth`: `call`, `events`, `nodes` and `status`, a module each.
+"""Everyday commands of `berth`: `call`, `events`, `nodes` and `status`, a module each, and `agent`
+(which runs a host's agent, or drains it).
 
 Each one connects to NATS as a short-lived client (`--nats`, env `NATS_URL`; `user:password@` in
 the URL, or `--nats-creds FILE` as `berth up` writes them), under `--prefix` (env `BERTH_PREFIX`,
@@ -31,10 +32,10 @@ from __future__ import annotations
 
 import argparse
 
-from services.commands import call, events, nodes, status
+from services.commands import agent, call, events, nodes, status
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
-    """Add `call`, `events`, `nodes` and `status` to the `berth` command's subparsers."""
-    for command in (call, events, nodes, status):
+    """Add `call`, `events`, `nodes`, `status` and `agent` to the `berth` command's subparsers."""
+    for command in (call, events, nodes, status, agent):
         command.add_parser(sub)

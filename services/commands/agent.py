@@ -1,0 +1,95 @@
+"""`berth agent`: run this host's agent, or (`--drain`, `--resume`) ask a running one.
+
+    berth agent --nats URL --redis URL --node n1 --label city=sz ...   # run the agent; its options:
+                            # python -m services.runner services.agent.worker --help
+    berth agent --node n1 --drain [--wait 600]    # no new placement on n1; wait until nothing runs there
+    berth agent --node n1 --resume                # take placements again
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import time
+
+from bus.client import BusClient
+from bus.errors import BusError, NoResponders, RequestTimeout
+from services.commands.connection import Connection
+from services.commands.exits import EXIT_FAILED, EXIT_NO_ANSWER, EXIT_OK, EXIT_REFUSED, CommandError, add_command
+from services.settings import default_node
+from services.supervisor import Supervisor, worker_argv
+
+POLL_SECONDS = 0.5
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    parser = add_command(
+        sub, "agent", drain_command,
+        help="run this host's agent; --drain / --resume: ask the running one",
+        description="Without --drain or --resume: run the agent of this host (one process; every option "
+        "not listed here goes to it: `python -m services.runner services.agent.worker --help` lists them). With --drain: the node takes "
+        "no new placement and this command waits until no instance runs on it; --resume undoes it.",
+    )
+    parser.add_argument("--node", default=default_node(), help="the node (default: this host's name)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--drain", action="store_true", help="stop placing on the node, wait for its instances to end")
+    mode.add_argument("--resume", action="store_true", help="place on the node again")
+    parser.add_argument("--wait", type=float, default=600.0, metavar="SECONDS",
+                        help="with --drain: how long to wait for the instances to end (0: do not wait)")
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each answer")
+    ask_agent = parser.get_default("run")
+
+    def run(args: argparse.Namespace, extra: list[str]) -> int:
+        if args.drain or args.resume:
+            if extra:
+                parser.error(f"unrecognized arguments with --drain/--resume: {' '.join(extra)}")
+            return ask_agent(args, extra)
+        return run_agent(args, extra)
+
+    parser.set_defaults(run=run)
+
+
+def run_agent(args: argparse.Namespace, extra: list[str]) -> int:
+    """The agent worker in a process of its own, restarted if it crashes (as `berth worker`)."""
+    argv = ["--node", args.node, "--prefix", args.prefix, *(["--nats", args.nats] if args.nats else []),
+            *(["--nats-creds", args.nats_creds] if args.nats_creds else []),
+            *(["--js-domain", args.js_domain] if args.js_domain else []), *extra]
+    env = {**os.environ, **({"BERTH_TLS_CA": args.tls_ca} if args.tls_ca else {})}
+    supervisor = Supervisor()
+    supervisor.add(f"agent {args.node}", worker_argv("services.agent.worker", argv), env)
+    return supervisor.run()
+
+
+async def drain_command(args: argparse.Namespace) -> int:
+    connection = Connection(args)
+    async with connection as nc:
+        client = BusClient(nc, prefix=args.prefix, timeout=args.timeout)
+
+        async def ask(command: str, payload: dict) -> dict:
+            subject = f"agent.{args.node}.{command}"
+            try:
+                return await connection.unless_refused(client.request(subject, payload, dict))
+            except NoResponders:
+                raise CommandError(f"no agent answers on {client.subject(subject)} (is `berth agent` running "
+                                   f"for node {args.node!r} under prefix {args.prefix!r}?)", EXIT_NO_ANSWER) from None
+            except RequestTimeout as error:
+                raise CommandError(error.message, EXIT_NO_ANSWER) from None
+            except BusError as error:
+                status = EXIT_REFUSED if 400 <= error.status < 500 else EXIT_FAILED
+                raise CommandError(f"{error.code} ({error.status}): {error.message}", status) from None
+
+        info = await ask("drain", {"draining": args.drain})
+        if args.resume:
+            print(f"node {args.node}: taking placements again ({info['running']} instances run)", flush=True)
+            return EXIT_OK
+        deadline = time.monotonic() + args.wait
+        while info["running"] and time.monotonic() < deadline:
+            print(f"node {args.node}: draining, {info['running']} instances still run", flush=True)
+            await asyncio.sleep(POLL_SECONDS)
+            info = await ask("info", {})
+        if info["running"]:
+            raise CommandError(f"node {args.node} still runs {info['running']} instances after {args.wait:g} s "
+                               "(it stays draining)", EXIT_NO_ANSWER)
+        print(f"node {args.node}: drained, nothing runs there", flush=True)
+        return EXIT_OK
