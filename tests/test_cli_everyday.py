@@ -311,9 +311,9 @@ async def test_nodes_table_pages_and_json(spawn_worker, client, nats_url, prefix
     table = berth(nats_url, prefix, "nodes", "--page-size", "1", "-v")  # three pages
     assert table.returncode == 0, table.stderr
     lines = table.stdout.splitlines()
-    assert lines[0].split() == ["name", "labels", "cpu", "memory", "storage", "gpu"]
-    assert lines[1].split() == ["n1", "city=sz", "1.5/8", "2Gi/16Gi", "10Gi/300Gi", "1/2"]
-    assert lines[2].split() == ["n2", "pool=a", "0/4", "0/8Gi", "0/0", "0/0"]
+    assert lines[0].split() == ["name", "status", "labels", "cpu", "memory", "storage", "gpu"]
+    assert lines[1].split() == ["n1", "up", "(no", "agent)", "city=sz", "1.5/8", "2Gi/16Gi", "10Gi/300Gi", "1/2"]
+    assert lines[2].split() == ["n2", "up", "(no", "agent)", "pool=a", "0/4", "0/8Gi", "0/0", "0/0"]
     assert [line.split()[0] for line in lines[1:-1]] == ["n1", "n2", "n3"]
     assert lines[-1] == "3 nodes"
 
@@ -324,6 +324,7 @@ async def test_nodes_table_pages_and_json(spawn_worker, client, nats_url, prefix
     assert doc["nodes"][0]["cpu"] == {"used": 0, "total": 4} and doc["nodes"][0]["memory"]["total"] == 8 << 30
 
     everything = json.loads(berth(nats_url, prefix, "nodes", "--json").stdout)["nodes"][0]
+    assert (everything["status"], everything["agent"]) == ("up", False)
     assert everything["gpu"] == {"used": 1, "total": 2, "products": {"nvidia-3070": {"used": 1, "total": 2}}}
     assert everything["storage"] == {"used": 10 << 30, "total": 300 << 30}
 

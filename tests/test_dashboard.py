@@ -132,6 +132,17 @@ async def test_the_page_follows_services_nodes_allocations_pools_and_metrics(
         await expect(cpu).to_have_attribute("data-total", "4")
         await expect(cpu).to_have_attribute("data-used", "0")
         await expect(node.locator('[data-resource="nvidia-3070"]')).to_contain_text("0 / 2")
+        status = node.locator("[data-status]")
+        await expect(status).to_have_attribute("data-status", "up")
+        await expect(status).to_contain_text("no agent")
+
+        # An agent keeps it alive for a moment, then stops beating: the node shows down, with its agent.
+        await client.request("resource.node-heartbeat", {
+            "nodename": "dash-n1", "ttl_seconds": 1, "agent": {"address": "10.1.2.3", "instances": 2, "running": 2}})
+        await expect(status).to_have_attribute("data-status", "down", timeout=WAIT_MS)
+        await expect(status).to_contain_text("agent 10.1.2.3 · 2 running")
+        await client.request("resource.node-heartbeat", {"nodename": "dash-n1", "ttl_seconds": 600})
+        await expect(status).to_have_attribute("data-status", "up", timeout=WAIT_MS)
 
         # An allocation lands: the node's bars move, and the event is listed.
         request = {

@@ -67,11 +67,7 @@ class HostAgent:
         await self.instances.open()
         for info in self.instances.list():
             self._note_pod(info)
-        try:
-            await self._beat()
-        except Exception as error:
-            log.warning("node %s: not registered yet (%s); trying again every %.1f s", self.node, error,
-                        self.config.heartbeat)
+        await self._beat()
         self._loops = [
             asyncio.create_task(every(self.config.heartbeat, self._beat, "heartbeat"), name="heartbeat"),
             asyncio.create_task(self._reconcile_every(), name="reconcile"),
@@ -135,12 +131,19 @@ class HostAgent:
 
     async def _beat(self) -> None:
         """Offer the host if it changed (or was never offered), renew the lease; the first time the
-        node is known, stop what was released while no agent watched."""
-        await self.register()
-        await self.heartbeat()
-        if not self._reconciled:
-            await self.reconcile()
-            self._reconciled = True
+        node is known, stop what was released while no agent watched. The allocation service away
+        (starting, restarting) is said in one line: the next beat tries again."""
+        try:
+            await self.register()
+            await self.heartbeat()
+            if not self._reconciled:
+                await self.reconcile()
+                self._reconciled = True
+        except BusError as error:
+            if error.code not in ("no_responders", "timeout", "unavailable"):
+                raise
+            log.warning("node %s: the allocation service does not answer (%s); trying again in %.1f s",
+                        self.node, error.code, self.config.heartbeat)
 
     # -- instances -----------------------------------------------------------------------------------
 

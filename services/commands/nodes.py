@@ -26,7 +26,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "nodes",
         nodes_command,
         help="table of the allocation service's nodes",
-        description="List every node (paging through resource.list-nodes): labels, CPU, memory, storage "
+        description="List every node (paging through resource.list-nodes): its status (up, draining, or down "
+        "once its agent's lease lapsed; a node added by hand has no agent), labels, CPU, memory, storage "
         "and GPUs as used/total.",
     )
     parser.add_argument(
@@ -81,6 +82,8 @@ def node_row(node: dict[str, Any]) -> dict[str, Any]:
         }
     return {
         "nodename": node.get("nodename"),
+        "status": node.get("status") or "up",
+        "agent": node.get("lease") is not None,
         "labels": node.get("labels") or {},
         "cpu": pair("cpumem", "cpu"),
         "memory": pair("cpumem", "memory"),
@@ -110,6 +113,7 @@ def format_nodes(rows: list[dict[str, Any]], total: int) -> str:
     table = [
         (
             row["nodename"],
+            row["status"] if row["agent"] else f"{row['status']} (no agent)",
             ",".join(f"{key}={label}" for key, label in sorted(row["labels"].items())) or "-",
             used_total(row["cpu"], _amount),
             used_total(row["memory"], human_bytes),
@@ -118,8 +122,8 @@ def format_nodes(rows: list[dict[str, Any]], total: int) -> str:
         )
         for row in rows
     ]
-    lines = format_table(("name", "labels", "cpu", "memory", "storage", "gpu"), table)
-    lines.append(f"{len(rows)} nodes" + (f" of {total}" if total != len(rows) else ""))
+    lines = format_table(("name", "status", "labels", "cpu", "memory", "storage", "gpu"), table)
+    lines.append(f"{len(rows)} node{'' if len(rows) == 1 else 's'}" + (f" of {total}" if total != len(rows) else ""))
     return "\n".join(lines)
 
 

@@ -40,7 +40,19 @@ def node_view(node: dict[str, Any]) -> dict[str, Any]:
         products, taken = total.get("prod_count_map") or {}, used.get("prod_count_map") or {}
         for product in sorted(products):
             bars.append(_bar(plugin, product, taken.get(product, 0), products[product], "count"))
-    return {"nodename": node["nodename"], "labels": node.get("labels") or {}, "bars": bars}
+    return {"nodename": node["nodename"], "labels": node.get("labels") or {}, "bars": bars,
+            "status": node.get("status") or "up", "agent": agent_view(node.get("lease"))}
+
+
+def agent_view(lease: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What the page says of a node's agent (None: the node was added by hand, no agent keeps it):
+    where its instances are reached, how many run, and when its lease ends (unix seconds)."""
+    if not lease:
+        return None
+    agent = lease.get("agent") or {}
+    return {"address": agent.get("address", ""), "instances": agent.get("instances", 0),
+            "running": agent.get("running", 0), "pinning": agent.get("pinning", ""),
+            "expires": lease.get("expires", 0), "ttl_seconds": lease.get("ttl_seconds", 0)}
 
 
 def _bar(plugin: str, resource: str, used: Any, total: Any, unit: str) -> dict[str, Any]:

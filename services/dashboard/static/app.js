@@ -133,6 +133,14 @@ function renderServices() {
 
 // -- nodes ---------------------------------------------------------------------------------------
 
+// The node's status as its agent keeps it: up, draining, or down once the agent's lease lapsed.
+function agentBadge(node) {
+  const agent = node.agent;
+  const text = agent ? `${node.status} · agent ${agent.address} · ${agent.running} running` : `${node.status} · no agent`;
+  const title = agent ? `lease of ${agent.ttl_seconds} s; CPUs pinned by ${agent.pinning || "-"}` : "added by hand: always up";
+  return el("span", { class: `status status-${node.status}`, "data-status": node.status, title }, text);
+}
+
 function nodeRow(node) {
   const labels = Object.entries(node.labels).map(([k, v]) => `${k}=${v}`);
   const row = el("div", { class: "node", "data-node": node.nodename });
@@ -140,6 +148,7 @@ function nodeRow(node) {
   row.append(
     el("div", { class: "node-head" },
       el("b", {}, node.nodename),
+      agentBadge(node),
       ...labels.map((label) => el("span", { class: "label" }, label))),
   );
   const bars = el("div", { class: "bars" });
