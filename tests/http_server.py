@@ -22,7 +22,7 @@ import sys
 import time
 
 
-def serve(ports: list[int]) -> None:
+def serve(ports: list[int], host: str = "127.0.0.1") -> None:
     # Imported only now: a warm pool starts many of these at once, and most of the start-up cost
     # of a Python server is its imports.
     import threading
@@ -40,7 +40,7 @@ def serve(ports: list[int]) -> None:
         def log_message(self, *args) -> None:
             pass
 
-    servers = [ThreadingHTTPServer(("127.0.0.1", port), Hello) for port in ports]
+    servers = [ThreadingHTTPServer((host, port), Hello) for port in ports]
     for server in servers[1:]:
         threading.Thread(target=server.serve_forever, daemon=True).start()
     servers[0].serve_forever()
@@ -49,6 +49,7 @@ def serve(ports: list[int]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, action="append", required=True)
+    parser.add_argument("--host", default="127.0.0.1", help="the address to listen on ($BERTH_ADDRESS)")
     parser.add_argument("--delay", type=float, default=0.0)
     parser.add_argument("--slow-instances", default="")
     parser.add_argument("--fail-instances", default="")
@@ -77,7 +78,7 @@ def main() -> None:
         time.sleep(args.delay)
     while args.wait_file and not os.path.exists(args.wait_file):
         time.sleep(0.05)
-    serve(args.port)
+    serve(args.port, args.host)
 
 
 if __name__ == "__main__":

@@ -66,9 +66,10 @@ class TcpProxy:
         self._flowing.set()
 
     @classmethod
-    async def start(cls, host: str, port: int) -> "TcpProxy":
+    async def start(cls, host: str, port: int, *, listen: str = "127.0.0.1") -> "TcpProxy":
+        """A relay to (host, port), on a free port of `listen` (loopback, or a test's own veth)."""
         proxy = cls(host, port)
-        proxy._server = await asyncio.start_server(proxy._accept, "127.0.0.1", 0)
+        proxy._server = await asyncio.start_server(proxy._accept, listen, 0)
         return proxy
 
     @property
@@ -76,7 +77,8 @@ class TcpProxy:
         return self._server.sockets[0].getsockname()[1]
 
     def url(self, scheme: str, path: str = "") -> str:
-        return f"{scheme}://127.0.0.1:{self.port}{path}"
+        host = self._server.sockets[0].getsockname()[0]
+        return f"{scheme}://{host}:{self.port}{path}"
 
     def cut(self, mode: str = "reset") -> int:
         """Partition the link: every live connection is reset, and new ones are reset at once

@@ -133,7 +133,7 @@ async def test_the_launched_process_gets_only_its_declared_environment(
     assert env["DELAY"] == "0" and env["SLOW_INSTANCES"] == ""  # the request's, the entry's
     assert (env["BERTH_INSTANCE"], env["BERTH_INSTANCE_INDEX"], env["BERTH_RESOURCE_ID"]) == (marker, "0", "r")
     assert env["BERTH_DEPLOYMENT"] == "/state" and env["PORT_HTTP"].isdigit()
-    allowed = {"PATH", "LANG", "LC_ALL", "TZ", "DELAY", "SLOW_INSTANCES", "PORT_HTTP", "BERTH_DEPLOYMENT",
+    allowed = {"PATH", "LANG", "LC_ALL", "TZ", "DELAY", "SLOW_INSTANCES", "PORT_HTTP", "BERTH_DEPLOYMENT", "BERTH_ADDRESS",
                "BERTH_INSTANCE", "BERTH_INSTANCE_INDEX", "BERTH_RESOURCE_ID"}  # fmt: skip
     assert set(env) <= allowed, set(env) - allowed
     await b("release", {"user": U, "resource_id": "r"})

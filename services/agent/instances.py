@@ -196,7 +196,8 @@ class Instances:
             record.spec.param,
             marker=self.marker(record.instance),
             ports=record.ports,
-            extra={"BERTH_INSTANCE_INDEX": str(owner.index), "BERTH_RESOURCE_ID": owner.resource_id},
+            extra={"BERTH_INSTANCE_INDEX": str(owner.index), "BERTH_RESOURCE_ID": owner.resource_id,
+                   "BERTH_ADDRESS": self.address},
             pre_exec=confinement.pre_exec(),
         )
 

@@ -18,7 +18,8 @@ process's variables (below) and `CATALOG_DIR`, the folder of the catalog file.
 The process's environment is built from nothing, in this order (a later one wins): `PATH`
 (`DEFAULT_PATH`) and the broker's `LANG`, `LC_ALL`, `TZ`; `HOME`, `USER`, `LOGNAME` of `user`; the
 entry's `env`; the request's `param.env` (only names in `request_env`); the operator's own:
-`PORT_<NAME>`, `VOLUME_<NAME>`, `BERTH_INSTANCE`, `BERTH_INSTANCE_INDEX`, `BERTH_RESOURCE_ID` and
+`PORT_<NAME>`, `VOLUME_<NAME>`, `BERTH_INSTANCE`, `BERTH_INSTANCE_INDEX`, `BERTH_RESOURCE_ID`,
+`BERTH_ADDRESS` (the address its ports are reached at: a program listens there) and
 `BERTH_DEPLOYMENT` when the broker has it. Nothing else of the broker's environment (its
 `REDIS_URL` and NATS credentials above all) reaches a launched process.
 
@@ -46,7 +47,7 @@ from services.processes.procfs import DEPLOYMENT
 
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
 PASSED = ("LANG", "LC_ALL", "TZ")  # harmless variables of the broker a process keeps
-INSTANCE_VARIABLES = ("BERTH_INSTANCE", "BERTH_INSTANCE_INDEX", "BERTH_RESOURCE_ID")
+INSTANCE_VARIABLES = ("BERTH_INSTANCE", "BERTH_INSTANCE_INDEX", "BERTH_RESOURCE_ID", "BERTH_ADDRESS")
 CATALOG_DIR = "CATALOG_DIR"
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/-]{0,127}")
 # The operator's variables: an entry or a request that set them could fake another instance's marker.

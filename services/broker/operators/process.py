@@ -263,7 +263,8 @@ class ProcessOperator:
                 spec.param,
                 marker=self.marker(spec.user, spec.resource_id, index),
                 ports=slot.ports,
-                extra={"BERTH_INSTANCE_INDEX": str(index), "BERTH_RESOURCE_ID": spec.resource_id},
+                extra={"BERTH_INSTANCE_INDEX": str(index), "BERTH_RESOURCE_ID": spec.resource_id,
+                       "BERTH_ADDRESS": self.host},
                 cwd=self.workdir,
                 # Pinned before it runs a single instruction of its own (children inherit it).
                 pre_exec=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
