@@ -61,6 +61,10 @@ class AgentEndpoints:
         return Stopped(req.instance, await self.agent.instances.stop(req.instance))
 
     async def status(self, req: InstancesRequest) -> InstancesReply:
+        # Probed now, not only at the probe loop's next round: a caller waiting for a new instance
+        # to be ready learns it as soon as it is (the `process` operator probes when asked, too).
+        found, _ = self.agent.instances.get(req.instances)
+        await self.agent.instances.probe([info.instance for info in found if info.state != "ready"])
         found, missing = self.agent.instances.get(req.instances)
         return InstancesReply(found, missing)
 

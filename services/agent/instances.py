@@ -262,9 +262,10 @@ class Instances:
                 log.exception("agent %s: probing instances failed", self.node)
             await asyncio.sleep(self.probe_interval)
 
-    async def probe(self) -> None:
-        """One round: every port of every running instance, at once."""
-        records = [r for r in self._records.values() if r.pid and r.state in RUNNING and r.ports]
+    async def probe(self, instances: Iterable[str] | None = None) -> None:
+        """One round: every port of every running instance (or of those named), at once."""
+        chosen = self._records.values() if instances is None else filter(None, map(self._records.get, instances))
+        records = [r for r in chosen if r.pid and r.state in RUNNING and r.ports]
         answers = await asyncio.gather(*(self._answers_all(record) for record in records))
         for record, ready in zip(records, answers):
             if self._records.get(record.instance) is not record or record.state not in RUNNING:
