@@ -89,9 +89,14 @@ async def test_the_broker_launches_where_allocation_placed(cluster, client, brok
     assert not marked(prefix)
 
 
-async def test_a_killed_agents_node_goes_down_and_its_pool_servers_are_replaced_elsewhere(
-    cluster, client, broker_call, events, spawn_agent, tmp_path
+@pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
+async def test_a_lost_agents_node_goes_down_and_its_pool_servers_are_replaced_elsewhere(
+    cluster, client, broker_call, events, spawn_agent, tmp_path, fault
 ):
+    """SIGKILL: the agent is gone, and a new one starts on its state folder. SIGSTOP: the agent
+    stalls past its TTL, then resumes as if nothing happened. Either way the broker failed its
+    servers over meanwhile, and the agent that comes back stops them: nothing runs that nothing
+    will release."""
     agents = cluster(("left", "sz", {"cpus": 2}), ("right", "sz", {"cpus": 2}))
     await registered(client, "left", "right")
     b = broker_call
@@ -104,8 +109,9 @@ async def test_a_killed_agents_node_goes_down_and_its_pool_servers_are_replaced_
     processes = [(i["pid"], procfs.start_time(i["pid"])) for i in listed]
     down = await events.subscribe(f"resource.{victim}.down")
     try:
-        agents[victim].proc.send_signal(signal.SIGKILL)
-        agents[victim].proc.wait(10)
+        agents[victim].proc.send_signal(getattr(signal, fault))
+        if fault == "SIGKILL":
+            agents[victim].proc.wait(10)
         await down.next(timeout=TTL + 10)  # the fault hit: the node's lease lapsed
     finally:
         await down.close()
@@ -119,13 +125,16 @@ async def test_a_killed_agents_node_goes_down_and_its_pool_servers_are_replaced_
 
     await eventually(replaced, timeout=30)
     assert len(await running_on(client, survivor)) == 2
-    # The agent comes back on its state folder: it adopts what still runs, and stops what the
-    # broker released while it was away (nothing holds those workloads any more).
+    # The agent comes back (on its state folder, or resumed): it adopts what still runs, and stops
+    # what the broker released while it was away (nothing holds those workloads any more).
     stopped = await events.subscribe(f"agent.{victim}.stopped")
     await events.nc.flush()  # the subscription is in place before the agent (spawned blocking) starts
     try:
-        spawn_agent(victim, "--label", "city=sz", "--label", "platform=linux", state=tmp_path / f"{victim}-state",
-                    cpus=2)
+        if fault == "SIGKILL":
+            spawn_agent(victim, "--label", "city=sz", "--label", "platform=linux",
+                        state=tmp_path / f"{victim}-state", cpus=2)
+        else:
+            agents[victim].proc.send_signal(signal.SIGCONT)
         gone = {(await stopped.next(timeout=20))[1]["instance"] for _ in lost}
     finally:
         await stopped.close()
