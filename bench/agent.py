@@ -32,6 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.allocation import EchoResponders, cpu_seconds  # noqa: E402
 from bench.stats import percentile  # noqa: E402
 from bus.client import BusClient  # noqa: E402
 from bus.connection import connect  # noqa: E402
@@ -93,11 +94,6 @@ async def until(check, timeout: float = 60.0, pause: float = 0.002) -> float:
     return time.perf_counter() - started
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def node_up(client: BusClient, node: str) -> bool:
     nodes = (await client.request("resource.list-nodes", {"nodenames": [node]}, dict))["nodes"]
     return bool(nodes) and nodes[0]["status"] == "up"
@@ -153,24 +149,12 @@ async def heartbeats(bench: Bench, client: BusClient, allocation: subprocess.Pop
     return single, beats / elapsed, cpu / beats * 1000
 
 
-async def echo_responder(nats: str) -> None:
-    nc = await connect(nats, name="bench-echo")
-
-    async def respond(msg) -> None:
-        await msg.respond(msg.data)
-
-    await nc.subscribe("bench-anchor.echo", cb=respond)
-    await nc.flush()
-    print("ready", flush=True)
-    await asyncio.Event().wait()
-
-
 async def anchors(bench: Bench, size: int) -> tuple[list[float], float]:
     """A bare NATS round trip of `size` bytes to another process, and the lease script's rate
     alone on Redis (64 at once), in this run."""
-    responder = subprocess.Popen([sys.executable, __file__, "--echo", bench.nats], stdout=subprocess.PIPE, text=True)
+    responder = EchoResponders(bench.nats, "bench-anchor.echo")
+    responder.scale(1)
     try:
-        assert responder.stdout.readline().strip() == "ready"
         nc = await connect(bench.nats, name="bench-anchor", worker=False)
         payload, times = b"x" * size, []
         for _ in range(500):
@@ -179,8 +163,7 @@ async def anchors(bench: Bench, size: int) -> tuple[list[float], float]:
             times.append(time.perf_counter() - began)
         await nc.close()
     finally:
-        responder.terminate()
-        responder.wait(10)
+        responder.stop()
     redis = connect_redis(bench.redis, max_connections=64)
     store = NodeStore(redis, bench.prefix)
     queue = iter(range(5000))
@@ -299,11 +282,7 @@ def main() -> None:
     parser.add_argument("--beats", type=int, default=5000, help="heartbeats timed with 64 callers")
     parser.add_argument("--launches", type=int, default=10, help="launches timed per operator")
     parser.add_argument("--deaths", type=int, default=5, help="agents killed")
-    parser.add_argument("--echo", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.echo:
-        asyncio.run(echo_responder(args.echo))
-        return
     from services.servers import start_nats, start_redis
 
     state = Path(tempfile.mkdtemp(prefix="berth-bench-agent-"))

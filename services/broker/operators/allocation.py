@@ -45,7 +45,7 @@ from services.allocation.messages import AllocateReply, ListNodesReply, NodeSumm
 from services.broker.config import InstanceTypes
 from services.broker.layout import key_base
 from services.broker.messages import BlockDetail, Endpoint, ResourceParam, ServiceInfo
-from services.broker.operators.base import LaunchSpec, OperatorError
+from services.broker.operators.base import LaunchSpec, OperatorError, service_info
 from services.broker.views import unreserved
 from services.processes.catalog import Catalog, check_command
 
@@ -326,14 +326,8 @@ class AllocationOperator:
         ]
         dead = sum(1 for info in states.values()
                    if info == "lost" or (isinstance(info, InstanceInfo) and info.state == "exited"))
-        waiting = len(placed) - len(endpoints) - dead
-        if not placed or (waiting and not dead):
-            status, message = "staging", f"{len(endpoints)} of {len(placed)} instances ready"
-        elif dead:
-            status, message = "failed", f"{dead} of {len(placed)} instances exited or lost with their node"
-        else:
-            status, message = "running", ""
-        return ServiceInfo(status, message, len(placed), len(endpoints), endpoints)
+        starting = len(placed) - len(endpoints) - dead
+        return service_info(endpoints, len(placed), starting, dead, "exited or were lost with their node")
 
     async def running_instances(self, user: str, resource_ids: list[str]) -> list[int]:
         async def running(resource_id: str) -> int:

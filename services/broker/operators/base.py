@@ -11,7 +11,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from services.broker.messages import BlockDetail, ResourceParam, ServiceInfo
+from services.broker.messages import BlockDetail, Endpoint, ResourceParam, ServiceInfo
+
+
+def service_info(endpoints: list[Endpoint], instances: int, starting: int, dead: int, why_dead: str) -> ServiceInfo:
+    """crm's service status from what the instances do: `staging` while one is still starting,
+    then `failed` if one is dead (`why_dead` says how they died), else `running`."""
+    if not instances or starting:
+        status, message = "staging", f"{len(endpoints)} of {instances} instances ready"
+    elif dead:
+        status, message = "failed", f"{dead} of {instances} instances {why_dead}"
+    else:
+        status, message = "running", ""
+    return ServiceInfo(status, message, instances, len(endpoints), endpoints)
 
 
 class OperatorError(Exception):

@@ -33,7 +33,7 @@ from redis.asyncio import Redis
 from bus import scripts
 from services.broker.layout import key_base
 from services.broker.messages import BlockDetail, Endpoint, ResourceParam, ServiceInfo
-from services.broker.operators.base import LaunchSpec, OperatorError
+from services.broker.operators.base import LaunchSpec, OperatorError, service_info
 from services.broker.views import unreserved
 from services.processes import procfs
 from services.processes.catalog import Catalog, check_command
@@ -283,14 +283,7 @@ class ProcessOperator:
             for (index, slot), state in zip(slots.items(), states)
             if state == "ready"
         ]
-        dead = states.count("dead")
-        if not slots or "starting" in states:
-            status, message = "staging", f"{len(endpoints)} of {len(slots)} instances ready"
-        elif dead:
-            status, message = "failed", f"{dead} of {len(slots)} instances exited"
-        else:
-            status, message = "running", ""
-        return ServiceInfo(status, message, len(slots), len(endpoints), endpoints)
+        return service_info(endpoints, len(slots), states.count("starting"), states.count("dead"), "exited")
 
     async def running_instances(self, user: str, resource_ids: list[str]) -> list[int]:
         every = await self.table.load_many(user, resource_ids)
