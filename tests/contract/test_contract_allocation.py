@@ -46,7 +46,7 @@ STATUS = {
     "invalid_argument": 400, "invalid_cpu": 400, "invalid_memory": 400, "invalid_cpu_map": 400,
     "invalid_numa_cpu": 400, "invalid_numa_memory": 400, "invalid_volume": 400, "invalid_storage": 400,
     "node_not_found": 404, "plugin_not_found": 404, "workload_not_found": 404,
-    "node_exists": 409, "workload_exists": 409, "node_not_empty": 409,
+    "node_exists": 409, "workload_exists": 409, "node_not_empty": 409, "node_down": 409, "node_draining": 409,
     "insufficient_capacity": 409, "insufficient_resource": 409,
     "internal": 500,
 }
@@ -1655,3 +1655,44 @@ async def test_absent_workload_resource_request_means_empty_request(wire):
         assert reply["nodes_deploy_capacity_map"][node]["capacity"] == capacity
     merged = await wire.ok("resource.get-nodes-deploy-capacity", {"nodenames": [node]})
     assert merged["nodes_deploy_capacity_map"][node]["capacity"] == 10000
+
+
+
+# -- node liveness (README "Agents": the lease and what "down" means) ------------------------------
+
+
+async def test_a_heartbeat_renews_a_lease_and_a_lapsed_one_takes_the_node_out_until_the_next(wire):
+    """`resource.node-heartbeat {nodename, ttl_seconds, draining?, agent?}` -> `{nodename, status,
+    was, lease_expires}`; a node without a heartbeat past its TTL is `down` (an event
+    `resource.<node>.down` with `before`/`after` `{status}`), refused `node_down` (409) by a deploy
+    that names it, listed with its `status` and `lease`; the next heartbeat brings it `up`."""
+    node = await new_node(wire, "beat")
+    capture = await wire.capture(f"resource.{node}.*")
+    t0 = time.time()
+    beat = await wire.ok("resource.node-heartbeat", {"nodename": node, "ttl_seconds": 0.5,
+                                                     "agent": {"address": "10.9.8.7", "running": 1}})
+    assert set(beat) == {"nodename", "status", "was", "lease_expires"}
+    assert (beat["nodename"], beat["status"], beat["was"]) == (node, "up", "up")
+    assert isinstance(beat["lease_expires"], float) and beat["lease_expires"] > t0
+    listed = (await wire.ok("resource.list-nodes", {"nodenames": [node]}))["nodes"][0]
+    assert listed["status"] == "up" and set(listed["lease"]) == {"expires", "last_heartbeat", "ttl_seconds", "agent"}
+    assert listed["lease"]["agent"]["address"] == "10.9.8.7"
+    _, down = await capture.first(wire.subject(f"events.resource.{node}.down"))
+    check_event(wire, wire.subject(f"events.resource.{node}.down"), down, node, "down", t0, time.time())
+    assert (down["before"], down["after"]) == ({"status": "up"}, {"status": "down"})
+    assert_error(await wire.request("resource.allocate", deploy(node, BOUND_ONE)), "node_down", "nodename")
+    back = await wire.ok("resource.node-heartbeat", {"nodename": node, "ttl_seconds": 600})
+    assert (back["status"], back["was"]) == ("up", "down")
+    await capture.first(wire.subject(f"events.resource.{node}.up"))
+    assert (await wire.ok("resource.list-nodes", {"nodenames": [node]}))["nodes"][0]["status"] == "up"
+
+
+@pytest.mark.parametrize("payload, field", [
+    ({"ttl_seconds": 5}, "nodename"),
+    ({"nodename": "x"}, "ttl_seconds"),
+    ({"nodename": "x", "ttl_seconds": "5"}, "ttl_seconds"),
+    ({"nodename": "x", "ttl_seconds": 5, "draining": None}, "draining"),
+    ({"nodename": "x", "ttl_seconds": 5, "agent": {"running": -1}}, "agent.running"),
+])
+async def test_a_malformed_heartbeat_is_invalid_argument_naming_the_field(wire, payload, field):
+    assert_error(await wire.request("resource.node-heartbeat", payload), "invalid_argument", field)
