@@ -1,0 +1,193 @@
+"""How allocation workers add up: 1 to 4 worker processes, each capped at a share of one CPU, as
+N machines would be, for spread and pack, by names and by labels.
+
+    .venv/bin/python bench/scaling.py [--cpu-quota 0.25] [--workers 1,2,3,4] [--nodes 2000]
+                                      [--placements 3000] [--clients 64] [--nats URL --redis URL]
+
+Each worker process gets a CPU cap of its own (`--cpu-quota` of one core): a cgroup v1 `cpu` group
+with `cpu.cfs_quota_us` (or a cgroup v2 group with `cpu.max`), whichever this host has; when neither
+can be written the script says so and stops. The servers and the load client are not capped. The
+client is written from the contract: plain msgpack, a unique `request_id` per call, `--clients`
+concurrent callers, 1.5 bound CPUs + 2 GiB per placement on `--nodes` nodes of 64 cores. Each row
+is placements/s with N workers and its efficiency, rate(N) / (N x rate(1)); beside them, each
+worker's CPU per 1,000 placements (from its own /proc stat) and, in the same run, the rate of as
+many bare echo responders under the same caps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import nats  # noqa: E402
+
+from bench.allocation import LABELS, REQUEST, EchoResponders, Requests, add_nodes, cpu_seconds, load  # noqa: E402
+from services.servers import start_nats, start_redis  # noqa: E402
+
+V1 = Path("/sys/fs/cgroup/cpu")
+V2 = Path("/sys/fs/cgroup")
+PERIOD_US = 100_000
+
+
+class CpuCaps:
+    """A cgroup per capped process under a parent of this run's own; removed at the end."""
+
+    def __init__(self, quota: float) -> None:
+        self.quota = quota
+        self.name = f"berth-scaling-{os.getpid()}"
+        if (V1 / "cpu.cfs_quota_us").exists():
+            self.kind, self.parent = "cgroup v1 cpu.cfs_quota_us", V1 / self.name
+        elif (V2 / "cgroup.controllers").exists() and "cpu" in (V2 / "cgroup.controllers").read_text().split():
+            self.kind, self.parent = "cgroup v2 cpu.max", V2 / self.name
+        else:
+            raise SystemExit("no cgroup cpu controller here (neither /sys/fs/cgroup/cpu nor a v2 cpu.max): "
+                             "cannot cap the workers")
+        try:
+            self.parent.mkdir(exist_ok=True)
+            if self.kind.startswith("cgroup v2"):
+                (self.parent / "cgroup.subtree_control").write_text("+cpu")
+        except OSError as error:
+            raise SystemExit(f"cannot write {self.parent} ({error}): cannot cap the workers") from None
+        self.groups: list[Path] = []
+
+    def cap(self, pid: int) -> None:
+        group = self.parent / f"p{pid}"
+        group.mkdir()
+        quota = int(self.quota * PERIOD_US)
+        if self.kind.startswith("cgroup v1"):
+            (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+            (group / "cpu.cfs_quota_us").write_text(str(quota))
+        else:
+            (group / "cpu.max").write_text(f"{quota} {PERIOD_US}")
+        (group / "cgroup.procs").write_text(str(pid))
+        self.groups.append(group)
+
+    def close(self) -> None:
+        root = V1 if self.kind.startswith("cgroup v1") else V2
+        for group in self.groups:
+            for pid in filter(None, (group / "cgroup.procs").read_text().split()):
+                try:
+                    (root / "cgroup.procs").write_text(pid)  # back to the root before the group goes
+                except OSError:
+                    pass
+            group.rmdir()
+        self.parent.rmdir()
+
+
+class Capped:
+    """Worker (or echo) processes started one by one, each capped as it starts."""
+
+    def __init__(self, argv: list[str], caps: CpuCaps) -> None:
+        self.argv, self.caps = argv, caps
+        self.procs: list[subprocess.Popen] = []
+
+    def scale(self, count: int) -> None:
+        while len(self.procs) < count:
+            proc = subprocess.Popen(self.argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            self.caps.cap(proc.pid)  # capped before it serves: its "ready" comes under the cap
+            if not proc.stdout.readline().startswith("ready"):
+                raise RuntimeError(f"{self.argv[:4]} did not start")
+            self.procs.append(proc)
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.terminate()
+        for proc in self.procs:
+            proc.wait(30)
+        self.procs.clear()
+
+
+async def measure(args, caps: CpuCaps, nats_url: str, redis_url: str) -> dict:
+    results: dict = {}
+    for count in args.workers:
+        prefix = f"scale{uuid.uuid4().hex[:8]}"  # fresh nodes for each worker count
+        workers = Capped([sys.executable, "-m", "services.runner", "services.allocation.worker", "--nats", nats_url,
+                          "--redis", redis_url, "--prefix", prefix, "--memory-stream"], caps)
+        echo = EchoResponders(nats_url, f"{prefix}.echo")
+        nc = await nats.connect(nats_url, name="bench-scaling")
+        try:
+            workers.scale(count)
+            names = [f"node-{i:06d}-rack-b" for i in range(args.nodes)]
+            await add_nodes(nc, prefix, names, 64, LABELS)
+            echo.scale(count)
+            for pid in (p.pid for p in echo.procs):
+                caps.cap(pid)
+            subject = f"{prefix}.resource.allocate"
+            for selector in ("names", "labels"):
+                chosen = {"nodenames": names} if selector == "names" else {"labels": LABELS}
+                raw = await load(nc, echo.subject, Requests(chosen).next, args.placements, args.clients)
+                for strategy in ("spread", "pack"):
+                    requests = Requests({**chosen, "strategy": strategy, "deploy_count": 1,
+                                         "workload_resource_request": REQUEST})
+                    for _ in range(count * 4):  # every worker builds its view before timing
+                        await nc.request(subject, requests.next(), timeout=60)
+                    before = sum(cpu_seconds(p.pid) for p in workers.procs)
+                    run = await load(nc, subject, requests.next, args.placements, args.clients)
+                    cpu = sum(cpu_seconds(p.pid) for p in workers.procs) - before
+                    placed = max(1, len(run.latencies))
+                    results[(strategy, selector, count)] = (run.rate, cpu / placed * 1000, raw.rate, dict(run.errors))
+                    print(f"  {count} worker(s), {strategy} by {selector}: {run.row()}", file=sys.stderr, flush=True)
+        finally:
+            await nc.close()
+            workers.stop()
+            echo.stop()
+    return results
+
+
+def table(args, results: dict, kind: str) -> None:
+    print(f"allocate, each worker capped at {args.cpu_quota:g} CPU ({kind}), {args.nodes:,} nodes, "
+          f"{args.clients} clients, a unique request_id per call")
+    print("| allocate | " + " | ".join(f"{n} worker{'s' if n > 1 else ''}" for n in args.workers) + " | efficiency at "
+          + ", ".join(str(n) for n in args.workers[1:]) + " | worker CPU s / 1,000 placements | "
+          + "bare echo, same caps |")
+    print("|---" * (len(args.workers) + 4) + "|")
+    for strategy in ("spread", "pack"):
+        for selector in ("names", "labels"):
+            rates = [results[(strategy, selector, n)][0] for n in args.workers]
+            base = rates[0]
+            efficiency = [f"{rate / (n * base):.2f}" for rate, n in zip(rates[1:], args.workers[1:])]
+            cpu = " / ".join(f"{results[(strategy, selector, n)][1]:.3f}" for n in args.workers)
+            echo = [f"{results[(strategy, selector, n)][2]:,.0f}" for n in args.workers]
+            print(f"| {strategy}, by {selector} | " + " | ".join(f"{r:,.0f}/s" for r in rates) + " | "
+                  + ", ".join(efficiency) + f" | {cpu} | " + " / ".join(echo) + " |")
+    errors = {key: err for key, (_, _, _, err) in results.items() if err}
+    if errors:
+        print("errors:", errors)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nats")
+    parser.add_argument("--redis")
+    parser.add_argument("--cpu-quota", type=float, default=0.25, help="share of one CPU per worker process")
+    parser.add_argument("--workers", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 3, 4])
+    parser.add_argument("--nodes", type=int, default=2000)
+    parser.add_argument("--placements", type=int, default=3000)
+    parser.add_argument("--clients", type=int, default=64)
+    args = parser.parse_args()
+    caps = CpuCaps(args.cpu_quota)
+    servers = []
+    try:
+        if not (args.nats and args.redis):
+            state = Path(tempfile.mkdtemp(prefix="berth-bench-"))
+            servers = [start_nats(state / "nats"), start_redis(state / "redis", appendonly=False)]
+            args.nats, args.redis = servers[0].url, servers[1].url
+        results = asyncio.run(measure(args, caps, args.nats, args.redis))
+        table(args, results, caps.kind)
+    finally:
+        for server in servers:
+            server.stop()
+        caps.close()
+
+
+if __name__ == "__main__":
+    main()
