@@ -74,3 +74,19 @@ def test_pack_prefers_a_node_no_other_worker_is_racing_for_while_one_has_room():
     contended = {"n4-3"}.__contains__
     assert view.plan("pack", 1, contended)[0] == {"n4-1": 1}
     assert view.plan("pack", 4, contended)[0] == {"n4-1": 3, "n4-3": 1}  # n4-1 is full: back to n4-3
+
+
+def test_a_worker_plans_on_its_own_nodes_first_and_on_the_others_when_none_of_its_own_fits():
+    view = CapacityView(["n2-0", "n2-1", "n4-3"], capacity_of, owned={"n2-0", "n2-1"}.__contains__)
+    view.update(record(name) for name in view.nodes)
+    assert view.plan("pack", 1)[0] == {"n2-1": 1}  # the fullest of its own, not n4-3 (fuller, not its)
+    assert view.plan("spread", 2)[0] == {"n2-0": 2}  # its emptiest, twice: n2-1 now has 2 instances more
+    assert view.plan("pack", 3)[0] == {"n2-1": 1, "n4-3": 2}  # its own are full: the others' take the rest
+
+
+def test_only_its_own_stale_nodes_are_needed_before_planning_and_a_refused_node_always_is():
+    view = CapacityView(["n2-0", "n2-1"], capacity_of, owned={"n2-0"}.__contains__)
+    assert view.take_stale(owned_only=True) == ["n2-0"]
+    assert view.stale == {"n2-1"}  # still stale: read when a query needs every node
+    view.mark_stale("n2-1", urgent=True)  # a commit to it was refused
+    assert view.take_stale(owned_only=True) == ["n2-1"] and not view.stale

@@ -18,6 +18,7 @@ from bus.tasks import cancel_and_wait
 from services.allocation.directory import NodeDirectory, matches
 from services.allocation.errors import no_node_matches, node_not_found
 from services.allocation.plugin_set import Keyed, PluginSet
+from services.allocation.shards import Shards
 from services.allocation.store import NodeRecord, NodeStore
 from services.allocation.view import CapacityView, Selection, Views
 
@@ -25,15 +26,17 @@ log = logging.getLogger("berth.allocation")
 
 
 class Fleet:
-    def __init__(self, store: NodeStore, plugins: PluginSet) -> None:
+    def __init__(self, store: NodeStore, plugins: PluginSet, shards: Shards | None = None) -> None:
         self.store = store
         self.plugins = plugins
-        self.views = Views()
+        self.shards = shards
+        self.views = Views(owned=shards.mine if shards is not None else lambda node: True)
         self.directory = NodeDirectory(store)
         self.watching = False
 
-    async def view(self, names: list[str], nodes: Selection, requests: Keyed) -> CapacityView:
-        """The standing capacity view for this request over these nodes, refreshed where it is stale."""
+    async def view(self, names: list[str], nodes: Selection, requests: Keyed, *, planning: bool = False) -> CapacityView:
+        """The standing capacity view for this request over these nodes, refreshed where it is stale
+        (`planning`: only the nodes this worker plans on first; see shards.py)."""
         request_keys = tuple(encode(requests[name]) for name in names)
         key = (tuple(names), request_keys, nodes.key)
         view = self.views.get(key) if self.watching else None
@@ -41,7 +44,8 @@ class Fleet:
             compute = self.plugins.capacity_function(
                 names, requests, dict(zip(names, request_keys)), strict=not nodes.dynamic
             )
-            view = CapacityView(await self.members(nodes), compute, selection=nodes if nodes.dynamic else None)
+            view = CapacityView(await self.members(nodes), compute, selection=nodes if nodes.dynamic else None,
+                                owned=self.views.owned)
             if self.watching:
                 self.views.put(key, view)
         elif nodes.dynamic:
@@ -50,24 +54,29 @@ class Fleet:
             raise no_node_matches(nodes)
         if not view.ready:  # its first computation: every request needs it
             async with view.lock:
-                await self._refresh(view, nodes)
-        elif view.stale and not view.lock.locked():
+                await self._refresh(view, nodes, owned_only=False)
+        elif (view.stale_owned if planning else view.stale) and not view.lock.locked():
             # Nodes other workers changed: read them again, but let no request wait for it (the
             # view is a hint; every commit re-checks the node), or each would queue on the lock.
             async with view.lock:
-                await self._refresh(view, nodes)
+                await self._refresh(view, nodes, owned_only=planning)
         return view
 
-    async def _refresh(self, view: CapacityView, nodes: Selection) -> None:
-        """Read the view's stale nodes again and recompute them."""
-        if not view.stale:
+    async def refresh(self, view: CapacityView, nodes: Selection) -> None:
+        """Read every stale node of the view again, this worker's or not."""
+        async with view.lock:
+            await self._refresh(view, nodes, owned_only=False)
+
+    async def _refresh(self, view: CapacityView, nodes: Selection, *, owned_only: bool) -> None:
+        """Read the view's stale nodes (those this worker owns, or all) again and recompute them."""
+        todo = view.take_stale(owned_only)
+        if not todo:
             return
-        todo = list(view.stale)
-        view.stale.clear()
         records = await self.store.load_many(todo)
         missing = [node for node, record in records.items() if record is None]
         if missing and not nodes.dynamic:
-            view.stale.update(missing)  # look again next time; it may have been added by then
+            for node in missing:  # look again next time; it may have been added by then
+                view.mark_stale(node)
             raise node_not_found(missing[0])
         for node in missing:
             view.leave(node)

@@ -32,6 +32,7 @@ from services.allocation.errors import (
 )
 from services.allocation.fleet import Fleet
 from services.allocation.leases import Heartbeat, Leases
+from services.allocation.shards import Shards
 from services.allocation.messages import Allocation, NodeEvent
 from services.allocation.plugin import DeployCapacity, EngineInfo, ResourcePlugin
 from services.allocation.plugin_set import (
@@ -74,7 +75,8 @@ class AllocationManager:
         self.store = store
         self.plugins = PluginSet(plugins)
         self.events = events
-        self.fleet = Fleet(store, self.plugins)
+        self.shards = Shards(store.redis, store.prefix)
+        self.fleet = Fleet(store, self.plugins, self.shards)
         self.committer = Committer(
             store, self.plugins, self.fleet, VersionedOutboxes(events, store.batch, store.pending_key, store.outbox_key),
             release=self.give_back,
@@ -82,19 +84,30 @@ class AllocationManager:
         )
         self.deploys = self.committer.deploys
         self.leases = Leases(store, self.committer)
-        self._lease_sweeper: asyncio.Task | None = None
+        self._chores: list[asyncio.Task] = []
 
     async def watch(self, sweep_interval: float = 5.0, lease_interval: float = 0.5) -> None:
         """Follow every worker's change events to keep views fresh; reap what dead workers left;
-        every `lease_interval` mark down the nodes whose agent's lease lapsed."""
+        every `lease_interval` mark down the nodes whose agent's lease lapsed; every second renew
+        this worker's share of the nodes (shards.py)."""
         await self.fleet.watch(self.events, sweep_interval, self.committer.recover)
-        if self._lease_sweeper is None:
-            self._lease_sweeper = asyncio.create_task(every(lease_interval, self.leases.sweep, "lease sweep"))
+        if not self._chores:
+            await self._reshard()
+            self._chores = [
+                asyncio.create_task(every(lease_interval, self.leases.sweep, "lease sweep")),
+                asyncio.create_task(every(1.0, self._reshard, "worker membership")),
+            ]
+
+    async def _reshard(self) -> None:
+        if await self.shards.renew():
+            log.info("%d allocation workers: this one plans first on its share of the nodes", len(self.shards.workers))
+            self.fleet.views.resharded()
 
     async def unwatch(self) -> None:
-        if self._lease_sweeper is not None:
-            await cancel_and_wait(self._lease_sweeper)
-            self._lease_sweeper = None
+        if self._chores:
+            await cancel_and_wait(*self._chores)
+            self._chores = []
+            await self.shards.leave()
         await self.fleet.unwatch()
 
     async def _existing(self, node: str) -> NodeRecord:
@@ -350,6 +363,7 @@ class AllocationManager:
             return cleared
 
         views = self.fleet.views
+        failure: BerthError | None = None
         for replan in range(replans):
             reservation = Reservation.none()
             try:
@@ -361,9 +375,11 @@ class AllocationManager:
             except BerthError as error:
                 if not await lost_run_given_back(error):
                     raise
+                failure = error
             except NodeFilledUp as filled:
-                views.invalidate(filled.node)  # its record changed under the view: read it afresh
+                views.invalidate(filled.node, urgent=True)  # its record changed under the view: read it afresh
                 views.contend(filled.node)
+                failure = filled.error
                 if nodes.single or replan == replans - 1:
                     if not await lost_run_given_back(filled.error):
                         raise filled.error from None
@@ -371,7 +387,7 @@ class AllocationManager:
                     log.debug("node %s filled up during allocate; planning again", filled.node)
             finally:
                 reservation.settle_all()
-        raise AssertionError("unreachable")
+        raise failure  # every replan met a node that filled up first
 
     async def _instances(self, nodes: Selection, strategy: str, count: int) -> int:
         """How many instances an allocate places in all (`each`: `count` on every selected node)."""
@@ -400,9 +416,16 @@ class AllocationManager:
         """Where the instances go, reserved in the view until each node's deploy is settled."""
         if nodes.single:
             return {nodes.single: count}, Reservation.none()
-        view = await self.fleet.view(list(self.plugins), nodes, requests)
+        view = await self.fleet.view(list(self.plugins), nodes, requests, planning=strategy != "each")
         if strategy == "each":
             return view.plan_each(count)
+        try:
+            return view.plan(strategy, count, self.fleet.views.contended)
+        except BerthError as error:
+            if error.code != "insufficient_capacity" or not view.stale:
+                raise
+        # Other workers' nodes that changed were not read again for planning; before refusing, do.
+        await self.fleet.refresh(view, nodes)
         return view.plan(strategy, count, self.fleet.views.contended)
 
     async def _check_reply_fits(self, plan: dict[str, int], ids: list[str], requests: Keyed, limit: int) -> None:

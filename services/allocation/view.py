@@ -155,10 +155,16 @@ class CapacityView:
     entries: dict[str, Entry] = field(default_factory=dict)  # nodes with room, by name
     seen: dict[str, int] = field(default_factory=dict)  # every member's version when last computed
     stale: set[str] = field(default_factory=set)
+    # The nodes this worker plans on first (shards.py), and those of them that are stale: planning
+    # reads only these again; the others wait until a capacity query (or a refusal) needs them.
+    owned: Callable[[str], bool] = lambda node: True
+    stale_owned: set[str] = field(default_factory=set)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one refresh at a time
     pending: dict[str, int] = field(default_factory=dict)  # instances reserved by plans, per node
     ready: bool = False  # computed once: from then on requests need not wait for a refresh
-    _heaps: dict[str, list[tuple[float, int, str, int]]] = field(default_factory=dict)
+    # Per (strategy, owned): the nodes with room in that strategy's order, this worker's own apart
+    # from the others' (planning looks at the others only when none of its own fits).
+    _heaps: dict[tuple[str, bool], list[tuple[float, int, str, int]]] = field(default_factory=dict)
     _stamps: int = 0
 
     selection: Selection | None = None  # set for a membership that follows the directory
@@ -166,14 +172,35 @@ class CapacityView:
     def __post_init__(self) -> None:
         self.members = set(self.nodes)
         self.stale = set(self.nodes)  # nothing is computed yet
+        self.reshard()
+
+    def mark_stale(self, node: str, *, urgent: bool = False) -> None:
+        """`node` changed: read it again before planning on it (`urgent`: before the next plan,
+        owned or not: a commit to it was just refused)."""
+        self.stale.add(node)
+        if urgent or self.owned(node):
+            self.stale_owned.add(node)
+
+    def take_stale(self, owned_only: bool) -> list[str]:
+        """The stale nodes to read again (those planning needs, or all); no longer stale."""
+        todo = list(self.stale_owned if owned_only else self.stale)
+        self.stale.difference_update(todo)
+        self.stale_owned.clear()  # taken either way
+        return todo
+
+    def reshard(self) -> None:
+        """The workers changed, and with them which nodes this one owns."""
+        self.stale_owned = {node for node in self.stale if self.owned(node)}
+        self._heaps.clear()  # rebuilt with the new split when next planned on
 
     def join(self, node: str) -> None:
         self.members.add(node)
-        self.stale.add(node)
+        self.mark_stale(node)
 
     def leave(self, node: str) -> None:
         self.members.discard(node)
         self.stale.discard(node)
+        self.stale_owned.discard(node)
         self.entries.pop(node, None)  # heap items for it are skipped when popped
         self.seen.pop(node, None)
         self.pending.pop(node, None)
@@ -208,15 +235,15 @@ class CapacityView:
         """Choose nodes for `count` instances and reserve them in the view until they are settled.
 
         spread: each instance to the node with the lowest usage after taking it (eru's GLOBAL);
-        pack: the most-used node that still fits first, filled before the next. A node another
-        worker is committing to right now (`contended`) comes after the others that fit: with
-        several workers, each fills its own node instead of all racing for the same one.
+        pack: the most-used node that still fits first, filled before the next. This worker's own
+        nodes come first (shards.py), the others' only when none of its own fits; a node another
+        worker is committing to right now (`contended`) comes after the others that fit. With
+        several workers, each fills its own nodes instead of all racing for the same one.
         """
-        heap = self._heap(strategy)
         plan: dict[str, int] = {}
         left = count
         while left:
-            node = self._pop_preferred(heap, contended)
+            node = self._pop_preferred(strategy, contended)
             if node is None:
                 Reservation(self, plan).settle_all()
                 raise insufficient(count, count - left)
@@ -227,12 +254,12 @@ class CapacityView:
             self._reserve(node, take)
         return plan, Reservation(self, plan)
 
-    def _heap(self, strategy: str) -> list[tuple[float, int, str, int]]:
-        heap = self._heaps.get(strategy)
+    def _heap(self, strategy: str, owned: bool) -> list[tuple[float, int, str, int]]:
+        heap = self._heaps.get((strategy, owned))
         if heap is None:
-            heap = [self._item(strategy, node, e) for node, e in self.entries.items()]
+            heap = [self._item(strategy, node, e) for node, e in self.entries.items() if self.owned(node) == owned]
             heapq.heapify(heap)
-            self._heaps[strategy] = heap
+            self._heaps[(strategy, owned)] = heap
         return heap
 
     def _item(self, strategy: str, node: str, entry: Entry) -> tuple[float, int, str, int]:
@@ -240,25 +267,30 @@ class CapacityView:
         # replicas planning at the same moment pick different nodes instead of colliding on one.
         return _score(strategy, entry.capacity), zlib.crc32(node.encode(), _SALT), node, entry.stamp
 
-    def _pop_preferred(self, heap: list[tuple[float, int, str, int]], contended: Callable[[str], bool]) -> str | None:
-        """The best node with room that is not contended, else the best node with room."""
-        aside = []
-        while heap:
-            item = heapq.heappop(heap)
-            _, _, node, stamp = item
-            entry = self.entries.get(node)
-            if entry is None or entry.stamp != stamp or entry.capacity.capacity <= 0:
-                continue  # outdated
-            if not contended(node):
+    def _pop_preferred(self, strategy: str, contended: Callable[[str], bool]) -> str | None:
+        """The best node with room that is not contended, this worker's own first; else the best
+        contended node with room."""
+        aside: list[tuple[list, tuple]] = []
+        found = None
+        for owned in (True, False):
+            heap = self._heap(strategy, owned)
+            while heap and found is None:
+                item = heapq.heappop(heap)
+                _, _, node, stamp = item
+                entry = self.entries.get(node)
+                if entry is None or entry.stamp != stamp or entry.capacity.capacity <= 0:
+                    continue  # outdated
+                if contended(node):
+                    aside.append((heap, item))
+                else:
+                    found = item
+            if found is not None:
                 break
-            aside.append(item)
-        else:
-            if not aside:
-                return None
-            item = aside.pop(0)
-        for other in aside:
-            heapq.heappush(heap, other)
-        return item[2]
+        if found is None and aside:
+            _, found = aside.pop(0)
+        for heap, item in aside:
+            heapq.heappush(heap, item)
+        return found[2] if found is not None else None
 
     def _reserve(self, node: str, taken: int) -> None:
         """Count `taken` more instances (fewer, if negative) as being placed on `node`."""
@@ -278,8 +310,10 @@ class CapacityView:
         self._stamps += 1
         entry.stamp = self._stamps
         if entry.capacity.capacity > 0:
-            for strategy, heap in self._heaps.items():
-                heapq.heappush(heap, self._item(strategy, node, entry))
+            owned = self.owned(node)
+            for (strategy, heap_owned), heap in self._heaps.items():
+                if heap_owned == owned:
+                    heapq.heappush(heap, self._item(strategy, node, entry))
 
 
 _SALT = int.from_bytes(os.urandom(4), "big")
@@ -293,9 +327,12 @@ def _score(strategy: str, cap: DeployCapacity) -> float:
 class Views:
     """The views a worker holds, least recently used dropped first."""
 
-    def __init__(self, limit: int = 16, contention_seconds: float = 0.05) -> None:
+    def __init__(
+        self, limit: int = 16, contention_seconds: float = 0.05, owned: Callable[[str], bool] = lambda node: True
+    ) -> None:
         self.limit = limit
         self.contention_seconds = contention_seconds
+        self.owned = owned  # the nodes this worker plans on first (shards.py)
         self._contended: dict[str, float] = {}  # node -> until when another worker races us for it
         self._views: OrderedDict[tuple, CapacityView] = OrderedDict()
         # The records views were last computed from; a commit may start from one (its version
@@ -318,6 +355,10 @@ class Views:
     def contend(self, node: str) -> None:
         """Another worker committed to `node` while we meant to: prefer other nodes for a moment."""
         self._contended[node] = time.monotonic() + self.contention_seconds
+
+    def resharded(self) -> None:
+        for view in self._views.values():
+            view.reshard()
 
     def contended(self, node: str) -> bool:
         until = self._contended.get(node)
@@ -346,12 +387,13 @@ class Views:
         while len(self._views) > self.limit:
             self._views.popitem(last=False)
 
-    def invalidate(self, node: str) -> None:
+    def invalidate(self, node: str, *, urgent: bool = False) -> None:
+        """`node` changed (`urgent`: a commit to it was refused: read it before the next plan)."""
         self._records.pop(node, None)
         self._known.pop(node, None)
         for view in self._views.values():
             if node in view.members:
-                view.stale.add(node)
+                view.mark_stale(node, urgent=urgent)
 
     def relabelled(self, node: str, labels: dict[str, str] | None) -> None:
         """A node appeared, went away or changed labels: it joins or leaves the label selections."""
@@ -369,3 +411,4 @@ class Views:
         self._known.clear()
         for view in self._views.values():
             view.stale.update(view.members)
+            view.reshard()

@@ -1,0 +1,73 @@
+"""Which nodes this allocation worker plans on first, so that workers add up instead of racing.
+
+Every worker places on the node its strategy likes best. With several workers that is the same
+node for all of them (pack: the fullest that fits; spread: one of the emptiest), so their commits
+meet on one record and all but one compute again; and every worker reads again each node another
+one changed, whether or not it will place there. So the nodes are split between the workers: each
+node has an owner, chosen by rendezvous hashing over the live workers (the worker whose hash of
+(worker, node) is highest), and a worker plans on the nodes it owns first, and on the others only
+when none of its own fits. Within its share, a worker keeps its strategy's meaning: pack fills the
+fullest of its nodes that fits, spread the emptiest. The split is only a preference: every commit
+still re-checks its node, so two workers on one node cost a retry, never an over-commit.
+
+Workers find each other through Redis: a sorted set `<prefix>:allocation:workers` of worker ids
+scored by when their membership ends (ms of the Redis server's clock), renewed every second for
+three. A worker that stops leaves the set at once; one that dies leaves it when its membership
+ends; either way the others take its nodes over (rendezvous hashing moves only its share).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+
+from redis.asyncio import Redis
+
+MEMBERSHIP_MS = 3000
+
+
+class Shards:
+    def __init__(self, redis: Redis, prefix: str, worker: str | None = None) -> None:
+        self.redis = redis
+        self.key = f"{prefix}:allocation:workers"
+        self.worker = worker or uuid.uuid4().hex
+        self.workers: tuple[str, ...] = (self.worker,)
+        self._others: tuple[bytes, ...] = ()
+        self._owned: dict[str, bool] = {}  # the answers so far, until the workers change
+
+    def mine(self, node: str) -> bool:
+        """Whether this worker owns `node` (every node, while it is the only worker)."""
+        if not self._others:
+            return True
+        owned = self._owned.get(node)
+        if owned is None:
+            name = node.encode()
+            own = _weight(name, self.worker.encode())
+            owned = self._owned[node] = all((own, self.worker.encode()) > (_weight(name, other), other) for other in self._others)
+        return owned
+
+    async def renew(self) -> bool:
+        """Renew this worker's membership and read the others'; whether the workers changed."""
+        seconds, micros = await self.redis.time()
+        now = seconds * 1000 + micros // 1000
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zadd(self.key, {self.worker: now + MEMBERSHIP_MS})
+            pipe.zremrangebyscore(self.key, "-inf", now)
+            pipe.zrange(self.key, 0, -1)
+            *_, members = await pipe.execute()
+        workers = tuple(sorted(member.decode() for member in members))
+        if workers == self.workers:
+            return False
+        self.workers = workers
+        self._others = tuple(w.encode() for w in workers if w != self.worker)
+        self._owned.clear()
+        return True
+
+    async def leave(self) -> None:
+        await self.redis.zrem(self.key, self.worker)
+
+
+def _weight(node: bytes, worker: bytes) -> bytes:
+    # A keyed cryptographic hash, not a CRC: a CRC is linear in its seed, so one worker would win
+    # most nodes of a given name length whatever the name.
+    return hashlib.blake2b(node, key=worker[:64], digest_size=8).digest()
