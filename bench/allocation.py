@@ -211,6 +211,17 @@ class CpuShare:
         return " ".join(f"{name} {share:.0f}%" for name, share in used.items())
 
 
+class ProcessCpu:
+    """The CPU time some processes spend from now on, per 1,000 requests they answer."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids = pids
+        self.before = sum(cpu_seconds(pid) for pid in pids)
+
+    def per_thousand(self, answered: int) -> float:
+        return (sum(cpu_seconds(pid) for pid in self.pids) - self.before) / max(1, answered) * 1000
+
+
 # -- the client -----------------------------------------------------------------------------------
 
 
@@ -375,17 +386,21 @@ async def bench_allocate(table: Table, args, nc, prefix, names, workers: Workers
         for selector in ("names", "labels"):
             chosen = {"nodenames": names} if selector == "names" else {"labels": LABELS}
             size = Requests(chosen).size()
+            echo_cpu = ProcessCpu([p.pid for p in echo.procs])
             raw = await load(nc, echo.subject, Requests(chosen).next, args.placements, args.clients)
             shown = f"{size / 1024:.1f} KiB" if size >= 1024 else f"{size} B"
-            table.add(f"anchor: raw NATS, {count} echo responder(s), {shown} requests", raw.row(), "-")
+            table.add(f"anchor: raw NATS, {count} echo responder(s), {shown} requests", raw.row(),
+                      f"echo CPU {echo_cpu.per_thousand(len(raw.latencies)):.3f} s / 1,000 requests")
             for strategy in ("spread", "pack"):
                 requests = Requests({**chosen, "strategy": strategy, "deploy_count": 1, "workload_resource_request": REQUEST})
                 for _ in range(count * 4):  # every worker builds its view of the nodes before timing
                     await nc.request(subject, requests.next(), timeout=60)
                 cpu = CpuShare(pids)
+                worker_cpu = ProcessCpu([p.pid for p in workers.procs])
                 run = await load(nc, subject, requests.next, args.placements, args.clients)
                 what = f"allocate {strategy} by {selector}, {count} worker(s)"
-                table.add(what, run.row(), f"raw NATS {raw.rate:,.0f}/s; CPU: {cpu.row()}")
+                table.add(what, f"{run.row()}; worker CPU {worker_cpu.per_thousand(len(run.latencies)):.3f} s / 1,000",
+                          f"raw NATS {raw.rate:,.0f}/s ({run.rate / raw.rate:.2f} of it); CPU: {cpu.row()}")
 
 
 async def raw_lua_rate(redis, prefix: str, clients: int, total: int) -> float:

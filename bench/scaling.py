@@ -2,16 +2,20 @@
 N machines would be, for spread and pack, by names and by labels.
 
     .venv/bin/python bench/scaling.py [--cpu-quota 0.25] [--workers 1,2,3,4] [--nodes 2000]
-                                      [--placements 3000] [--clients 64] [--nats URL --redis URL]
+                                      [--placements 3000] [--clients 64] [--fixed-clients]
+                                      [--nats URL --redis URL]
 
 Each worker process gets a CPU cap of its own (`--cpu-quota` of one core): a cgroup v1 `cpu` group
 with `cpu.cfs_quota_us` (or a cgroup v2 group with `cpu.max`), whichever this host has; when neither
 can be written the script says so and stops. The servers and the load client are not capped. The
-client is written from the contract: plain msgpack, a unique `request_id` per call, `--clients`
-concurrent callers, 1.5 bound CPUs + 2 GiB per placement on `--nodes` nodes of 64 cores. Each row
-is placements/s with N workers and its efficiency, rate(N) / (N x rate(1)); beside them, each
-worker's CPU per 1,000 placements (from its own /proc stat) and, in the same run, the rate of as
-many bare echo responders under the same caps.
+client is written from the contract: plain msgpack, a unique `request_id` per call, 1.5 bound CPUs +
+2 GiB per placement on `--nodes` nodes of 64 cores. The load grows with the workers, as it does
+when one adds machines because there is more to place: `--clients` concurrent callers and
+`--placements` per worker (`--fixed-clients`: `--clients` in all, so each of N workers sees 1/N
+of the callers; a worker batches fewer commits then, and spends more CPU per placement). Each row
+is placements/s with N workers and its efficiency, rate(N) / (N x rate(1)); beside them, the
+workers' CPU per 1,000 placements (from their own /proc stat) and, in the same run and under the
+same caps, the rate of as many bare echo responders.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 import nats  # noqa: E402
 
-from bench.allocation import LABELS, REQUEST, EchoResponders, Requests, add_nodes, cpu_seconds, load  # noqa: E402
+from bench.allocation import LABELS, REQUEST, EchoResponders, ProcessCpu, Requests, add_nodes, load  # noqa: E402
 from services.servers import start_nats, start_redis  # noqa: E402
 
 V1 = Path("/sys/fs/cgroup/cpu")
@@ -122,19 +126,19 @@ async def measure(args, caps: CpuCaps, nats_url: str, redis_url: str) -> dict:
             for pid in (p.pid for p in echo.procs):
                 caps.cap(pid)
             subject = f"{prefix}.resource.allocate"
+            clients = args.clients if args.fixed_clients else args.clients * count
             for selector in ("names", "labels"):
                 chosen = {"nodenames": names} if selector == "names" else {"labels": LABELS}
-                raw = await load(nc, echo.subject, Requests(chosen).next, args.placements, args.clients)
+                raw = await load(nc, echo.subject, Requests(chosen).next, args.placements * count, clients)
                 for strategy in ("spread", "pack"):
                     requests = Requests({**chosen, "strategy": strategy, "deploy_count": 1,
                                          "workload_resource_request": REQUEST})
                     for _ in range(count * 4):  # every worker builds its view before timing
                         await nc.request(subject, requests.next(), timeout=60)
-                    before = sum(cpu_seconds(p.pid) for p in workers.procs)
-                    run = await load(nc, subject, requests.next, args.placements, args.clients)
-                    cpu = sum(cpu_seconds(p.pid) for p in workers.procs) - before
-                    placed = max(1, len(run.latencies))
-                    results[(strategy, selector, count)] = (run.rate, cpu / placed * 1000, raw.rate, dict(run.errors))
+                    cpu = ProcessCpu([p.pid for p in workers.procs])
+                    run = await load(nc, subject, requests.next, args.placements * count, clients)
+                    results[(strategy, selector, count)] = (run.rate, cpu.per_thousand(len(run.latencies)), raw.rate,
+                                                            dict(run.errors))
                     print(f"  {count} worker(s), {strategy} by {selector}: {run.row()}", file=sys.stderr, flush=True)
         finally:
             await nc.close()
@@ -144,8 +148,9 @@ async def measure(args, caps: CpuCaps, nats_url: str, redis_url: str) -> dict:
 
 
 def table(args, results: dict, kind: str) -> None:
+    callers = f"{args.clients} clients in all" if args.fixed_clients else f"{args.clients} clients per worker"
     print(f"allocate, each worker capped at {args.cpu_quota:g} CPU ({kind}), {args.nodes:,} nodes, "
-          f"{args.clients} clients, a unique request_id per call")
+          f"{callers}, a unique request_id per call")
     print("| allocate | " + " | ".join(f"{n} worker{'s' if n > 1 else ''}" for n in args.workers) + " | efficiency at "
           + ", ".join(str(n) for n in args.workers[1:]) + " | worker CPU s / 1,000 placements | "
           + "bare echo, same caps |")
@@ -172,7 +177,9 @@ def main() -> None:
     parser.add_argument("--workers", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 3, 4])
     parser.add_argument("--nodes", type=int, default=2000)
     parser.add_argument("--placements", type=int, default=3000)
-    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--clients", type=int, default=64, help="concurrent callers per worker")
+    parser.add_argument("--fixed-clients", action="store_true",
+                        help="--clients in all, whatever the number of workers (each worker then sees less load)")
     args = parser.parse_args()
     caps = CpuCaps(args.cpu_quota)
     servers = []
