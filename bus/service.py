@@ -49,7 +49,7 @@ from redis import exceptions as redis_errors
 from bus.callers import Caller, Role, caller_of, current_caller
 from bus.codec import decode, encode
 from bus.connection import subscriptions_in_place
-from bus.errors import BerthError, PermissionDenied, Unavailable
+from bus.errors import BerthError, InvalidArgument, PermissionDenied, Unavailable
 from bus.idempotency import IdempotencyStore, Reply
 from bus.replicas import ReplicaWait, collecting
 from bus.tasks import cancel_and_wait
@@ -70,6 +70,7 @@ STORE_UNREACHABLE = (
 # is freed: "not now" as well. Every commit is one script, and Redis refuses a script at its first
 # write, so a refused commit wrote nothing; the answer is `unavailable` (503), not kept for a retry.
 STORE_FULL = (redis_errors.OutOfMemoryError,)
+REPLY_HEADROOM = 4096  # of the server's max payload, left for a reply's headers
 
 
 @dataclass(frozen=True)
@@ -327,6 +328,12 @@ class Service:
                 reply = Reply(body=encode(await spec.handler(req)))
             except BerthError as error:
                 reply = error_reply(error)
+        limit = self._nc.max_payload - REPLY_HEADROOM
+        if len(reply.body) > limit:  # NATS would refuse to send it, and the caller would wait in vain
+            log.error("%s: a reply of %d bytes, over the %d the server allows", spec.subject, len(reply.body), limit)
+            reply = error_reply(InvalidArgument(
+                "request", f"the reply would take {len(reply.body)} bytes, over the {limit} the server's max "
+                "payload allows: ask for less at once", reply_bytes=len(reply.body), limit=limit))
         # Before the answer is kept or sent: a refusal may have written too (a rolled-back placement).
         # Raising here leaves nothing kept, so a retry runs again and finds what this run left.
         if self.replicas is not None:

@@ -36,6 +36,14 @@ class Fail(msgspec.Struct):
     message: str = "failed on purpose"
 
 
+class Grow(msgspec.Struct):
+    size: Annotated[int, msgspec.Meta(ge=0)]
+
+
+class Blob(msgspec.Struct):
+    data: bytes
+
+
 class Typed(msgspec.Struct):
     count: Annotated[int, msgspec.Meta(ge=0)]
     name: str
@@ -121,6 +129,9 @@ class EchoHandlers:
     async def typed(self, req: Typed) -> Typed:
         return req
 
+    async def grow(self, req: Grow) -> Blob:
+        return Blob(b"x" * req.size)
+
     async def whoami(self, req: Empty) -> Served:
         return self.served()
 
@@ -136,6 +147,7 @@ COMMANDS = [
     Command("echo.fail", Fail, Empty, "fail"),
     Command("echo.crash", Empty, Empty, "crash"),
     Command("echo.typed", Typed, Typed, "typed"),
+    Command("echo.grow", Grow, Blob, "grow"),
     Command("echo.whoami", Empty, Served, "whoami"),
     Command("echo.increment", Increment, Counted, "increment", idempotent=True),
 ]

@@ -8,7 +8,7 @@ import pytest
 from bus.errors import BerthError
 from services.allocation.plugin import DeployCapacity
 from services.allocation.store import NodeRecord
-from services.allocation.view import CapacityView
+from services.allocation.view import CapacityView, Views
 
 # A node "n<free>-<used>": room for `free` more instances, `used` already there (usage = used / 10).
 
@@ -76,12 +76,22 @@ def test_pack_prefers_a_node_no_other_worker_is_racing_for_while_one_has_room():
     assert view.plan("pack", 4, contended)[0] == {"n4-1": 3, "n4-3": 1}  # n4-1 is full: back to n4-3
 
 
-def test_a_worker_plans_on_its_own_nodes_first_and_on_the_others_when_none_of_its_own_fits():
+def test_pack_fills_its_own_nodes_first_and_the_others_when_none_of_its_own_fits():
     view = CapacityView(["n2-0", "n2-1", "n4-3"], capacity_of, owned={"n2-0", "n2-1"}.__contains__)
     view.update(record(name) for name in view.nodes)
     assert view.plan("pack", 1)[0] == {"n2-1": 1}  # the fullest of its own, not n4-3 (fuller, not its)
-    assert view.plan("spread", 2)[0] == {"n2-0": 2}  # its emptiest, twice: n2-1 now has 2 instances more
-    assert view.plan("pack", 3)[0] == {"n2-1": 1, "n4-3": 2}  # its own are full: the others' take the rest
+    assert view.plan("pack", 4)[0] == {"n2-1": 1, "n2-0": 2, "n4-3": 1}  # its own are full: the others'
+
+
+def test_spread_stays_exact_and_prefers_its_own_nodes_only_among_equally_used_ones():
+    view = CapacityView(["n3-0", "n3-2", "n3-4"], capacity_of, owned={"n3-4"}.__contains__)
+    view.update(record(name) for name in view.nodes)
+    assert view.plan("spread", 2)[0] == {"n3-0": 2}  # the least used after each, not its own n3-4
+    for owned in ("n3-0", "n4-0"):  # two empty nodes: its own first, whatever the salt says
+        view = CapacityView(["n3-0", "n4-0"], capacity_of, owned={owned}.__contains__)
+        view.update(record(name) for name in view.nodes)
+        assert view.plan("spread", 1)[0] == {owned: 1}
+        assert set(view.plan("spread", 1)[0]) == {"n3-0", "n4-0"} - {owned}  # then the emptier one
 
 
 def test_only_its_own_stale_nodes_are_needed_before_planning_and_a_refused_node_always_is():
@@ -90,3 +100,13 @@ def test_only_its_own_stale_nodes_are_needed_before_planning_and_a_refused_node_
     assert view.stale == {"n2-1"}  # still stale: read when a query needs every node
     view.mark_stale("n2-1", urgent=True)  # a commit to it was refused
     assert view.take_stale(owned_only=True) == ["n2-1"] and not view.stale
+
+
+def test_views_keep_only_the_newest_records():
+    views = Views(records_kept=2)
+    views.remember([record("n1-0"), record("n2-0"), record("n3-0")])
+    views.remember([record("n2-0", version=2)])  # remembered again: the newest now
+    views.remember([record("n4-0")])
+    assert views.take_record("n1-0") is None and views.take_record("n3-0") is None
+    assert views.take_record("n2-0").version == 2 and views.take_record("n4-0") is not None
+    assert views.known_version("n1-0") == 1  # versions are kept for every node

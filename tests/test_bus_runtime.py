@@ -103,6 +103,19 @@ async def test_bad_input_is_invalid_argument_naming_the_field(echo, client, nc, 
     assert good == Typed(count=3, name="a", flag=False)
 
 
+async def test_a_reply_over_the_max_payload_is_an_error_naming_it_not_a_timeout(echo, client, nc):
+    caught = await error_of(client.request("echo.grow", {"size": nc.max_payload + 1}, dict))
+    assert caught.code == "invalid_argument" and caught.field == "request"
+    assert caught.details["reply_bytes"] > nc.max_payload and "max payload" in str(caught)
+    assert (await client.request("echo.grow", {"size": 10}, dict))["data"] == b"x" * 10  # it still serves
+
+
+async def error_of(call) -> BusError:
+    with pytest.raises(BusError) as caught:
+        await call
+    return caught.value
+
+
 async def test_reply_is_plain_msgpack(echo, nc, prefix):
     msg = await nc.request(f"{prefix}.echo.typed", msgpack.packb({"count": 7, "name": "x", "flag": True}), timeout=5)
     assert msgpack.unpackb(msg.data) == {"count": 7, "name": "x", "flag": True, "ratio": 0.5}

@@ -16,9 +16,10 @@ from typing import Any
 import msgspec
 
 from bus.callers import Role, current_caller
+from bus.codec import encode
 from bus.errors import BerthError, InvalidArgument
 from bus.events import StreamSpec
-from bus.service import Command
+from bus.service import REPLY_HEADROOM, Command
 from schemas.common import Empty
 from services.allocation.errors import reply_too_large
 from services.allocation.manager import AllocationManager
@@ -199,7 +200,7 @@ class AllocationEndpoints:
         self.manager = manager
         self.plugin = plugin
         self.names = [plugin] if plugin else list(manager.plugins)
-        self.reply_bytes = max_payload - 4096  # what a listing's entries may take (headers, envelope)
+        self.reply_bytes = max_payload - REPLY_HEADROOM  # what a listing's entries may take
         self.max_deploy_count = max_deploy_count
 
     def _deploy_count(self, count: int) -> int:
@@ -263,11 +264,17 @@ class AllocationEndpoints:
 
     async def get_nodes_deploy_capacity(self, req: GetNodesDeployCapacityWire) -> GetNodesDeployCapacityReply:
         requests = self._in(req.workload_resource_request, "workload_resource_request")
-        capacities = await self.manager.deploy_capacity(self.names, selection(req.nodenames, req.labels), requests)
-        return GetNodesDeployCapacityReply(
+        nodes = selection(req.nodenames, req.labels)
+        capacities = await self.manager.deploy_capacity(self.names, nodes, requests)
+        reply = GetNodesDeployCapacityReply(
             {node: NodeDeployCapacityMsg(c.capacity, c.usage, c.rate, c.weight) for node, c in capacities.items()},
             total_capacity(capacities),
         )
+        size = len(encode(reply))
+        if size > self.reply_bytes:
+            raise reply_too_large("nodenames" if nodes.names is not None else "labels", size, self.reply_bytes,
+                                  f"{len(capacities)} nodes answered; select fewer at once")
+        return reply
 
     async def set_node_resource_capacity(self, req: SetNodeResourceCapacity) -> BeforeAfter:
         changed = await self.manager.set_capacity(

@@ -23,6 +23,7 @@ from services.allocation.store import NodeRecord, NodeStore
 from services.allocation.view import CapacityView, Selection, Views
 
 log = logging.getLogger("berth.allocation")
+REFRESH_CHUNK = 1000  # nodes read and recomputed at a time
 
 
 class Fleet:
@@ -68,10 +69,21 @@ class Fleet:
             await self._refresh(view, nodes, owned_only=False)
 
     async def _refresh(self, view: CapacityView, nodes: Selection, *, owned_only: bool) -> None:
-        """Read the view's stale nodes (those this worker owns, or all) again and recompute them."""
+        """Read the view's stale nodes (those this worker owns, or all) again and recompute them, a
+        chunk at a time: 50,000 records read at once would stay in the process's memory as free
+        space nothing else reuses."""
         todo = view.take_stale(owned_only)
-        if not todo:
-            return
+        done = 0
+        try:
+            for done in range(0, len(todo), REFRESH_CHUNK):
+                await self._refresh_some(view, nodes, todo[done:done + REFRESH_CHUNK])
+            done = len(todo)
+        finally:
+            for node in todo[done:]:  # not read (an error): look again next time
+                view.mark_stale(node)
+        view.ready = True
+
+    async def _refresh_some(self, view: CapacityView, nodes: Selection, todo: list[str]) -> None:
         records = await self.store.load_many(todo)
         missing = [node for node, record in records.items() if record is None]
         if missing and not nodes.dynamic:
@@ -82,7 +94,6 @@ class Fleet:
             view.leave(node)
         found = [record for record in records.values() if record is not None]
         view.update(found)
-        view.ready = True
         if self.watching:
             self.views.remember(found)
 

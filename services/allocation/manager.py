@@ -416,7 +416,8 @@ class AllocationManager:
         """Where the instances go, reserved in the view until each node's deploy is settled."""
         if nodes.single:
             return {nodes.single: count}, Reservation.none()
-        view = await self.fleet.view(list(self.plugins), nodes, requests, planning=strategy != "each")
+        # pack plans on this worker's own nodes first: only those need reading again (see view.plan)
+        view = await self.fleet.view(list(self.plugins), nodes, requests, planning=strategy == "pack")
         if strategy == "each":
             return view.plan_each(count)
         try:

@@ -162,9 +162,7 @@ class CapacityView:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one refresh at a time
     pending: dict[str, int] = field(default_factory=dict)  # instances reserved by plans, per node
     ready: bool = False  # computed once: from then on requests need not wait for a refresh
-    # Per (strategy, owned): the nodes with room in that strategy's order, this worker's own apart
-    # from the others' (planning looks at the others only when none of its own fits).
-    _heaps: dict[tuple[str, bool], list[tuple[float, int, str, int]]] = field(default_factory=dict)
+    _heaps: dict[str, list[tuple]] = field(default_factory=dict)  # per strategy: the nodes with room, best first
     _stamps: int = 0
 
     selection: Selection | None = None  # set for a membership that follows the directory
@@ -234,16 +232,18 @@ class CapacityView:
     ) -> tuple[dict[str, int], Reservation]:
         """Choose nodes for `count` instances and reserve them in the view until they are settled.
 
-        spread: each instance to the node with the lowest usage after taking it (eru's GLOBAL);
-        pack: the most-used node that still fits first, filled before the next. This worker's own
-        nodes come first (shards.py), the others' only when none of its own fits; a node another
-        worker is committing to right now (`contended`) comes after the others that fit. With
-        several workers, each fills its own nodes instead of all racing for the same one.
+        spread: each instance to the node with the lowest usage after taking it (eru's GLOBAL),
+        this worker's own nodes first among equally used ones (shards.py);
+        pack: the most-used node that still fits first, filled before the next, among this worker's
+        own nodes first: the others' only when none of its own fits. With several workers each
+        fills its own nodes instead of all racing for the same one. A node another worker is
+        committing to right now (`contended`) comes after the others that fit.
         """
+        heap = self._heap(strategy)
         plan: dict[str, int] = {}
         left = count
         while left:
-            node = self._pop_preferred(strategy, contended)
+            node = self._pop_preferred(heap, contended)
             if node is None:
                 Reservation(self, plan).settle_all()
                 raise insufficient(count, count - left)
@@ -254,43 +254,42 @@ class CapacityView:
             self._reserve(node, take)
         return plan, Reservation(self, plan)
 
-    def _heap(self, strategy: str, owned: bool) -> list[tuple[float, int, str, int]]:
-        heap = self._heaps.get((strategy, owned))
+    def _heap(self, strategy: str) -> list[tuple]:
+        heap = self._heaps.get(strategy)
         if heap is None:
-            heap = [self._item(strategy, node, e) for node, e in self.entries.items() if self.owned(node) == owned]
+            heap = [self._item(strategy, node, e) for node, e in self.entries.items()]
             heapq.heapify(heap)
-            self._heaps[(strategy, owned)] = heap
+            self._heaps[strategy] = heap
         return heap
 
-    def _item(self, strategy: str, node: str, entry: Entry) -> tuple[float, int, str, int]:
-        # Among equally good nodes each worker prefers a different order (a per-process salt), so
-        # replicas planning at the same moment pick different nodes instead of colliding on one.
-        return _score(strategy, entry.capacity), zlib.crc32(node.encode(), _SALT), node, entry.stamp
+    def _item(self, strategy: str, node: str, entry: Entry) -> tuple:
+        # pack: this worker's own nodes before the others' (it fills the fullest of its own);
+        # spread: the least used node, this worker's own first among equals (it stays exact).
+        # Then, among equally good nodes each worker prefers a different order (a per-process
+        # salt), so replicas planning at the same moment pick different nodes.
+        theirs = not self.owned(node)
+        tier, rank = (theirs, False) if strategy == "pack" else (False, theirs)
+        return tier, _score(strategy, entry.capacity), rank, zlib.crc32(node.encode(), _SALT), node, entry.stamp
 
-    def _pop_preferred(self, strategy: str, contended: Callable[[str], bool]) -> str | None:
-        """The best node with room that is not contended, this worker's own first; else the best
-        contended node with room."""
-        aside: list[tuple[list, tuple]] = []
-        found = None
-        for owned in (True, False):
-            heap = self._heap(strategy, owned)
-            while heap and found is None:
-                item = heapq.heappop(heap)
-                _, _, node, stamp = item
-                entry = self.entries.get(node)
-                if entry is None or entry.stamp != stamp or entry.capacity.capacity <= 0:
-                    continue  # outdated
-                if contended(node):
-                    aside.append((heap, item))
-                else:
-                    found = item
-            if found is not None:
+    def _pop_preferred(self, heap: list[tuple], contended: Callable[[str], bool]) -> str | None:
+        """The best node with room that is not contended, else the best node with room."""
+        aside = []
+        while heap:
+            item = heapq.heappop(heap)
+            node, stamp = item[-2:]
+            entry = self.entries.get(node)
+            if entry is None or entry.stamp != stamp or entry.capacity.capacity <= 0:
+                continue  # outdated
+            if not contended(node):
                 break
-        if found is None and aside:
-            _, found = aside.pop(0)
-        for heap, item in aside:
-            heapq.heappush(heap, item)
-        return found[2] if found is not None else None
+            aside.append(item)
+        else:
+            if not aside:
+                return None
+            item = aside.pop(0)
+        for other in aside:
+            heapq.heappush(heap, other)
+        return item[-2]
 
     def _reserve(self, node: str, taken: int) -> None:
         """Count `taken` more instances (fewer, if negative) as being placed on `node`."""
@@ -310,10 +309,8 @@ class CapacityView:
         self._stamps += 1
         entry.stamp = self._stamps
         if entry.capacity.capacity > 0:
-            owned = self.owned(node)
-            for (strategy, heap_owned), heap in self._heaps.items():
-                if heap_owned == owned:
-                    heapq.heappush(heap, self._item(strategy, node, entry))
+            for strategy, heap in self._heaps.items():
+                heapq.heappush(heap, self._item(strategy, node, entry))
 
 
 _SALT = int.from_bytes(os.urandom(4), "big")
@@ -328,9 +325,14 @@ class Views:
     """The views a worker holds, least recently used dropped first."""
 
     def __init__(
-        self, limit: int = 16, contention_seconds: float = 0.05, owned: Callable[[str], bool] = lambda node: True
+        self, limit: int = 16, contention_seconds: float = 0.05, owned: Callable[[str], bool] = lambda node: True,
+        records_kept: int = 2048,
     ) -> None:
         self.limit = limit
+        # The newest records only: a node's whole state (about 2 KiB) for each of 50,000 nodes
+        # would more than double a worker's memory, to save one read per commit on nodes it has
+        # not touched for a while (pack commits to the same few nodes; spread's rotation reads).
+        self.records_kept = records_kept
         self.contention_seconds = contention_seconds
         self.owned = owned  # the nodes this worker plans on first (shards.py)
         self._contended: dict[str, float] = {}  # node -> until when another worker races us for it
@@ -342,7 +344,10 @@ class Views:
 
     def remember(self, records: Iterable[NodeRecord]) -> None:
         for record in records:
+            self._records.pop(record.name, None)  # to the end: the newest are kept
             self._records[record.name] = record
+            if len(self._records) > self.records_kept:
+                del self._records[next(iter(self._records))]
             self._known[record.name] = max(record.version, self._known.get(record.name, 0))
 
     def committed(self, record: NodeRecord) -> None:
