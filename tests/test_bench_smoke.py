@@ -1,0 +1,49 @@
+"""The allocation benchmarks run from a clean clone and print their tables: each at a tiny size, for
+a few seconds, against the test servers. No figure is checked (this machine is shared and noisy):
+only that every row is there and no placement failed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_bench(script: str, *args: str) -> str:
+    done = subprocess.run([sys.executable, f"bench/{script}", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_growth_prints_every_measure_at_each_size(nats_url, redis_url):
+    table = run_bench("growth.py", "--nats", nats_url, "--redis", redis_url, "--sizes", "40,80",
+                      "--placements", "64", "--clients", "4")
+    assert "| measure | 40 nodes | 80 nodes |" in table
+    for measure in ("add-node", "capacity over every node, first call", "allocate spread by label",
+                    "allocate pack by label", "list-nodes, every page", "worker memory per node",
+                    "bare echo", "raw Redis Lua"):
+        assert measure in table, measure
+
+
+def test_scaling_prints_the_efficiency_of_capped_workers_or_says_why_it_cannot(nats_url, redis_url):
+    done = subprocess.run(
+        [sys.executable, "bench/scaling.py", "--nats", nats_url, "--redis", redis_url, "--workers", "1,2",
+         "--nodes", "40", "--placements", "32", "--clients", "4", "--cpu-quota", "0.5"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    if done.returncode != 0:  # a host without a writable cgroup cpu controller: it must say so
+        assert "cannot cap the workers" in done.stderr, done.stderr[-3000:]
+        return
+    assert "| allocate | 1 worker | 2 workers | efficiency at 2 |" in done.stdout
+    rows = [line for line in done.stdout.splitlines() if line.startswith(("| spread", "| pack"))]
+    assert len(rows) == 4 and "errors:" not in done.stdout
+
+
+def test_allocation_bench_prints_cpu_per_placement_beside_the_echo(nats_url, redis_url):
+    table = run_bench("allocation.py", "--nats", nats_url, "--redis", redis_url, "--nodes", "40",
+                      "--placements", "64", "--clients", "4", "--workers", "1")
+    assert table.count("worker CPU") == 4 and table.count("echo CPU") == 2
+    assert "errors: none" in table
