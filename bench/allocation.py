@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -310,17 +311,30 @@ async def add_nodes(nc, prefix: str, names: list[str], cores: int, labels: dict)
 # -- 2-5. over the bus ----------------------------------------------------------------------------
 
 
-async def bench_bus(table: Table, args, nats_url: str, redis_url: str, servers: dict[str, int]) -> None:
-    prefix = f"bench{os.getpid()}"
+@contextlib.asynccontextmanager
+async def namespace(nats_url: str, redis_url: str, prefix: str):
+    """Allocation workers and echo responders in `prefix` (none started yet), a NATS connection and a
+    Redis client; all stopped, and the namespace's keys deleted, at the end."""
     workers = Workers(nats_url, redis_url, prefix)
-    workers.scale(1)
-    echo_subject = f"{prefix}.echo"
-    echo = EchoResponders(nats_url, echo_subject)
-    echo.scale(1)
+    echo = EchoResponders(nats_url, f"{prefix}.echo")
     nc = await nats.connect(nats_url, name="bench-allocation", max_reconnect_attempts=3)
     redis = connect_redis(redis_url)
     try:
-        await bench_single_node(table, nc, prefix, echo_subject)
+        yield workers, echo, nc, redis
+    finally:
+        await nc.close()
+        workers.stop()
+        echo.stop()
+        await delete_namespace(redis, prefix)
+        await redis.aclose()
+
+
+async def bench_bus(table: Table, args, nats_url: str, redis_url: str, servers: dict[str, int]) -> None:
+    prefix = f"bench{os.getpid()}"
+    async with namespace(nats_url, redis_url, prefix) as (workers, echo, nc, redis):
+        workers.scale(1)
+        echo.scale(1)
+        await bench_single_node(table, nc, prefix, echo.subject)
         names = [f"node-{i:06d}-rack-b" for i in range(args.nodes)]  # 93 KiB as a list of 5,000
         started = time.perf_counter()
         await add_nodes(nc, prefix, names, 64, LABELS)
@@ -328,14 +342,12 @@ async def bench_bus(table: Table, args, nats_url: str, redis_url: str, servers: 
         await bench_capacity(table, nc, prefix, names)
         await bench_list_nodes(table, nc, prefix, args.nodes)
         await bench_allocate(table, args, nc, prefix, names, workers, echo, servers, redis)
-    finally:
-        await nc.close()
-        workers.stop()
-        echo.stop()
-        keys = [k async for k in redis.scan_iter(match=f"{prefix}:*", count=5000)]
-        for i in range(0, len(keys), 5000):
-            await redis.delete(*keys[i:i + 5000])
-        await redis.aclose()
+
+
+async def delete_namespace(redis, prefix: str) -> None:
+    keys = [k async for k in redis.scan_iter(match=f"{prefix}:*", count=5000)]
+    for i in range(0, len(keys), 5000):
+        await redis.delete(*keys[i:i + 5000])
 
 
 async def bench_single_node(table: Table, nc, prefix: str, echo_subject: str) -> None:

@@ -29,12 +29,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import nats  # noqa: E402
-
 from bench.allocation import (  # noqa: E402
-    LABELS, REQUEST, EchoResponders, ProcessCpu, Requests, Workers, add_nodes, call, load, raw_lua_rate,
+    LABELS, REQUEST, ProcessCpu, Requests, add_nodes, call, load, namespace, raw_lua_rate,
 )
-from bus.redis import connect_redis  # noqa: E402
 from services.servers import start_nats, start_redis  # noqa: E402
 
 
@@ -56,12 +53,8 @@ async def timed(step) -> float:
 
 async def one_size(args, size: int, nats_url: str, redis_url: str) -> dict[str, str]:
     prefix = f"grow{uuid.uuid4().hex[:8]}"
-    workers = Workers(nats_url, redis_url, prefix)
-    echo = EchoResponders(nats_url, f"{prefix}.echo")
-    nc = await nats.connect(nats_url, name="bench-growth", max_reconnect_attempts=3)
-    redis = connect_redis(redis_url)
     row: dict[str, str] = {}
-    try:
+    async with namespace(nats_url, redis_url, prefix) as (workers, echo, nc, redis):
         workers.scale(1)
         echo.scale(1)
         pid = workers.procs[0].pid
@@ -99,14 +92,6 @@ async def one_size(args, size: int, nats_url: str, redis_url: str) -> dict[str, 
         row["list-nodes, every page"] = f"{await timed(list_all):.3f} s"
         row["worker memory per node (RSS)"] = f"{(rss_bytes(pid) - empty) / size:,.0f} B"
         row["anchor: raw Redis Lua check-and-increment"] = f"{await raw_lua_rate(redis, prefix, args.clients, 20000):,.0f}/s"
-    finally:
-        await nc.close()
-        workers.stop()
-        echo.stop()
-        keys = [k async for k in redis.scan_iter(match=f"{prefix}:*", count=5000)]
-        for i in range(0, len(keys), 5000):
-            await redis.delete(*keys[i:i + 5000])
-        await redis.aclose()
     return row
 
 
@@ -138,6 +123,10 @@ def main() -> None:
     print("|---" * (len(args.sizes) + 1) + "|")
     for measure in rows[args.sizes[0]]:
         print(f"| {measure} | " + " | ".join(rows[size][measure] for size in args.sizes) + " |")
+    for strategy in ("spread", "pack"):
+        rates = [float(rows[size][f"allocate {strategy} by label"].split("/s")[0].replace(",", "")) for size in args.sizes]
+        print(f"allocate {strategy} by label at {args.sizes[-1]:,} nodes: {rates[-1] / rates[0]:.2f} of its rate at "
+              f"{args.sizes[0]:,} (goal: at least 0.8)")
 
 
 if __name__ == "__main__":
