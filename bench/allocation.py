@@ -411,7 +411,8 @@ async def bench_allocate(table: Table, args, nc, prefix, names, workers: Workers
                 worker_cpu = ProcessCpu([p.pid for p in workers.procs])
                 run = await load(nc, subject, requests.next, args.placements, args.clients)
                 what = f"allocate {strategy} by {selector}, {count} worker(s)"
-                table.add(what, f"{run.row()}; worker CPU {worker_cpu.per_thousand(len(run.latencies)):.3f} s / 1,000",
+                spent = worker_cpu.per_thousand(len(run.latencies))
+                table.add(what, f"{run.row()}; worker CPU {spent:.3f} s / 1,000",
                           f"raw NATS {raw.rate:,.0f}/s ({run.rate / raw.rate:.2f} of it); CPU: {cpu.row()}")
 
 

@@ -34,7 +34,9 @@ sys.path.insert(0, str(ROOT))
 
 import nats  # noqa: E402
 
-from bench.allocation import LABELS, REQUEST, EchoResponders, ProcessCpu, Requests, add_nodes, load  # noqa: E402
+from bench.allocation import (  # noqa: E402
+    LABELS, REQUEST, EchoResponders, ProcessCpu, Requests, add_nodes, load,
+)
 from services.servers import start_nats, start_redis  # noqa: E402
 
 V1 = Path("/sys/fs/cgroup/cpu")
@@ -137,8 +139,8 @@ async def measure(args, caps: CpuCaps, nats_url: str, redis_url: str) -> dict:
                         await nc.request(subject, requests.next(), timeout=60)
                     cpu = ProcessCpu([p.pid for p in workers.procs])
                     run = await load(nc, subject, requests.next, args.placements * count, clients)
-                    results[(strategy, selector, count)] = (run.rate, cpu.per_thousand(len(run.latencies)), raw.rate,
-                                                            dict(run.errors))
+                    spent = cpu.per_thousand(len(run.latencies))
+                    results[(strategy, selector, count)] = (run.rate, spent, raw.rate, dict(run.errors))
                     print(f"  {count} worker(s), {strategy} by {selector}: {run.row()}", file=sys.stderr, flush=True)
         finally:
             await nc.close()
@@ -179,7 +181,7 @@ def main() -> None:
     parser.add_argument("--placements", type=int, default=3000)
     parser.add_argument("--clients", type=int, default=64, help="concurrent callers per worker")
     parser.add_argument("--fixed-clients", action="store_true",
-                        help="--clients in all, whatever the number of workers (each worker then sees less load)")
+                        help="--clients in all, whatever the number of workers (each sees less load)")
     args = parser.parse_args()
     caps = CpuCaps(args.cpu_quota)
     servers = []

@@ -330,7 +330,8 @@ class Service:
                 reply = error_reply(error)
         limit = self._nc.max_payload - REPLY_HEADROOM
         if len(reply.body) > limit:  # NATS would refuse to send it, and the caller would wait in vain
-            log.error("%s: a reply of %d bytes, over the %d the server allows", spec.subject, len(reply.body), limit)
+            log.error("%s: a reply of %d bytes, over the %d the server allows", spec.subject, len(reply.body),
+                      limit)
             reply = error_reply(InvalidArgument(
                 "request", f"the reply would take {len(reply.body)} bytes, over the {limit} the server's max "
                 "payload allows: ask for less at once", reply_bytes=len(reply.body), limit=limit))

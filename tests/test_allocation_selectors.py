@@ -161,34 +161,35 @@ async def call_error(call, command: str, payload: dict) -> BusError:
     return caught.value
 
 
-async def test_a_capacity_query_over_more_nodes_than_a_reply_can_carry_names_the_selection(serve_allocation, client):
+async def test_a_capacity_query_over_more_nodes_than_a_reply_can_carry_names_the_selection(
+    serve_allocation, client
+):
     await serve_allocation(watch=False, max_payload=16 * 1024)
+
+    async def call(command: str, payload: dict) -> dict:
+        return await client.request(f"resource.{command}", payload, dict)
+
     for i in range(400):  # about 40 bytes each in the answer: 16 KiB holds fewer
-        await client.request("resource.add-node", {"nodename": f"n{i:03d}", "resource": {"cpumem": {"cpu": 4, "memory": "8G"}},
-                                                   "labels": {"pool": "a"}}, dict)
+        await add(call, f"n{i:03d}", {"pool": "a"}, cpu=4)
     query = {"workload_resource_request": ONE_CORE}
-    error = await call_error(lambda command, payload: client.request(f"resource.{command}", payload, dict),
-                             "get-nodes-deploy-capacity", {**query, "labels": {"pool": "a"}})
+    error = await call_error(call, "get-nodes-deploy-capacity", {**query, "labels": {"pool": "a"}})
     assert (error.code, error.field) == ("invalid_argument", "labels") and "400 nodes" in str(error)
-    some = await client.request("resource.get-nodes-deploy-capacity", {**query, "nodenames": ["n000", "n001"]}, dict)
+    some = await call("get-nodes-deploy-capacity", {**query, "nodenames": ["n000", "n001"]})
     assert some["total"] == 8
 
 
-async def test_a_view_read_a_chunk_at_a_time_counts_every_node_and_names_a_missing_one(
-    serve_allocation, client, monkeypatch
-):
+async def test_a_view_read_a_chunk_at_a_time_counts_every_node_and_names_a_missing_one(call, monkeypatch):
     monkeypatch.setattr("services.allocation.fleet.REFRESH_CHUNK", 3)
-    await serve_allocation()
     names = [f"c{i:02d}" for i in range(10)]
     for name in names:
-        await client.request("resource.add-node", {"nodename": name, "resource": {"cpumem": {"cpu": 4, "memory": "8G"}}}, dict)
+        await add(call, name, {}, cpu=4)
     query = {"workload_resource_request": ONE_CORE}
-    assert (await client.request("resource.get-nodes-deploy-capacity", {**query, "nodenames": names}, dict))["total"] == 40
-    missing = await call_error(lambda command, payload: client.request(f"resource.{command}", payload, dict),
-                               "get-nodes-deploy-capacity", {**query, "nodenames": names[:7] + ["nope"] + names[7:]})
+    assert (await call("get-nodes-deploy-capacity", {**query, "nodenames": names}))["total"] == 40
+    with_missing = {**query, "nodenames": names[:7] + ["nope"] + names[7:]}
+    missing = await call_error(call, "get-nodes-deploy-capacity", with_missing)
     assert missing.code == "node_not_found" and "nope" in str(missing)
-    await client.request("resource.add-node", {"nodename": "nope", "resource": {"cpumem": {"cpu": 4, "memory": "8G"}}}, dict)
-    again = await client.request("resource.get-nodes-deploy-capacity", {**query, "nodenames": names[:7] + ["nope"] + names[7:]}, dict)
+    await add(call, "nope", {}, cpu=4)
+    again = await call("get-nodes-deploy-capacity", with_missing)
     assert again["total"] == 44  # the chunks after the missing node were read this time
 
 

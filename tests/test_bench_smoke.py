@@ -12,8 +12,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_bench(script: str, *args: str) -> str:
-    done = subprocess.run([sys.executable, f"bench/{script}", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=180)
+    done = subprocess.run([sys.executable, f"bench/{script}", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 

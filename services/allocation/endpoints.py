@@ -272,8 +272,8 @@ class AllocationEndpoints:
         )
         size = len(encode(reply))
         if size > self.reply_bytes:
-            raise reply_too_large("nodenames" if nodes.names is not None else "labels", size, self.reply_bytes,
-                                  f"{len(capacities)} nodes answered; select fewer at once")
+            field = "nodenames" if nodes.names is not None else "labels"
+            raise reply_too_large(field, size, self.reply_bytes, f"{len(capacities)} nodes answered; select fewer at once")
         return reply
 
     async def set_node_resource_capacity(self, req: SetNodeResourceCapacity) -> BeforeAfter:

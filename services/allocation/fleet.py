@@ -30,14 +30,15 @@ class Fleet:
     def __init__(self, store: NodeStore, plugins: PluginSet, shards: Shards | None = None) -> None:
         self.store = store
         self.plugins = plugins
-        self.shards = shards
         self.views = Views(owned=shards.mine if shards is not None else lambda node: True)
         self.directory = NodeDirectory(store)
         self.watching = False
 
-    async def view(self, names: list[str], nodes: Selection, requests: Keyed, *, planning: bool = False) -> CapacityView:
+    async def view(
+        self, names: list[str], nodes: Selection, requests: Keyed, *, planning: bool = False
+    ) -> CapacityView:
         """The standing capacity view for this request over these nodes, refreshed where it is stale
-        (`planning`: only the nodes this worker plans on first; see shards.py)."""
+        (`planning`: only the nodes this worker owns; see shards.py)."""
         request_keys = tuple(encode(requests[name]) for name in names)
         key = (tuple(names), request_keys, nodes.key)
         view = self.views.get(key) if self.watching else None
@@ -45,8 +46,8 @@ class Fleet:
             compute = self.plugins.capacity_function(
                 names, requests, dict(zip(names, request_keys)), strict=not nodes.dynamic
             )
-            view = CapacityView(await self.members(nodes), compute, selection=nodes if nodes.dynamic else None,
-                                owned=self.views.owned)
+            selection = nodes if nodes.dynamic else None
+            view = CapacityView(await self.members(nodes), compute, selection=selection, owned=self.views.owned)
             if self.watching:
                 self.views.put(key, view)
         elif nodes.dynamic:

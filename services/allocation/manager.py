@@ -100,7 +100,8 @@ class AllocationManager:
 
     async def _reshard(self) -> None:
         if await self.shards.renew():
-            log.info("%d allocation workers: this one plans first on its share of the nodes", len(self.shards.workers))
+            log.info("%d allocation workers: this one plans first on its share of the nodes",
+                     len(self.shards.workers))
             self.fleet.views.resharded()
 
     async def unwatch(self) -> None:
@@ -377,7 +378,7 @@ class AllocationManager:
                     raise
                 failure = error
             except NodeFilledUp as filled:
-                views.invalidate(filled.node, urgent=True)  # its record changed under the view: read it afresh
+                views.invalidate(filled.node, urgent=True)  # its record changed under the view: read it now
                 views.contend(filled.node)
                 failure = filled.error
                 if nodes.single or replan == replans - 1:

@@ -5,10 +5,11 @@ node for all of them (pack: the fullest that fits; spread: one of the emptiest),
 meet on one record and all but one compute again; and every worker reads again each node another
 one changed, whether or not it will place there. So the nodes are split between the workers: each
 node has an owner, chosen by rendezvous hashing over the live workers (the worker whose hash of
-(worker, node) is highest), and a worker plans on the nodes it owns first, and on the others only
-when none of its own fits. Within its share, a worker keeps its strategy's meaning: pack fills the
-fullest of its nodes that fits, spread the emptiest. The split is only a preference: every commit
-still re-checks its node, so two workers on one node cost a retry, never an over-commit.
+(worker, node) is highest). pack plans on the nodes its worker owns first (the fullest of them that
+fits) and on the others only when none of its own fits, and reads again only its own nodes that
+changed; spread stays exact over the whole selection and takes the worker's own nodes first only
+among equally used ones (view.py). The split is only a preference: every commit still re-checks
+its node, so two workers on one node cost a retry, never an over-commit.
 
 Workers find each other through Redis: a sorted set `<prefix>:allocation:workers` of worker ids
 scored by when their membership ends (ms of the Redis server's clock), renewed every second for
@@ -41,9 +42,9 @@ class Shards:
             return True
         owned = self._owned.get(node)
         if owned is None:
-            name = node.encode()
-            own = _weight(name, self.worker.encode())
-            owned = self._owned[node] = all((own, self.worker.encode()) > (_weight(name, other), other) for other in self._others)
+            name, me = node.encode(), self.worker.encode()
+            mine = (_weight(name, me), me)  # the worker id breaks a tie of weights
+            owned = self._owned[node] = all(mine > (_weight(name, other), other) for other in self._others)
         return owned
 
     async def renew(self) -> bool:

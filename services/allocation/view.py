@@ -155,14 +155,14 @@ class CapacityView:
     entries: dict[str, Entry] = field(default_factory=dict)  # nodes with room, by name
     seen: dict[str, int] = field(default_factory=dict)  # every member's version when last computed
     stale: set[str] = field(default_factory=set)
-    # The nodes this worker plans on first (shards.py), and those of them that are stale: planning
-    # reads only these again; the others wait until a capacity query (or a refusal) needs them.
+    # The nodes this worker owns (shards.py), and those of them that are stale: pack's planning
+    # reads only these again; the others wait until spread, a capacity query or a refusal needs them.
     owned: Callable[[str], bool] = lambda node: True
     stale_owned: set[str] = field(default_factory=set)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one refresh at a time
     pending: dict[str, int] = field(default_factory=dict)  # instances reserved by plans, per node
     ready: bool = False  # computed once: from then on requests need not wait for a refresh
-    _heaps: dict[str, list[tuple]] = field(default_factory=dict)  # per strategy: the nodes with room, best first
+    _heaps: dict[str, list[tuple]] = field(default_factory=dict)  # per strategy: nodes with room, best first
     _stamps: int = 0
 
     selection: Selection | None = None  # set for a membership that follows the directory
@@ -269,7 +269,8 @@ class CapacityView:
         # salt), so replicas planning at the same moment pick different nodes.
         theirs = not self.owned(node)
         tier, rank = (theirs, False) if strategy == "pack" else (False, theirs)
-        return tier, _score(strategy, entry.capacity), rank, zlib.crc32(node.encode(), _SALT), node, entry.stamp
+        salted = zlib.crc32(node.encode(), _SALT)
+        return tier, _score(strategy, entry.capacity), rank, salted, node, entry.stamp
 
     def _pop_preferred(self, heap: list[tuple], contended: Callable[[str], bool]) -> str | None:
         """The best node with room that is not contended, else the best node with room."""
@@ -325,7 +326,10 @@ class Views:
     """The views a worker holds, least recently used dropped first."""
 
     def __init__(
-        self, limit: int = 16, contention_seconds: float = 0.05, owned: Callable[[str], bool] = lambda node: True,
+        self,
+        limit: int = 16,
+        contention_seconds: float = 0.05,
+        owned: Callable[[str], bool] = lambda node: True,
         records_kept: int = 2048,
     ) -> None:
         self.limit = limit
