@@ -57,7 +57,6 @@ class Outbox:
         self.events = events
         self.batch = batch
         self.stamp = stamp
-        self._settling: set[asyncio.Future] = set()  # acknowledgements being waited for
 
     async def deliver(self, key: str, field: str | int, entries: bytes | None = None, *, wait: bool = False) -> bool:
         """Publish the events journaled under `field` of outbox `key` (`entries`, else as stored)
@@ -79,23 +78,53 @@ class Outbox:
         except Exception as error:  # NATS away: a sweep tries again
             log.warning("events of %s %s not sent: %r", key, field, error)
             return False
-        settled = asyncio.ensure_future(self._settle(key, field, acks))
-        if wait:
-            return await settled
-        self._settling.add(settled)
-        settled.add_done_callback(self._settling.discard)
-        return True
+        settled = self._settle(key, field, acks)
+        return await settled if wait else True
 
-    async def _settle(self, key: str, field: str | int, acks: list[asyncio.Future]) -> bool:
-        try:
-            await asyncio.wait_for(asyncio.gather(*acks), ACK_TIMEOUT)
-        except Exception as error:  # no stream, a timeout: a sweep sends them again
+    def _settle(self, key: str, field: str | int, acks: list[asyncio.Future]) -> asyncio.Future[bool]:
+        """Once every acknowledgement came, drop the field from the outbox; the future says whether
+        they all came within ACK_TIMEOUT (else they stay for a sweep). Callbacks, not a task: this
+        runs for every commit."""
+        loop = asyncio.get_running_loop()
+        settled: asyncio.Future[bool] = loop.create_future()
+        waiting = len(acks)
+
+        def give_up() -> None:
             for ack in acks:
-                ack.cancel()
-            log.warning("events of %s %s not acknowledged: %r", key, field, error)
-            return False
-        await self.batch.execute_command("HDEL", key, field)
-        return True
+                ack.cancel()  # each cancelled one reports in acknowledged()
+
+        def acknowledged(ack: asyncio.Future) -> None:
+            nonlocal waiting
+            if settled.done():
+                return
+            if ack.cancelled() or ack.exception() is not None:  # no stream, a timeout, NATS away
+                timer.cancel()
+                give_up()
+                log.warning("events of %s %s not acknowledged: %r", key, field,
+                            "timeout" if ack.cancelled() else ack.exception())
+                settled.set_result(False)
+                return
+            waiting -= 1
+            if waiting == 0:
+                drop()
+
+        def drop() -> None:
+            timer.cancel()
+            self.batch.execute_command("HDEL", key, field).add_done_callback(dropped)
+
+        def dropped(deleted: asyncio.Future) -> None:
+            if deleted.cancelled() or deleted.exception() is not None:  # a sweep sends them again
+                log.warning("events of %s %s sent; dropping them from the outbox failed", key, field)
+                settled.set_result(False)
+            else:
+                settled.set_result(True)
+
+        timer = loop.call_later(ACK_TIMEOUT, give_up)
+        for ack in acks:
+            ack.add_done_callback(acknowledged)
+        if not acks:
+            drop()
+        return settled
 
     async def _deliver_held(self, key: str, due: Callable[[str], bool], order: Callable[[str], Any]) -> tuple[int, bool]:
         """Deliver the fields of outbox `key` that are `due`, in `order`: (how many, all of them)."""
