@@ -283,18 +283,11 @@ def main() -> None:
     parser.add_argument("--launches", type=int, default=10, help="launches timed per operator")
     parser.add_argument("--deaths", type=int, default=5, help="agents killed")
     args = parser.parse_args()
-    from services.servers import start_nats, start_redis
+    from bench.servers import given_or_started
 
     state = Path(tempfile.mkdtemp(prefix="berth-bench-agent-"))
-    servers = []
-    if not (args.nats and args.redis):
-        servers = [start_nats(state / "nats"), start_redis(state / "redis", appendonly=False)]
-    nats, redis = (args.nats, args.redis) if args.nats and args.redis else (servers[0].url, servers[1].url)
-    try:
-        asyncio.run(run(nats, redis, state, args))
-    finally:
-        for server in servers:
-            server.stop()
+    with given_or_started(args):
+        asyncio.run(run(args.nats, args.redis, state, args))
 
 
 if __name__ == "__main__":

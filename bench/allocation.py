@@ -32,7 +32,6 @@ import contextlib
 import os
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections import Counter
@@ -44,13 +43,13 @@ sys.path.insert(0, str(ROOT))
 import msgpack  # noqa: E402
 import nats  # noqa: E402
 
+from bench.servers import given_or_started  # noqa: E402
 from bench.stats import percentile  # noqa: E402
 from bus.redis import connect_redis  # noqa: E402
 from services.allocation.cpumem.plans import PlanRequest, cpu_plans  # noqa: E402
 from services.allocation.cpumem.resources import availability  # noqa: E402
 from services.allocation.cpumem.types import decode_node_resource  # noqa: E402
 from services.allocation.worker import make_plugins  # noqa: E402
-from services.servers import start_nats, start_redis  # noqa: E402
 
 GiB = 1 << 30
 REQUEST = {"cpumem": {"cpu-bind": True, "cpu-request": 1.5, "memory-request": 2 * GiB}}
@@ -446,16 +445,8 @@ def main() -> None:
     args = parser.parse_args()
     table = Table()
     bench_planner(table)
-    servers = []
-    if not (args.nats and args.redis):
-        state = Path(tempfile.mkdtemp(prefix="berth-bench-"))
-        servers = [start_nats(state / "nats"), start_redis(state / "redis", appendonly=False)]
-        args.nats, args.redis = servers[0].url, servers[1].url
-    try:
+    with given_or_started(args) as servers:
         asyncio.run(bench_bus(table, args, args.nats, args.redis, {s.name: s.proc.pid for s in servers}))
-    finally:
-        for server in servers:
-            server.stop()
     table.print()
 
 

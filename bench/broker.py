@@ -28,7 +28,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -288,18 +287,10 @@ def main() -> None:
     if args.echo:
         asyncio.run(echo(args.echo))
         return
-    from services.servers import start_nats, start_redis
+    from bench.servers import given_or_started
 
-    servers = []
-    if not (args.nats and args.redis):
-        state = Path(tempfile.mkdtemp(prefix="berth-bench-"))
-        servers = [start_nats(state / "nats"), start_redis(state / "redis", appendonly=False)]
-    nats, redis = (args.nats, args.redis) if args.nats and args.redis else (servers[0].url, servers[1].url)
-    try:
-        asyncio.run(run(nats, redis, args))
-    finally:
-        for server in servers:
-            server.stop()
+    with given_or_started(args):
+        asyncio.run(run(args.nats, args.redis, args))
 
 
 if __name__ == "__main__":

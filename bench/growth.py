@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -33,8 +32,8 @@ sys.path.insert(0, str(ROOT))
 from bench.allocation import (  # noqa: E402
     LABELS, REQUEST, ProcessCpu, Requests, add_nodes, call, load, namespace, raw_lua_rate,
 )
+from bench.servers import given_or_started  # noqa: E402
 from bench.stats import percentile  # noqa: E402
-from services.servers import start_nats, start_redis  # noqa: E402
 
 MAX_PAYLOAD = 8 << 20
 
@@ -106,22 +105,12 @@ def main() -> None:
     parser.add_argument("--placements", type=int, default=3000)
     parser.add_argument("--clients", type=int, default=64)
     args = parser.parse_args()
-    servers = []
-    if not (args.nats and args.redis):
-        state = Path(tempfile.mkdtemp(prefix="berth-bench-"))
-        # A capacity answer over 50,000 nodes takes about 3 MiB: more than NATS's default 1 MiB.
-        config = state / "nats.conf"
-        config.write_text(f"max_payload: {MAX_PAYLOAD}\n")
-        servers = [start_nats(state / "nats", config=config), start_redis(state / "redis", appendonly=False)]
-        args.nats, args.redis = servers[0].url, servers[1].url
-    try:
-        rows = {}
+    # A capacity answer over 50,000 nodes takes about 3 MiB: more than NATS's default 1 MiB.
+    rows = {}
+    with given_or_started(args, nats_settings=f"max_payload: {MAX_PAYLOAD}\n"):
         for size in args.sizes:
             rows[size] = asyncio.run(one_size(args, size, args.nats, args.redis))
             print(f"  {size:,} nodes: {rows[size]}", file=sys.stderr, flush=True)
-    finally:
-        for server in servers:
-            server.stop()
     print("| measure | " + " | ".join(f"{size:,} nodes" for size in args.sizes) + " |")
     print("|---" * (len(args.sizes) + 1) + "|")
     for measure in rows[args.sizes[0]]:

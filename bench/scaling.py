@@ -25,7 +25,6 @@ import asyncio
 import os
 import subprocess
 import sys
-import tempfile
 import uuid
 from pathlib import Path
 
@@ -37,7 +36,7 @@ import nats  # noqa: E402
 from bench.allocation import (  # noqa: E402
     LABELS, REQUEST, EchoResponders, ProcessCpu, Requests, add_nodes, load,
 )
-from services.servers import start_nats, start_redis  # noqa: E402
+from bench.servers import given_or_started  # noqa: E402
 
 V1 = Path("/sys/fs/cgroup/cpu")
 V2 = Path("/sys/fs/cgroup")
@@ -184,17 +183,11 @@ def main() -> None:
                         help="--clients in all, whatever the number of workers (each sees less load)")
     args = parser.parse_args()
     caps = CpuCaps(args.cpu_quota)
-    servers = []
     try:
-        if not (args.nats and args.redis):
-            state = Path(tempfile.mkdtemp(prefix="berth-bench-"))
-            servers = [start_nats(state / "nats"), start_redis(state / "redis", appendonly=False)]
-            args.nats, args.redis = servers[0].url, servers[1].url
-        results = asyncio.run(measure(args, caps, args.nats, args.redis))
+        with given_or_started(args):
+            results = asyncio.run(measure(args, caps, args.nats, args.redis))
         table(args, results, caps.kind)
     finally:
-        for server in servers:
-            server.stop()
         caps.close()
 
 
