@@ -36,6 +36,7 @@ import time
 import uuid
 from collections import Counter
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -129,17 +130,23 @@ def bench_planner(table: Table) -> None:
 
 
 class Workers:
-    """Allocation worker processes in one namespace."""
+    """Allocation worker processes in one namespace; `started(pid)` runs on each before it serves
+    (bench/scaling.py caps its CPU there, so that its "ready" already comes under the cap)."""
 
-    def __init__(self, nats_url: str, redis_url: str, prefix: str) -> None:
+    def __init__(
+        self, nats_url: str, redis_url: str, prefix: str, started: Callable[[int], None] = lambda pid: None
+    ) -> None:
         self.argv = [sys.executable, "-m", "services.runner", "services.allocation.worker",
                      "--nats", nats_url, "--redis", redis_url, "--prefix", prefix, "--memory-stream"]
+        self.started = started
         self.procs: list[subprocess.Popen] = []
 
     def scale(self, count: int) -> None:
         while len(self.procs) < count:
             proc = subprocess.Popen(self.argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-            assert proc.stdout.readline().startswith("ready")
+            self.started(proc.pid)
+            if not proc.stdout.readline().startswith("ready"):
+                raise RuntimeError("an allocation worker did not start")
             self.procs.append(proc)
 
     def stop(self) -> None:
@@ -147,6 +154,7 @@ class Workers:
             proc.terminate()
         for proc in self.procs:
             proc.wait(30)
+        self.procs.clear()
 
 
 ECHO = """

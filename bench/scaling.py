@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -34,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 import nats  # noqa: E402
 
 from bench.allocation import (  # noqa: E402
-    LABELS, REQUEST, EchoResponders, ProcessCpu, Requests, add_nodes, load,
+    LABELS, REQUEST, EchoResponders, ProcessCpu, Requests, Workers, add_nodes, load,
 )
 from bench.servers import given_or_started  # noqa: E402
 
@@ -88,35 +87,11 @@ class CpuCaps:
         self.parent.rmdir()
 
 
-class Capped:
-    """Worker (or echo) processes started one by one, each capped as it starts."""
-
-    def __init__(self, argv: list[str], caps: CpuCaps) -> None:
-        self.argv, self.caps = argv, caps
-        self.procs: list[subprocess.Popen] = []
-
-    def scale(self, count: int) -> None:
-        while len(self.procs) < count:
-            proc = subprocess.Popen(self.argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-            self.caps.cap(proc.pid)  # capped before it serves: its "ready" comes under the cap
-            if not proc.stdout.readline().startswith("ready"):
-                raise RuntimeError(f"{self.argv[:4]} did not start")
-            self.procs.append(proc)
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            proc.terminate()
-        for proc in self.procs:
-            proc.wait(30)
-        self.procs.clear()
-
-
 async def measure(args, caps: CpuCaps, nats_url: str, redis_url: str) -> dict:
     results: dict = {}
     for count in args.workers:
         prefix = f"scale{uuid.uuid4().hex[:8]}"  # fresh nodes for each worker count
-        workers = Capped([sys.executable, "-m", "services.runner", "services.allocation.worker", "--nats", nats_url,
-                          "--redis", redis_url, "--prefix", prefix, "--memory-stream"], caps)
+        workers = Workers(nats_url, redis_url, prefix, started=caps.cap)
         echo = EchoResponders(nats_url, f"{prefix}.echo")
         nc = await nats.connect(nats_url, name="bench-scaling")
         try:
