@@ -25,8 +25,8 @@ Schemas describe.
 
 from __future__ import annotations
 
-import importlib
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any, Iterable
@@ -35,7 +35,7 @@ from urllib.parse import urlsplit
 import msgspec
 from nats.micro.request import ERROR_CODE_HEADER, ERROR_HEADER
 
-from bus.subjects import NAME_CHARS, NAME_PATTERN
+from schemas.subjects import NAME_CHARS, NAME_PATTERN
 from schemas.common import ErrorBody, Event
 
 ASYNCAPI_VERSION = "3.0.0"
@@ -45,7 +45,7 @@ MICRO_QUEUE_GROUP = "q"  # the queue group nats.micro endpoints share (bus.servi
 NATS_BINDING_VERSION = "0.1.0"
 SCHEMAS = "#/components/schemas/"
 # Keys of channels, operations, messages and components: what every AsyncAPI 3 tool accepts, and
-# the names that subjects hold too (bus.subjects).
+# the names that subjects hold too (schemas.subjects).
 KEY = NAME_PATTERN
 
 
@@ -167,18 +167,12 @@ def _version() -> str:
         return "0.0.0"
 
 
-def _service_modules(extra_modules: Iterable[str]) -> dict[str, Any]:
-    from services.registry import available
-
-    names = {**available(), **{m: m for m in extra_modules}}
-    return {name: importlib.import_module(module) for name, module in names.items()}
-
-
 def document(
-    prefix: str = "berth", extra_modules: tuple[str, ...] = (), servers: Iterable[str] = DEFAULT_SERVERS
+    services: Mapping[str, Any], prefix: str = "berth", servers: Iterable[str] = DEFAULT_SERVERS
 ) -> dict[str, Any]:
-    """The AsyncAPI 3.0.0 document of every service installed (and of `extra_modules`)."""
-    modules = _service_modules(extra_modules)
+    """The AsyncAPI 3.0.0 document of `services` (name -> a module or object with `COMMANDS` and
+    `EVENTS`: each service's commands.py, as `services.registry.contracts()` gives them)."""
+    modules = services
     commands = [(service, c) for service, module in modules.items() for c in getattr(module, "COMMANDS", [])]
     events = [
         (service, pattern, type_)

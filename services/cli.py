@@ -256,10 +256,21 @@ def cmd_dashboard(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_schema(args: argparse.Namespace, extra: list[str]) -> int:
-    from schemas.export import main as export
+    import json
 
-    export(["--prefix", args.prefix] + (["-o", args.output] if args.output else [])
-           + (["--asyncapi"] if args.asyncapi else []) + [f"--server={url}" for url in args.server or []])
+    from schemas import asyncapi, export
+    from services.registry import contracts
+
+    tables = contracts()
+    if args.asyncapi:
+        doc = asyncapi.document(tables, args.prefix, servers=args.server or asyncapi.DEFAULT_SERVERS)
+    else:
+        doc = export.document(tables, args.prefix)
+    text = json.dumps(doc, indent=2) + "\n"
+    if args.output:
+        Path(args.output).write_text(text)
+    else:
+        sys.stdout.write(text)
     return 0
 
 

@@ -1,9 +1,11 @@
 """Running one worker process of a service: `python -m services.runner <module> [options]`.
 
-A service module defines `NAME`, `STREAM` (the `bus.events.StreamSpec` keeping its events) and
-`async build(ctx) -> bus.Service` (or a list of them, started and drained together). Its options are read from flags and environment by
+A service module is a `ServiceModule`: `NAME`, its contract's tables `COMMANDS` and `EVENTS`,
+`STREAM` (the `bus.events.StreamSpec` keeping its events), `CONFIG` (its own config class, or None)
+and `async build(ctx) -> bus.Service` (or a list of them, started and drained together); the runner
+refuses a module that lacks one. Its options are read from flags and environment by
 `services.settings` (`parse_worker`): `ctx.common` is the `CommonConfig` every worker has,
-`ctx.config` its service's own frozen config (None for a service settings does not know). The
+`ctx.config` its service's own frozen config (None when `CONFIG` is None). The
 runner connects to NATS and Redis, makes sure the events stream exists, builds and starts the
 service, serves until SIGTERM/SIGINT, drains, runs the service's clean-ups and closes.
 
@@ -20,7 +22,7 @@ import importlib
 import logging
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Protocol, runtime_checkable
 
 from nats.aio.client import Client
 from redis.asyncio import Redis
@@ -30,7 +32,9 @@ from bus.events import EventBus
 from bus.redis import connect_redis, ready
 from bus.service import serve_until_signalled
 from bus.telemetry import MetricsServer
-from services.settings import AnyServiceConfig, CommonConfig, parse_worker
+from bus.events import StreamSpec
+from bus.service import Command, Service
+from services.settings import CommonConfig, ServiceConfig, parse_worker
 
 log = logging.getLogger("berth.runner")
 
@@ -40,7 +44,7 @@ class WorkerContext:
     """What `build(ctx)` gets: its frozen configs, the connections, and clean-ups to run at the end."""
 
     common: CommonConfig
-    config: AnyServiceConfig | None
+    config: Any  # the service's own frozen config, an instance of its module's CONFIG
     nc: Client
     redis: Redis
     events: EventBus
@@ -54,6 +58,14 @@ def configure_logging(level: str = "INFO") -> None:
         format="%(asctime)s level=%(levelname)s logger=%(name)s pid=%(process)d msg=%(message)s",
         stream=sys.stderr,
     )
+    logging.getLogger("asyncio").addFilter(_tls_eof_warning)
+
+
+def _tls_eof_warning(record: logging.LogRecord) -> bool:
+    """False for asyncio's "returning true from eof_received() has no effect when using ssl": nats-py
+    upgrades a connection to TLS after connecting, so its stream protocol does not know it is over
+    TLS, and asyncio says so each time a server closes a TLS connection (every clean stop). Harmless."""
+    return not str(record.msg).startswith("returning true from eof_received()")
 
 
 def nats_options(common: CommonConfig, service: str) -> dict[str, str]:
@@ -77,15 +89,28 @@ def nats_options(common: CommonConfig, service: str) -> dict[str, str]:
     return options
 
 
-def load(module_name: str):
+@runtime_checkable
+class ServiceModule(Protocol):
+    """What a worker module (`services/<service>/worker.py`) defines for the runner."""
+
+    NAME: str
+    COMMANDS: list[Command]
+    EVENTS: dict[str, type]
+    STREAM: StreamSpec
+    CONFIG: type[ServiceConfig] | None
+
+    async def build(self, ctx: WorkerContext) -> Service | list[Service]: ...
+
+
+def load(module_name: str) -> ServiceModule:
     module = importlib.import_module(module_name)
-    for attribute in ("NAME", "STREAM", "build"):
-        if not hasattr(module, attribute):
-            raise SystemExit(f"{module_name} is not a berth service module: it has no {attribute}")
+    if not isinstance(module, ServiceModule):
+        missing = [name for name in (*ServiceModule.__annotations__, "build") if not hasattr(module, name)]
+        raise SystemExit(f"{module_name} is not a berth service module: it has no {', '.join(sorted(missing))}")
     return module
 
 
-async def run(module, common: CommonConfig, config: AnyServiceConfig | None) -> None:
+async def run(module: ServiceModule, common: CommonConfig, config: Any) -> None:
     metrics = None
     if common.metrics_port is not None:
         metrics = MetricsServer(common.metrics_addr, common.metrics_port)
@@ -101,7 +126,7 @@ async def run(module, common: CommonConfig, config: AnyServiceConfig | None) -> 
             await metrics.close()
 
 
-async def _serve(module, common: CommonConfig, config: AnyServiceConfig | None, metrics: MetricsServer | None) -> None:
+async def _serve(module: ServiceModule, common: CommonConfig, config: Any, metrics: MetricsServer | None) -> None:
     nc = await connect(common.nats, name=f"{common.prefix}-{module.NAME}", **nats_options(common, module.NAME))
     redis = await ready(connect_redis(common.redis, max_connections=common.concurrency + 8))
     events = EventBus(nc, prefix=common.prefix, js_domain=common.js_domain)
@@ -131,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     if not argv:
         raise SystemExit("usage: python -m services.runner <service module> [options]")
     module = load(argv[0])
-    common, config = parse_worker(module.NAME, argv[1:])
+    common, config = parse_worker(module.NAME, module.CONFIG, argv[1:])
     configure_logging(common.log_level)
     # A worker allocates many short-lived objects per request while holding large long-lived
     # ones (capacity views, memos). With the default threshold (700) the cycle collector runs

@@ -27,18 +27,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from services.credentials import write_private
+from services.processes.ports import free_port
 
 if TYPE_CHECKING:
     from services.tls import TlsFiles
 
 
 NATS_PID = "nats-server.pid"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def free_cluster_port() -> int:

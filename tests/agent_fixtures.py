@@ -15,7 +15,8 @@ import pytest
 import pytest_asyncio
 
 from services.agent.worker import STREAM, make_agent
-from services.settings import AgentServiceConfig, MetricsServiceConfig
+from services.agent.config import AgentServiceConfig
+from services.metrics.config import MetricsServiceConfig
 from tests.agent_helpers import HEARTBEAT, TTL
 from tests.agent_hosts import fake_host
 from tests.broker_helpers import CATALOG, kill_marked

@@ -15,7 +15,7 @@ import pytest_asyncio
 from bus.errors import BusError
 from services.broker.config import Timing
 from services.broker.worker import STREAM, make_broker
-from services.settings import BrokerServiceConfig
+from services.broker.config import BrokerServiceConfig
 from tests.broker_helpers import CATALOG, FAST, eventually, kill_marked
 
 

@@ -23,6 +23,8 @@ from bus.idempotency import IdempotencyStore
 from bus.service import Command, Service
 
 NAME = "echo"
+CONFIG = None  # no options of its own
+EVENTS: dict[str, type] = {}
 STREAM = StreamSpec("events", ("echo.>",), max_age=3600, max_bytes=1 << 20)
 
 

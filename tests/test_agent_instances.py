@@ -27,7 +27,7 @@ from services.agent.messages import InstanceInfo, InstanceParam, Owner, StartIns
 from services.agent.state import Record, StateDir
 from services.processes import procfs
 from services.processes.catalog import Catalog
-from services.servers import free_port
+from services.processes.ports import free_port
 from tests.agent_helpers import remove_parent_cgroup
 from tests.broker_helpers import CATALOG, ROOT, eventually, kill_marked, marked_pids
 

@@ -10,7 +10,6 @@ schema its Struct has.
 from __future__ import annotations
 
 import copy
-import importlib
 import json
 import re
 import subprocess
@@ -23,7 +22,7 @@ import pytest
 
 from schemas.asyncapi import document, parse_pattern
 from schemas.export import document as json_schema_document
-from services.registry import available
+from services.registry import contracts
 
 ROOT = Path(__file__).resolve().parent.parent
 EXTRA = ("tests.echo_service",)
@@ -41,8 +40,7 @@ NOT_DRAFT_07 = {
 
 
 def modules(extra: tuple[str, ...] = EXTRA) -> dict[str, Any]:
-    names = {**available(), **{m: m for m in extra}}
-    return {name: importlib.import_module(module) for name, module in names.items()}
+    return contracts(extra)
 
 
 def resolve(doc: dict, ref: str) -> Any:
@@ -176,7 +174,7 @@ def problems(doc: dict, prefix: str, extra: tuple[str, ...] = EXTRA) -> list[str
     by_address = {channel.get("address"): cid for cid, channel in channels.items()}
     receiving = {op["channel"]["$ref"]: op for op in operations.values() if op.get("action") == "receive"}
     sending = {op["channel"]["$ref"]: op for op in operations.values() if op.get("action") == "send"}
-    exported = json_schema_document(prefix, extra_modules=extra)
+    exported = json_schema_document(modules(extra), prefix)
     for service, module in modules(extra).items():
         for command in getattr(module, "COMMANDS", []):
             cid = by_address.get(address_of(prefix, command.subject))
@@ -232,7 +230,7 @@ ERROR_HEADER_NAME = "Nats-Service-Error-Code"
 
 @pytest.fixture(scope="module")
 def doc() -> dict:
-    return document("p", extra_modules=EXTRA)
+    return document(modules(), "p")
 
 
 def validate_with_asyncapi3(doc: dict) -> None:

@@ -15,7 +15,7 @@ from services.broker.operators.base import LaunchSpec
 from services.broker.operators.process import ProcessOperator, ProcessTable, Slot
 from services.processes import procfs
 from services.processes.catalog import Catalog
-from services.servers import free_port
+from services.processes.ports import free_port
 from tests.broker_helpers import CATALOG, HTTP, ROOT, SERVER, eventually, marked
 
 pytest_plugins = ["tests.broker_fixtures"]

@@ -14,7 +14,7 @@ from bus.errors import (
     status_of,
 )
 from services.metrics.errors import MetricExpired, MetricNotFound
-from services.metrics.store import MetricValue
+from services.metrics.entities import MetricValue
 
 # Every code DESIGN.md §2 lists, the services' other codes, and the bus's own, with §8's status.
 STATUSES = {

@@ -169,8 +169,9 @@ def test_schema_groups_messages_by_subject(tmp_path):
 
 def test_schema_export_of_a_service_module():
     from schemas.export import document
+    from services.registry import contracts
 
-    doc = document("p", extra_modules=("tests.echo_service",))
+    doc = document(contracts(("tests.echo_service",)), "p")
     subjects = doc["services"]["tests.echo_service"]["subjects"]
     assert subjects["p.echo.increment"]["idempotent"] is True
     typed = subjects["p.echo.typed"]["request"]

@@ -19,7 +19,8 @@ from bus.callers import Role
 from bus.connection import subscriptions_in_place
 from schemas.common import Event
 from services.credentials import prepare
-from services.servers import free_port, start_nats, start_redis
+from services.processes.ports import free_port
+from services.servers import start_nats, start_redis
 from tests.conftest import new_prefix, start_worker, stop_workers
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -20,7 +20,7 @@ import pytest
 from bus.errors import BusError
 from services.metrics.client import MetricsClient
 from services.metrics.worker import MetricsWorker
-from services.settings import MetricsServiceConfig
+from services.metrics.config import MetricsServiceConfig
 from tests.bus_helpers import EventLog, until
 
 NODE = "n1"

@@ -10,7 +10,8 @@ import pytest
 from bus.errors import BerthError, InvalidArgument
 from services.metrics.errors import MetricExpired, MetricNotFound
 from services.metrics.provisioners import Sample
-from services.metrics.store import MetricValue, PodRef, Store
+from services.metrics.entities import MetricValue, PodRef
+from services.metrics.store import Store
 
 
 class Clock:

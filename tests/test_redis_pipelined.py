@@ -10,7 +10,7 @@ from redis.exceptions import ConnectionError, ResponseError
 
 from bus import scripts
 from bus.redis import Pipelined, connect_redis
-from services.servers import free_port
+from services.processes.ports import free_port
 
 
 class Counting(Pipelined):

@@ -10,13 +10,12 @@ import dataclasses
 
 import pytest
 
-from services.broker.config import Timing
+from services.allocation.config import AllocationServiceConfig
+from services.broker.config import BrokerServiceConfig, Timing
+from services.metrics.config import MetricsServiceConfig
 from services.settings import (
-    AllocationServiceConfig,
-    BrokerServiceConfig,
     CommonConfig,
     DashboardConfig,
-    MetricsServiceConfig,
     add_client_flags,
     add_metrics_port_flag,
     add_server_flags,
@@ -28,7 +27,7 @@ from services.settings import (
 
 
 def test_common_defaults_without_flags_or_environment():
-    common, config = parse_worker("allocation", [], env={})
+    common, config = parse_worker("allocation", AllocationServiceConfig, [], env={})
     assert common == CommonConfig()
     assert (common.prefix, common.concurrency, common.metrics_port, common.metrics_refresh) == (
         "berth",
@@ -75,37 +74,37 @@ def test_common_flag_wins_over_environment_which_wins_over_default(
     flag, value, variable, env_value, name, from_env, from_flag
 ):
     default = getattr(CommonConfig(), name)
-    assert getattr(parse_worker("broker", [], env={})[0], name) == default
-    assert getattr(parse_worker("broker", [], env={variable: env_value})[0], name) == from_env
-    assert getattr(parse_worker("broker", [flag, value], env={variable: env_value})[0], name) == from_flag
-    assert getattr(parse_worker("broker", [flag, value], env={})[0], name) == from_flag
+    assert getattr(parse_worker("broker", BrokerServiceConfig, [], env={})[0], name) == default
+    assert getattr(parse_worker("broker", BrokerServiceConfig, [], env={variable: env_value})[0], name) == from_env
+    assert getattr(parse_worker("broker", BrokerServiceConfig, [flag, value], env={variable: env_value})[0], name) == from_flag
+    assert getattr(parse_worker("broker", BrokerServiceConfig, [flag, value], env={})[0], name) == from_flag
 
 
 def test_common_flags_without_variable_and_the_log_level():
-    common, _ = parse_worker("metrics", ["--node", "n1", "--drain-timeout", "3", "--memory-stream"], env={})
+    common, _ = parse_worker("metrics", MetricsServiceConfig, ["--node", "n1", "--drain-timeout", "3", "--memory-stream"], env={})
     assert (common.drain_timeout, common.memory_stream, common.log_level) == (3.0, True, "INFO")
-    assert parse_worker("metrics", ["--node", "n1"], env={"BERTH_LOG_LEVEL": "DEBUG"})[0].log_level == "DEBUG"
+    assert parse_worker("metrics", MetricsServiceConfig, ["--node", "n1"], env={"BERTH_LOG_LEVEL": "DEBUG"})[0].log_level == "DEBUG"
     assert log_level({}) == "INFO" and log_level({"BERTH_LOG_LEVEL": "WARNING"}) == "WARNING"
     assert state_dir({}) == ".berth" and state_dir({"BERTH_STATE": "/s"}) == "/s"
 
 
 def test_metrics_port_off_values_and_a_bad_port():
     assert (
-        parse_worker("allocation", ["--metrics-port", "off"], env={"BERTH_METRICS_PORT": "9100"})[
+        parse_worker("allocation", AllocationServiceConfig, ["--metrics-port", "off"], env={"BERTH_METRICS_PORT": "9100"})[
             0
         ].metrics_port
         is None
     )
-    assert parse_worker("allocation", [], env={"BERTH_METRICS_PORT": ""})[0].metrics_port is None
+    assert parse_worker("allocation", AllocationServiceConfig, [], env={"BERTH_METRICS_PORT": ""})[0].metrics_port is None
     with pytest.raises(SystemExit):
-        parse_worker("allocation", ["--metrics-port", "70000"], env={})
+        parse_worker("allocation", AllocationServiceConfig, ["--metrics-port", "70000"], env={})
 
 
 def test_a_bad_prefix_is_refused_from_a_flag_or_the_environment():
     with pytest.raises(SystemExit, match="must match"):
-        parse_worker("allocation", ["--prefix", "a.b"], env={})
+        parse_worker("allocation", AllocationServiceConfig, ["--prefix", "a.b"], env={})
     with pytest.raises(SystemExit, match="must match"):
-        parse_worker("allocation", [], env={"BERTH_PREFIX": "a b"})
+        parse_worker("allocation", AllocationServiceConfig, [], env={"BERTH_PREFIX": "a b"})
 
 
 @pytest.mark.parametrize(
@@ -119,9 +118,9 @@ def test_a_bad_prefix_is_refused_from_a_flag_or_the_environment():
     ],
 )
 def test_allocation_precedence(flag, variable, name, default):
-    assert getattr(parse_worker("allocation", [], env={})[1], name) == default
-    assert getattr(parse_worker("allocation", [], env={variable: "7"})[1], name) == 7
-    assert getattr(parse_worker("allocation", [flag, "9"], env={variable: "7"})[1], name) == 9
+    assert getattr(parse_worker("allocation", AllocationServiceConfig, [], env={})[1], name) == default
+    assert getattr(parse_worker("allocation", AllocationServiceConfig, [], env={variable: "7"})[1], name) == 7
+    assert getattr(parse_worker("allocation", AllocationServiceConfig, [flag, "9"], env={variable: "7"})[1], name) == 9
 
 
 @pytest.mark.parametrize("argv, env", [
@@ -130,11 +129,11 @@ def test_allocation_precedence(flag, variable, name, default):
 def test_a_negative_replica_count_or_a_timeout_of_zero_is_refused(argv, env):
     # WAIT with timeout 0 would block forever: never a worker's answer.
     with pytest.raises(SystemExit):
-        parse_worker("allocation", argv, env=env)
+        parse_worker("allocation", AllocationServiceConfig, argv, env=env)
 
 
 def test_broker_precedence_and_its_own_flags():
-    _, config = parse_worker("broker", [], env={})
+    _, config = parse_worker("broker", BrokerServiceConfig, [], env={})
     assert config == BrokerServiceConfig() and config.mem_per_instance == 1 << 30 and config.timing == Timing()
     env = {
         "BERTH_BROKER_OPERATOR": "allocation",
@@ -142,7 +141,7 @@ def test_broker_precedence_and_its_own_flags():
         "BERTH_BROKER_NAMESPACE": "ns-env",
         "BERTH_BROKER_INSTANCE_TYPES": '[{"platform": "p"}]',
     }
-    _, config = parse_worker("broker", [], env=env)
+    _, config = parse_worker("broker", BrokerServiceConfig, [], env=env)
     assert (config.operator, config.max_instances, config.namespace, config.instance_types) == (
         "allocation",
         5,
@@ -150,7 +149,7 @@ def test_broker_precedence_and_its_own_flags():
         '[{"platform": "p"}]',
     )
     _, config = parse_worker(
-        "broker",
+        "broker", BrokerServiceConfig,
         [
             "--operator",
             "process",
@@ -181,10 +180,10 @@ def test_broker_precedence_and_its_own_flags():
 
 
 def test_metrics_precedence_and_validation():
-    _, config = parse_worker("metrics", [], env={"BERTH_NODE": "env-node", "BERTH_METRICS_INTERVAL": "3"})
+    _, config = parse_worker("metrics", MetricsServiceConfig, [], env={"BERTH_NODE": "env-node", "BERTH_METRICS_INTERVAL": "3"})
     assert (config.node, config.interval) == ("env-node", 3.0)
     _, config = parse_worker(
-        "metrics",
+        "metrics", MetricsServiceConfig,
         [
             "--node",
             "flag-node",
@@ -209,11 +208,11 @@ def test_metrics_precedence_and_validation():
         insurance_seconds=60.0,
         notifier_lease=10.0,
     )
-    _, config = parse_worker("metrics", [], env={})
+    _, config = parse_worker("metrics", MetricsServiceConfig, [], env={})
     assert (config.node, config.interval, config.notifier_lease) == (default_node(), 5.0, 30.0)
     assert config.max_notifiers == 1000
-    assert parse_worker("metrics", [], env={"BERTH_METRICS_MAX_NOTIFIERS": "7"})[1].max_notifiers == 7
-    assert parse_worker("metrics", ["--max-notifiers", "5"], env={})[1].max_notifiers == 5
+    assert parse_worker("metrics", MetricsServiceConfig, [], env={"BERTH_METRICS_MAX_NOTIFIERS": "7"})[1].max_notifiers == 7
+    assert parse_worker("metrics", MetricsServiceConfig, ["--max-notifiers", "5"], env={})[1].max_notifiers == 5
     for bad in (
         ["--node", "a.b"],
         ["--interval", "0.5"],
@@ -221,18 +220,18 @@ def test_metrics_precedence_and_validation():
         ["--notifier-lease", "4000"],
     ):
         with pytest.raises(SystemExit):
-            parse_worker("metrics", bad, env={})
+            parse_worker("metrics", MetricsServiceConfig, bad, env={})
 
 
 def test_a_service_settings_does_not_know_gets_the_common_flags_only():
-    common, config = parse_worker("echo", ["--prefix", "p1"], env={"BERTH_SHARE_BASE": "7"})
+    common, config = parse_worker("echo", None, ["--prefix", "p1"], env={"BERTH_SHARE_BASE": "7"})
     assert (common.prefix, config) == ("p1", None)
     with pytest.raises(SystemExit):
-        parse_worker("echo", ["--share-base", "3"], env={})
+        parse_worker("echo", None, ["--share-base", "3"], env={})
 
 
 def test_configs_are_frozen():
-    common, config = parse_worker("allocation", [], env={})
+    common, config = parse_worker("allocation", AllocationServiceConfig, [], env={})
     for frozen, name in (
         (common, "prefix"),
         (config, "share_base"),

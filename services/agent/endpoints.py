@@ -7,16 +7,11 @@ as one); reading what runs is a reader's.
 
 from __future__ import annotations
 
-from bus.callers import Role
-from bus.events import StreamSpec
-from bus.service import Command
 from schemas.common import Empty
 from services.agent.host_agent import HostAgent
 from services.agent.messages import (
-    AgentEvent,
     AgentInfo,
     Drain,
-    InstanceEvent,
     InstanceInfo,
     InstancePage,
     InstanceRequest,
@@ -28,26 +23,6 @@ from services.agent.messages import (
 )
 
 
-def commands(node: str) -> list[Command]:
-    """The commands of one host's agent (`node` is "<node>" in the exported schema)."""
-    group = f"agent.{node}"
-    return [
-        Command(f"{group}.start", StartInstance, InstanceInfo, "start", role=Role.ADMIN),
-        Command(f"{group}.stop", InstanceRequest, Stopped, "stop", role=Role.ADMIN),
-        Command(f"{group}.status", InstancesRequest, InstancesReply, "status", role=Role.READER),
-        Command(f"{group}.list", ListInstances, InstancePage, "list", role=Role.READER),
-        Command(f"{group}.info", Empty, AgentInfo, "info", role=Role.READER),
-        Command(f"{group}.drain", Drain, AgentInfo, "drain", role=Role.ADMIN),
-    ]
-
-
-COMMANDS = commands("<node>")
-EVENTS = {
-    "agent.<node>.<started|ready|unready|exited|stopped>": InstanceEvent,
-    "agent.<node>.host.<registered|capacity|draining|resumed>": AgentEvent,
-}
-# An agent's news is change news: kept a day for replay, in the stream allocation and broker share.
-STREAM = StreamSpec("events", ("agent.>",), max_age=24 * 3600, max_bytes=1 << 30)
 
 
 class AgentEndpoints:

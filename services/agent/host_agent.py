@@ -29,7 +29,7 @@ from services.agent.host import describe, node_resource, read_host
 from services.agent.instances import Instances
 from services.agent.messages import AgentEvent, AgentInfo, InstanceEvent, InstanceInfo, StartInstance
 from services.metrics.cgroups import PodCgroups
-from services.settings import AgentServiceConfig
+from services.agent.config import AgentServiceConfig
 
 log = logging.getLogger("berth.agent")
 

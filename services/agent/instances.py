@@ -37,7 +37,7 @@ from services.agent.state import Record, StateDir, StateLocked
 from services.processes import procfs
 from services.processes.catalog import Catalog, check_command
 from services.processes.spawn import SpawnError, spawn
-from services.servers import free_port
+from services.processes.ports import free_port
 
 __all__ = ["Instances", "StateLocked"]
 

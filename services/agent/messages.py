@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 from msgspec import Meta, Struct
 
-from bus.subjects import END, ShortName
+from schemas.subjects import END, ShortName
 from schemas.common import Event
 
 # Printable text of at most 256 characters: the broker's workload ids ("broker/<user>/<id>/<n>").

@@ -10,17 +10,19 @@ from pathlib import Path
 from bus.client import BusClient
 from bus.service import Service
 from services.agent.cgroups import CgroupRoot
-from services.agent.endpoints import COMMANDS, EVENTS, STREAM, AgentEndpoints, commands
+from services.agent.commands import COMMANDS, EVENTS, STREAM, commands
+from services.agent.endpoints import AgentEndpoints
 from services.agent.host import HostUnreadable
 from services.agent.host_agent import HostAgent
 from services.agent.instances import Instances, StateLocked
-from services.metrics.worker import STREAM as METRICS_STREAM
+from services.metrics.commands import STREAM as METRICS_STREAM
 from services.metrics.worker import MetricsWorker
 from services.processes.catalog import Catalog, CatalogError
-from services.settings import AgentServiceConfig
+from services.agent.config import AgentServiceConfig
 
 NAME = "agent"
-__all__ = ["COMMANDS", "EVENTS", "NAME", "STREAM", "build", "make_agent"]
+CONFIG = AgentServiceConfig
+__all__ = ["COMMANDS", "CONFIG", "EVENTS", "NAME", "STREAM", "build", "make_agent"]
 
 log = logging.getLogger("berth.agent")
 
@@ -43,7 +45,7 @@ def make_agent(config: AgentServiceConfig, *, nc, events, prefix: str, concurren
 
 
 async def build(ctx) -> list[Service]:
-    """`ctx.config`: the frozen `services.settings.AgentServiceConfig`. Serves the agent and its
+    """`ctx.config`: the frozen `services.agent.config.AgentServiceConfig`. Serves the agent and its
     node's metrics."""
     config: AgentServiceConfig = ctx.config
     try:

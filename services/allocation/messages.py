@@ -12,7 +12,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta, Struct
 
-from bus.subjects import END, NodeName
+from schemas.subjects import END, NodeName
 from schemas.common import Event
 
 Raw = dict[str, Any]

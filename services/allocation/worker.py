@@ -6,16 +6,17 @@ from bus.idempotency import IdempotencyStore
 from bus.replicas import ReplicaWait
 from bus.service import Service
 from bus.telemetry import on_scrape
+from services.allocation.config import AllocationServiceConfig
 from services.allocation.cpumem import CpuMemPlugin
-from services.allocation.endpoints import (
+from services.allocation.commands import (
     COMMANDS,
     EVENTS,
     MANAGER_ONLY_COMMANDS,
     PLUGIN_NAMES,
     STREAM,
-    AllocationEndpoints,
     plugin_commands,
 )
+from services.allocation.endpoints import AllocationEndpoints
 from services.allocation.gpu import GpuPlugin
 from services.allocation.manager import AllocationManager
 from services.allocation.plugin import ResourcePlugin
@@ -24,7 +25,8 @@ from services.allocation.store import NodeStore
 from services.allocation.telemetry import NodeTotals
 
 NAME = "allocation"
-__all__ = ["NAME", "COMMANDS", "EVENTS", "STREAM", "build", "make_service"]
+CONFIG = AllocationServiceConfig
+__all__ = ["NAME", "COMMANDS", "CONFIG", "EVENTS", "STREAM", "build", "make_service"]
 
 
 def make_plugins(share_base: int = 100, max_share: int = -1, max_deploy_count: int = 10000) -> dict[str, ResourcePlugin]:
@@ -53,7 +55,7 @@ def make_service(
 
 
 async def build(ctx) -> Service:
-    """`ctx.config`: the frozen `services.settings.AllocationServiceConfig`."""
+    """`ctx.config`: the frozen `services.allocation.config.AllocationServiceConfig`."""
     config = ctx.config
     plugins = make_plugins(config.share_base, config.max_share, config.max_deploy_count)
     manager = AllocationManager(NodeStore(ctx.redis, ctx.prefix), plugins, ctx.events)

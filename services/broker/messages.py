@@ -12,8 +12,8 @@ from typing import Annotated, Literal
 
 from msgspec import UNSET, Meta, Struct, UnsetType, field
 
-from bus.subjects import END
-from bus.subjects import ShortName as Token
+from schemas.subjects import END
+from schemas.subjects import ShortName as Token
 from schemas.common import Event
 
 # Any printable text: ids go into subjects escaped, and into launched processes' environment.

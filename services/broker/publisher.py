@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from bus.events import EventBus
-from bus.subjects import escape_token
+from schemas.subjects import escape_token
 from services.broker.messages import BrokerEvent, ResourceEvent
 from services.broker.model import Resource
 

@@ -11,8 +11,9 @@ from bus.idempotency import IdempotencyStore
 from bus.service import Service
 from bus.telemetry import on_scrape
 from services.broker.brokers import BrokerRegistry
-from services.broker.config import InstanceTypes
-from services.broker.endpoints import COMMANDS, EVENTS, STREAM, BrokerEndpoints, for_callers
+from services.broker.config import BrokerServiceConfig, InstanceTypes
+from services.broker.commands import COMMANDS, EVENTS, STREAM
+from services.broker.endpoints import BrokerEndpoints, for_callers
 from services.broker.failover import Failover
 from services.broker.operators.allocation import AllocationOperator
 from services.broker.operators.base import Operator
@@ -24,10 +25,10 @@ from services.broker.resources import BrokerResources
 from services.broker.store import BrokerStore
 from services.broker.telemetry import PoolSizes
 from services.processes.catalog import Catalog, CatalogError
-from services.settings import BrokerServiceConfig
 
 NAME = "broker"
-__all__ = ["COMMANDS", "EVENTS", "NAME", "STREAM", "build", "make_broker"]
+CONFIG = BrokerServiceConfig
+__all__ = ["COMMANDS", "CONFIG", "EVENTS", "NAME", "STREAM", "build", "make_broker"]
 
 
 def make_operator(
@@ -83,7 +84,7 @@ def make_broker(
 
 
 async def build(ctx) -> Service:
-    """`ctx.config`: the frozen `services.settings.BrokerServiceConfig`."""
+    """`ctx.config`: the frozen `services.broker.config.BrokerServiceConfig`."""
     try:
         service, replica = make_broker(
             ctx.config,

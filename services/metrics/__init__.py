@@ -17,13 +17,13 @@ import importlib
 # Names are imported when first used (PEP 562), so that importing any module of the package (the
 # wire module, messages.py, above all) does not load the kernel reader with it.
 _HOMES = {
-    "METRICS": "metrics_list", "SCOPES": "metrics_list", "MetricInfo": "metrics_list",
+    "METRICS": "metrics_list", "SCOPES": "entities", "MetricInfo": "metrics_list",
     "PROVISIONERS": "provisioners", "CgroupProvisioner": "provisioners", "CpuProvisioner": "provisioners",
     "DiskProvisioner": "provisioners", "MemoryProvisioner": "provisioners", "NetworkProvisioner": "provisioners",
     "PressureProvisioner": "provisioners", "Provisioner": "provisioners", "Roots": "provisioners",
     "Sample": "samples",
     "MetricExpired": "errors", "MetricNotFound": "errors",
-    "MetricValue": "store", "PodRef": "store", "Store": "store", "StoredMetric": "store",
+    "MetricValue": "entities", "PodRef": "entities", "Store": "store", "StoredMetric": "store",
 }  # fmt: skip
 
 

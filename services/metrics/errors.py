@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from bus.errors import BerthError
 
 if TYPE_CHECKING:
-    from services.metrics.store import MetricValue
+    from services.metrics.entities import MetricValue
 
 
 class MetricNotFound(BerthError):

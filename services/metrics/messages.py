@@ -1,12 +1,12 @@
 """Requests, replies and events of the metrics service (DESIGN.md §5 and §8, "Metrics").
 
 Every command answers on `<prefix>.metrics.<node>.<command>`. An entity is named by the id keys its
-scope needs (`SCOPES` in metrics_list: `pod_uid` and `container` for the container scope, ...);
+scope needs (`SCOPES` in entities.py: `pod_uid` and `container` for the container scope, ...);
 ids a scope does not need are ignored. Types are strict: msgspec rejects a string where a number
 belongs, a null, a negative id, an unknown scope, kind or aggregator, and names the field. Finite
-numbers (no NaN, no infinity) are checked by the store, which names the field too. The store's
-own Structs travel as they are: `MetricValue` (the reply of `get`, `aggregate` and `put`) and
-`PodRef` (a pod in `aggregate`) are defined in store.py.
+numbers (no NaN, no infinity) are checked by the store, which names the field too. `MetricValue`
+(the reply of `get`, `aggregate` and `put`) and `PodRef` (a pod in `aggregate`) are defined in
+entities.py, beside the scopes, as the store returns and takes them.
 """
 
 from __future__ import annotations
@@ -17,10 +17,8 @@ from typing import Annotated, Any, Literal
 from msgspec import UNSET, Meta, Struct, UnsetType, field
 
 from bus.errors import InvalidArgument
-from bus.subjects import DOTTED_NAME_REGEX, END, MAX_SUBJECT_BYTES, escape_token
-from services.metrics.metrics_list import SCOPES
-from services.metrics.samples import Ids
-from services.metrics.store import AGGREGATORS, KINDS, MAX_CPU_ID, PodRef, entity_key
+from schemas.subjects import DOTTED_NAME_REGEX, END, MAX_SUBJECT_BYTES, escape_token
+from services.metrics.entities import AGGREGATORS, KINDS, MAX_CPU_ID, SCOPES, Ids, PodRef, entity_key
 
 Scope = Literal[
     "node", "numa", "cpu", "device", "network", "container", "container-numa", "pod-volume", "cgroup",

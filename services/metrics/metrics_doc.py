@@ -6,7 +6,8 @@ against; paste the output into the README again whenever that list changes.
 
 from __future__ import annotations
 
-from services.metrics.metrics_list import METRICS, SCOPES
+from services.metrics.entities import SCOPES
+from services.metrics.metrics_list import METRICS
 
 
 def table() -> str:

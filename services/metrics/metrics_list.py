@@ -13,23 +13,6 @@ import msgspec
 
 from services.metrics.parsers import NET_DEV_FIELDS
 
-# Scope -> the id keys that name one entity in it, in order. A sample's `ids` is a tuple of these.
-SCOPES: dict[str, tuple[str, ...]] = {
-    "node": (),
-    "numa": ("numa_id",),
-    "cpu": ("core_id",),
-    "device": ("device",),
-    "network": ("nic",),
-    "container": ("pod_uid", "container"),
-    "container-numa": ("pod_uid", "container", "numa_id"),
-    "pod-volume": ("pod_uid", "volume"),
-    "cgroup": ("cgroup_path",),
-    "cgroup-numa": ("cgroup_path", "numa_id"),
-}
-
-# Id keys whose values are integers; every other id is a non-empty string.
-INT_IDS = frozenset({"numa_id", "core_id"})
-
 
 class MetricInfo(msgspec.Struct, frozen=True):
     name: str

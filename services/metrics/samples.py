@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
-Ids = tuple[str | int, ...]
+from services.metrics.entities import Ids
 
 
 class Sample(msgspec.Struct, frozen=True, gc=False):

@@ -16,26 +16,30 @@ import math
 import threading
 import time as _time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
 
 from bus.errors import InvalidArgument
 from services.metrics.errors import MetricExpired, MetricNotFound
-from services.metrics.metrics_list import INT_IDS, SCOPES
+from services.metrics.entities import (
+    AGGREGATORS,
+    KINDS,
+    MAX_CPU_ID,
+    MAX_CPUSET_CPUS,
+    SCOPES,
+    Ids,
+    MetricValue,
+    PodRef,
+    entity_key,
+    ids_dict,
+)
 from services.metrics.parsers import parse_cpulist
-from services.metrics.samples import Ids, Sample
+from services.metrics.samples import Sample
 
 # Katalyst clamps a non-zero insurance period up to a minute.
 MIN_INSURANCE_SECONDS = 60.0
 
-AGGREGATORS = ("sum", "avg")
-# aggregate kind -> the scope its inputs come from
-KINDS = {"pods": "container", "pods-numa": "container-numa", "cores": "cpu"}
-# A cpuset's bounds: ids as high as a `core_id` may be (messages.Index), and at most as many CPUs as
-# the largest Linux configuration (NR_CPUS 8192 on x86-64), so that no request expands further.
-MAX_CPU_ID = 1_000_000
-MAX_CPUSET_CPUS = 8192
 
 # id key -> the entity it names, for "which entity is missing" errors
 _ENTITY_NAMES = {
@@ -51,13 +55,6 @@ _ENTITY_NAMES = {
 _POD_SCOPES = ("container", "container-numa", "pod-volume")
 
 
-class MetricValue(msgspec.Struct, frozen=True):
-    """A value and the unix time (seconds) of its sample."""
-
-    value: float
-    time: float
-
-
 class StoredMetric(msgspec.Struct):
     """One stored value, as `list` returns it (the `list` reply flattens `ids` into each entry)."""
 
@@ -68,42 +65,11 @@ class StoredMetric(msgspec.Struct):
     time: float
 
 
-class PodRef(msgspec.Struct, frozen=True):
-    """A pod in an aggregation request: its UID and the containers to add up."""
-
-    uid: Annotated[str, msgspec.Meta(min_length=1)]
-    containers: list[Annotated[str, msgspec.Meta(min_length=1)]] = []
-
-
 class _Slot(msgspec.Struct, gc=False):
     value: float
     time: float
     expires: float | None = None  # unix seconds, only for put with a TTL
     external: bool = False  # written with put: clean-up leaves it alone
-
-
-def entity_key(scope: str, ids: Mapping[str, Any] | None) -> Ids:
-    """The ordered id tuple of an entity, validated: `invalid_argument` names the bad field."""
-    if scope not in SCOPES:
-        raise InvalidArgument("scope", f"unknown scope {scope!r}; one of {', '.join(SCOPES)}")
-    ids = ids or {}
-    key = []
-    for name in SCOPES[scope]:
-        if name not in ids:
-            raise InvalidArgument(name, f"required for scope {scope}")
-        value = ids[name]
-        if name in INT_IDS:
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise InvalidArgument(name, f"must be a non-negative integer, got {value!r}")
-        elif not isinstance(value, str) or not value:
-            raise InvalidArgument(name, f"must be a non-empty string, got {value!r}")
-        key.append(value)
-    return tuple(key)
-
-
-def ids_dict(scope: str, key: Ids) -> dict[str, str | int]:
-    """The wire form of an entity's ids: `{"pod_uid": ..., "container": ...}`."""
-    return dict(zip(SCOPES[scope], key))
 
 
 def _check_metric(metric: object) -> str:

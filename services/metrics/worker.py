@@ -21,17 +21,19 @@ from bus.tasks import cancel_and_wait
 from bus.telemetry import on_scrape
 from services.metrics.agent import Agent
 from services.metrics.cgroups import PodCgroups
-from services.metrics.endpoints import COMMANDS, EVENTS, STREAM, MetricsEndpoints, commands
+from services.metrics.commands import COMMANDS, EVENTS, STREAM, commands
+from services.metrics.endpoints import MetricsEndpoints
 from services.metrics.notifier import Notifier, Publishing, Registrations
 from services.metrics.provisioners import PROVISIONERS, CgroupProvisioner, Provisioner
 from services.metrics.provisioners.base import Roots
 from services.metrics.put_times import PutTimes
 from services.metrics.store import Store
 from services.metrics.telemetry import RegistrationCount
-from services.settings import MetricsServiceConfig
+from services.metrics.config import MetricsServiceConfig
 
 NAME = "metrics"
-__all__ = ["NAME", "COMMANDS", "EVENTS", "STREAM", "build", "MetricsWorker"]
+CONFIG = MetricsServiceConfig
+__all__ = ["NAME", "COMMANDS", "CONFIG", "EVENTS", "STREAM", "build", "MetricsWorker"]
 
 log = logging.getLogger("berth.metrics")
 
@@ -106,7 +108,7 @@ def _report_crash(task: asyncio.Task) -> None:
 
 
 async def build(ctx) -> Service:
-    """`ctx.config`: the frozen `services.settings.MetricsServiceConfig`."""
+    """`ctx.config`: the frozen `services.metrics.config.MetricsServiceConfig`."""
     options = ctx.config
     worker = MetricsWorker(ctx.nc, ctx.redis, ctx.prefix, options, concurrency=ctx.common.concurrency)
     worker.start()

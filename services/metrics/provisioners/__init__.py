@@ -35,7 +35,8 @@ from services.metrics.provisioners.node import (
     PressureProvisioner,
     add_pressure,
 )
-from services.metrics.samples import Ids, Sample
+from services.metrics.entities import Ids
+from services.metrics.samples import Sample
 
 PROVISIONERS: tuple[type[Provisioner], ...] = (
     CpuProvisioner,

@@ -13,7 +13,8 @@ import msgspec
 
 from services.metrics.parsers import parse_cpulist, parse_int
 from services.metrics.rates import Counters
-from services.metrics.samples import Ids, Sample
+from services.metrics.entities import Ids
+from services.metrics.samples import Sample
 
 
 class Roots(msgspec.Struct, frozen=True):

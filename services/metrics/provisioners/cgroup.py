@@ -25,7 +25,7 @@ from services.metrics.parsers import (
 )
 from services.metrics.provisioners.base import HOST, Batch, Provisioner, Roots, numa_cpus, read_int, read_text
 from services.metrics.provisioners.node import add_pressure
-from services.metrics.samples import Ids
+from services.metrics.entities import Ids
 
 # memory.stat keys -> metric; a metric with several keys is their sum (only one form exists on a
 # given kernel: 5.9 split workingset_refault into _anon and _file).

@@ -13,7 +13,7 @@ from services.metrics.parsers import (
 )
 from services.metrics.provisioners.base import HOST, Batch, Provisioner, Roots, numa_cpus, read_int, read_text
 from services.metrics.rates import Counters, CpuRatios, cpu_ratios
-from services.metrics.samples import Ids
+from services.metrics.entities import Ids
 
 # ---------------------------------------------------------------------------------------- CPU
 

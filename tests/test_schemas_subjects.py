@@ -1,11 +1,11 @@
-"""`bus.subjects`: the one definition of a name that is a subject token (DESIGN.md §8), and escaping."""
+"""`schemas.subjects`: the one definition of a name that is a subject token (DESIGN.md §8), and escaping."""
 
 from __future__ import annotations
 
 import msgspec
 import pytest
 
-from bus.subjects import NAME_PATTERN, NodeName, ShortName, escape_token
+from schemas.subjects import NAME_PATTERN, NodeName, ShortName, escape_token
 
 
 @pytest.mark.parametrize("name", ["n1", "node-1", "a_B-9", "-", "_"])

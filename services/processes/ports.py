@@ -1,0 +1,11 @@
+"""Free TCP ports on loopback: for a launched instance's ports and for the embedded servers."""
+
+from __future__ import annotations
+
+import socket
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -1,0 +1,128 @@
+"""The import direction of README "Layout": each rule names who may import what, and a test fails
+when an import goes the other way (one anywhere in a module counts, a deferred one in a function too).
+
+    schemas/   the wire contract: imports neither bus/ nor services/
+    bus/       the transport and the stores' primitives: imports schemas/, never services/
+    services/  shared modules (settings, processes/, accounts, credentials, tls, redis_functions),
+               then the service packages (allocation/, broker/, metrics/, agent/), then the entry
+               points (cli, commands/, runner, supervisor, servers, registry, dashboard/)
+
+A service's contract modules (`commands.py`, `messages.py`, metrics' `entities.py`) import only the
+contract layers, so that `berth schema` and clients read them without loading a worker. One service
+uses another only through that contract and its `config.py`, except the parts named in SHARED_PARTS.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVICE_PACKAGES = ("allocation", "broker", "metrics", "agent")
+SHARED = ("services.settings", "services.processes", "services.accounts", "services.credentials", "services.tls",
+          "services.redis_functions")
+ENTRY_POINTS = ("services.cli", "services.commands", "services.runner", "services.supervisor", "services.servers",
+                "services.registry", "services.dashboard")
+CONTRACT_MODULES = ("commands", "messages", "entities")
+# Parts of one service another uses on purpose: the agent reads its host with the metrics
+# service's kernel readers, and runs that node's metrics worker in its own process.
+SHARED_PARTS = {
+    ("agent", "metrics"): ("parsers", "cgroups", "provisioners", "worker"),
+}
+# Allocation's calculation core: pure and synchronous, unit-tested without a server (README "Layout").
+PURE_ALLOCATION = ("plugin", "plugin_kit", "plugin_set", "placement", "quantity", "view", "cpumem", "storage", "gpu")
+IO_MODULES = ("services.allocation.store", "redis", "nats")
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for top in ("bus", "schemas", "services"):
+        for path in (ROOT / top).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def imports(module: str) -> set[str]:
+    """Every module `module` imports, wherever in it (`from a import b` is `a.b` when b is a module)."""
+    tree = ast.parse(MODULES[module].read_text())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                child = f"{node.module}.{alias.name}"
+                found.add(child if child in MODULES else node.module)
+    return found
+
+
+def within(name: str, *packages: str) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def service_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "services" and parts[1] in SERVICE_PACKAGES else None
+
+
+def test_the_rules_see_every_layer():
+    """The walk finds the modules the rules speak of (a rule over nothing would pass for ever)."""
+    for module in ("schemas.subjects", "bus.service", "services.settings", "services.allocation.commands",
+                   "services.metrics.entities", "services.allocation.plugin_set", "services.cli"):
+        assert module in MODULES
+    assert "bus.service" in imports("services.allocation.commands")
+    assert "services.allocation.messages" in imports("services.allocation.commands")
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if within(m, "schemas")))
+def test_the_contract_layer_imports_no_other(module):
+    assert not {i for i in imports(module) if within(i, "bus", "services")}
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if within(m, "bus")))
+def test_the_bus_imports_no_service(module):
+    assert not {i for i in imports(module) if within(i, "services")}
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.rsplit(".", 1)[-1] in CONTRACT_MODULES
+                                          and service_of(m)))
+def test_a_services_contract_imports_only_the_contract(module):
+    own = {f"services.{service_of(module)}.{name}" for name in CONTRACT_MODULES}
+    assert not {i for i in imports(module) if within(i, "services") and i not in own}
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if within(m, *SHARED)))
+def test_shared_modules_import_no_service_and_no_entry_point(module):
+    services = tuple(f"services.{name}" for name in SERVICE_PACKAGES)
+    assert not {i for i in imports(module) if within(i, *services, *ENTRY_POINTS)}
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if service_of(m)))
+def test_services_import_no_entry_point(module):
+    assert not {i for i in imports(module) if within(i, *ENTRY_POINTS)}
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if service_of(m)))
+def test_a_service_uses_another_through_its_contract(module):
+    mine = service_of(module)
+    wrong = set()
+    for target in imports(module):
+        theirs = service_of(target)
+        if theirs is None or theirs == mine:
+            continue
+        allowed = CONTRACT_MODULES + ("config",) + SHARED_PARTS.get((mine, theirs), ())
+        if not within(target, *(f"services.{theirs}.{part}" for part in allowed)):
+            wrong.add(target)
+    assert not wrong
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if within(m, *(f"services.allocation.{p}"
+                                                                               for p in PURE_ALLOCATION))))
+def test_allocations_calculation_core_does_no_io(module):
+    assert not {i for i in imports(module) if within(i, *IO_MODULES)}
