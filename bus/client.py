@@ -17,7 +17,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.micro.request import ERROR_CODE_HEADER, ERROR_HEADER
 
-from bus.codec import encode
+from bus.codec import decode_stored, encode
 from bus.errors import BusError, NoResponders, RequestTimeout
 from schemas.common import ErrorBody
 
@@ -56,13 +56,13 @@ def decode_reply(msg, response: type[T]) -> T:
     headers = msg.headers or {}
     if ERROR_CODE_HEADER in headers:
         raise error_from(headers, msg.data)
-    return msgspec.msgpack.decode(msg.data, type=response)
+    return decode_stored(msg.data, response)
 
 
 def error_from(headers: dict[str, str], data: bytes) -> BusError:
     status = int(headers.get(ERROR_CODE_HEADER, "500") or 500)
     try:
-        info = msgspec.msgpack.decode(data, type=ErrorBody).error
+        info = decode_stored(data, ErrorBody).error
         return BusError(info.code, info.message, info.details, status=status)
     except (msgspec.DecodeError, msgspec.ValidationError):
         # An error from a plain nats.micro responder (no berth body): keep what the headers say.

@@ -1,7 +1,10 @@
-"""MessagePack encoding with typed decoding (msgspec).
+"""MessagePack encoding with typed decoding (msgspec): every MessagePack berth reads or writes goes
+through here.
 
 A payload that fails to decode or validate raises `InvalidArgument` naming the field, so the
 service runtime can answer `invalid_argument` instead of losing the endpoint to an exception.
+Bytes berth wrote itself (records, events, kept answers) are read with `decode_stored` or a
+`decoder`, without those checks.
 """
 
 from __future__ import annotations
@@ -36,6 +39,17 @@ def _decoder(type_: Any) -> msgspec.msgpack.Decoder:
     if decoder is None:
         decoder = _decoders[type_] = msgspec.msgpack.Decoder(type_)
     return decoder
+
+
+def decoder(type_: Any = Any) -> typing.Callable[[bytes], Any]:
+    """A decoding function for bytes berth wrote itself (a record in Redis, an event, a kept answer):
+    typed, with no depth check and no `InvalidArgument`, as a failure there is no caller's fault."""
+    return _decoder(type_).decode
+
+
+def decode_stored(data: bytes, type_: type[T] = Any) -> T:  # type: ignore[assignment]
+    """`data`, which berth wrote itself, as `type_` (see `decoder`)."""
+    return _decoder(type_).decode(data)
 
 
 def decode(data: bytes, type_: type[T]) -> T:

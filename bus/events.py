@@ -16,14 +16,13 @@ import logging
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, Generic, TypeVar
 
-import msgspec
 from nats.aio.client import Client
 from nats.aio.subscription import Subscription
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError, NoStreamResponseError, NotFoundError, ServiceUnavailableError
 
-from bus.codec import encode
+from bus.codec import decoder, encode
 from schemas.common import Event
 
 log = logging.getLogger("berth.events")
@@ -50,18 +49,18 @@ class EventSubscription(Generic[E]):
 
     def __init__(self, sub: Subscription, type_: type[E]) -> None:
         self.sub = sub
-        self.decoder = msgspec.msgpack.Decoder(type_)
+        self.decode = decoder(type_)
 
     def __aiter__(self) -> AsyncIterator[tuple[str, E]]:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[tuple[str, E]]:
         async for msg in self.sub.messages:
-            yield msg.subject, self.decoder.decode(msg.data)
+            yield msg.subject, self.decode(msg.data)
 
     async def next(self, timeout: float) -> tuple[str, E]:
         msg = await self.sub.next_msg(timeout=timeout)
-        return msg.subject, self.decoder.decode(msg.data)
+        return msg.subject, self.decode(msg.data)
 
     async def close(self) -> None:
         await self.sub.unsubscribe()
@@ -199,10 +198,10 @@ class EventBus:
         subject = self.subject(pattern)
         if cb is None:
             return EventSubscription(await self.nc.subscribe(subject, queue=queue), type_)
-        decoder = msgspec.msgpack.Decoder(type_)
+        decode = decoder(type_)
 
         async def deliver(msg) -> None:
-            await cb(msg.subject, decoder.decode(msg.data))
+            await cb(msg.subject, decode(msg.data))
 
         return await self.nc.subscribe(subject, queue=queue, cb=deliver)
 

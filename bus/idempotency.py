@@ -35,6 +35,7 @@ import msgspec
 from redis.asyncio import Redis
 
 from bus import scripts
+from bus.codec import decode_stored, encode
 from bus.errors import BerthError, InvalidArgument
 from bus.redis import Pipelined
 from bus.replicas import ReplicaWait, landed
@@ -45,7 +46,7 @@ log = logging.getLogger("berth.idempotency")
 # id stays free for the corrected request; an internal error (500) or an unreachable store may
 # succeed when tried again.
 _NOT_KEPT = frozenset({"400", "500"})
-_UNAVAILABLE = msgspec.msgpack.encode("unavailable")
+_UNAVAILABLE = encode("unavailable")
 MAX_REQUEST_ID = 200
 
 
@@ -184,7 +185,7 @@ class IdempotencyStore:
         status = (reply.headers or {}).get("Nats-Service-Error-Code")
         if not _kept(status, reply.body):
             await self.batch.script(self._release, [key], [token, "forget" if status == "400" else "expire"])
-        elif not await self.batch.script(self._keep, [key], [token, msgspec.msgpack.encode(reply), self.ttl]):
+        elif not await self.batch.script(self._keep, [key], [token, encode(reply), self.ttl]):
             log.warning("request %s: the claim was taken over while it ran; its answer is not the one kept", request_id)
             if undo is not None and status is None:  # an error answer changed nothing to give back
                 await undo(reply)
@@ -234,7 +235,7 @@ class IdempotencyStore:
             if status == b"claimed":
                 return int(value), int(lease_end[0])
             if status == b"done":
-                return msgspec.msgpack.decode(value, type=Reply)
+                return decode_stored(value, Reply)
             if status == b"mismatch":
                 raise InvalidArgument("request_id", "was already used for a different request")
             if loop.time() > deadline:

@@ -26,10 +26,9 @@ import secrets
 import time
 from typing import Any, Callable
 
-import msgspec
 
 from bus import scripts
-from bus.codec import encode
+from bus.codec import decoder, encode
 from bus.events import EventBus
 from bus.redis import Pipelined
 from schemas.common import Event
@@ -39,7 +38,7 @@ log = logging.getLogger("berth.outbox")
 # How long the acknowledgements of one change's events are waited for; past it they stay in the
 # outbox for a sweep.
 ACK_TIMEOUT = 5.0
-_entries = msgspec.msgpack.Decoder(list[tuple[str, dict[str, Any]]])
+_entries = decoder(list[tuple[str, dict[str, Any]]])
 
 
 def journal(events: list[tuple[str, Event]]) -> bytes:
@@ -73,7 +72,7 @@ class Outbox:
         try:
             acks = [
                 await self.events.publish_acked(suffix, encode({**body, **stamp}), f"{key}:{field}:{n}")
-                for n, (suffix, body) in enumerate(_entries.decode(entries))
+                for n, (suffix, body) in enumerate(_entries(entries))
             ]
         except Exception as error:  # NATS away: a sweep tries again
             log.warning("events of %s %s not sent: %r", key, field, error)

@@ -39,6 +39,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from bus.codec import decoder
 from bus.tasks import cancel_and_wait
 from schemas.common import ErrorBody
 
@@ -68,7 +69,7 @@ REQUEST_DURATION = Histogram(
 )
 
 
-_decode_error = msgspec.msgpack.Decoder(ErrorBody).decode
+_decode_error = decoder(ErrorBody)
 
 
 def error_code(body: bytes, status: str | None) -> str:

@@ -44,6 +44,7 @@ from typing import Any
 import msgspec
 
 from bus import cas
+from bus.codec import decode_stored, encode
 from services.broker.messages import ResourceParam
 from services.broker.model import RUNNING, Resource
 
@@ -62,7 +63,7 @@ def _field_text(value: Any) -> bytes | str:
     if isinstance(value, float):
         return repr(value)
     if isinstance(value, ResourceParam):
-        return msgspec.msgpack.encode(value)
+        return encode(value)
     return str(value)
 
 
@@ -79,7 +80,7 @@ def decode_record(raw: dict[bytes, bytes]) -> Resource | None:
     if not raw:
         return None
     fields: dict[str, Any] = {k.decode(): v for k, v in raw.items()}
-    param = msgspec.msgpack.decode(fields.pop("param"), type=ResourceParam)
+    param = decode_stored(fields.pop("param"), ResourceParam)
     text: dict[str, Any] = {k: v.decode() for k, v in fields.items()}
     # Hash fields are text; the lax mode turns "3" into 3 and "1" into True.
     return msgspec.convert({**text, "param": param}, Resource, strict=False)

@@ -21,6 +21,7 @@ import logging
 
 import msgspec
 
+from bus.codec import decode_stored, encode
 from bus.errors import BerthError
 from bus.idempotency import own_claim
 from services.broker import errors, model, strategies
@@ -63,10 +64,10 @@ class PoolKeeper:
         when it is asked again, instead of leaving resources no pool loop will ever release."""
         kept = await self.store.applied(own_claim())
         if kept is not None:  # an earlier run of the request removed it, and died before answering
-            before, removed = set(msgspec.msgpack.decode(kept, type=list[str])), True
+            before, removed = set(decode_stored(kept, list[str])), True
         else:
             before = await self._unsold(user, name)
-            removed = await self.store.remove_broker(user, name, msgspec.msgpack.encode(sorted(before)))
+            removed = await self.store.remove_broker(user, name, encode(sorted(before)))
         unsold = sorted(before | await self._unsold(user, name))
         if not removed and not unsold:
             raise errors.broker_not_found(user, name)

@@ -18,6 +18,7 @@ import msgspec
 from redis.asyncio import Redis
 
 from bus import cas, scripts
+from bus.codec import decode_stored, encode
 from bus.events import EventBus
 from bus.failpoints import failpoint
 from bus.idempotency import Claim as IdempotencyClaim
@@ -243,7 +244,7 @@ class BrokerStore:
         Under a request's claim the request's answer is kept in the same transaction."""
         seq = await self.redis.incr(self.keys.broker_seq)
         pipe = await self._answering(b"")
-        pipe.hset(self.keys.broker(config.user, config.name), "config", msgspec.msgpack.encode(config))
+        pipe.hset(self.keys.broker(config.user, config.name), "config", encode(config))
         pipe.zadd(self.keys.brokers, {f"{config.user}/{config.name}": seq}, nx=True)
         pipe.incr(self.keys.brokers_version)
         await pipe.execute()
@@ -289,11 +290,11 @@ class BrokerStore:
         pipe = self.redis.pipeline(transaction=False)
         for u, n in wanted:
             pipe.hget(self.keys.broker(u, n), "config")
-        return [msgspec.msgpack.decode(raw, type=BrokerConfig) for raw in await pipe.execute() if raw]
+        return [decode_stored(raw, BrokerConfig) for raw in await pipe.execute() if raw]
 
     async def broker(self, user: str, name: str) -> BrokerConfig | None:
         raw = await self.redis.hget(self.keys.broker(user, name), "config")
-        return msgspec.msgpack.decode(raw, type=BrokerConfig) if raw else None
+        return decode_stored(raw, BrokerConfig) if raw else None
 
     async def broker_state(self, user: str, name: str) -> BrokerState:
         raw = await self.redis.hmget(self.keys.broker(user, name), list(BrokerState.__struct_fields__))

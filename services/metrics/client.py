@@ -20,10 +20,10 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-import msgspec
 from nats.aio.client import Client
 
 from bus.client import BusClient
+from bus.codec import decoder
 from bus.errors import BusError
 from bus.tasks import cancel_and_wait
 from services.metrics.messages import (
@@ -35,11 +35,11 @@ from services.metrics.messages import (
     Synced,
     event_subject,
 )
-from services.metrics.store import MetricValue, PodRef
+from services.metrics.entities import MetricValue, PodRef
 
 log = logging.getLogger("berth.metrics.client")
 
-_EVENT = msgspec.msgpack.Decoder(MetricEvent)
+_event = decoder(MetricEvent)
 
 
 def _present(**fields: Any) -> dict[str, Any]:
@@ -134,11 +134,11 @@ class Watch:
 
     async def _events(self) -> AsyncIterator[MetricEvent]:
         async for msg in self._sub.messages:
-            yield _EVENT.decode(msg.data)
+            yield _event(msg.data)
 
     async def next(self, timeout: float) -> MetricEvent:
         """The next event; nats' TimeoutError if none comes within `timeout` seconds."""
-        return _EVENT.decode((await self._sub.next_msg(timeout=timeout)).data)
+        return _event((await self._sub.next_msg(timeout=timeout)).data)
 
     async def _register(self) -> Lease:
         return await self.client.register(

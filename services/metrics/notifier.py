@@ -40,7 +40,7 @@ from nats.aio.client import Client
 from redis.asyncio import Redis
 
 from bus import scripts
-from bus.codec import encode
+from bus.codec import decode_stored, encode
 from bus.errors import BerthError, InvalidArgument
 from bus.failpoints import failpoint
 from bus.idempotency import current_claim
@@ -130,7 +130,7 @@ class Registrations:
             for key in keys:
                 pipe.hget(self._key(key), "ref")
             bodies = await pipe.execute()
-        return {key: msgspec.msgpack.decode(body, type=MetricRef) for key, body in zip(keys, bodies) if body}
+        return {key: decode_stored(body, MetricRef) for key, body in zip(keys, bodies) if body}
 
 
 def _registration_key() -> str:

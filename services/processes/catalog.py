@@ -42,6 +42,7 @@ from typing import Protocol
 
 import msgspec
 
+from bus.codec import decode_stored, encode
 from bus.errors import InvalidArgument
 from services.processes.procfs import DEPLOYMENT
 
@@ -167,13 +168,13 @@ class Catalog:
 def check_command(param: ProcessParam, catalog: Catalog) -> None:
     """The `image` names a catalog entry whose placeholders `param` fills; its ports and volumes
     give distinct variables. Raises `invalid_argument` naming the field."""
-    _check_command(catalog, type(param), msgspec.msgpack.encode(param))
+    _check_command(catalog, type(param), encode(param))
 
 
 @functools.lru_cache(maxsize=1024)
 def _check_command(catalog: Catalog, kind: type, encoded: bytes) -> None:
     # Cached by the encoded param: the broker's `apply` checks the same few params over and over.
-    param = msgspec.msgpack.decode(encoded, type=kind)
+    param = decode_stored(encoded, kind)
     for prefix, names in (("PORT", param.ports), ("VOLUME", param.volumes)):
         variables = {variable(prefix, name) for name in names}
         if len(variables) != len(names):

@@ -30,6 +30,7 @@ from typing import Any
 import msgspec
 from redis.asyncio import Redis
 
+from bus.codec import decode_stored, encode
 from bus.client import BusClient
 from bus.errors import BusError
 from services.agent.messages import (
@@ -216,7 +217,7 @@ class AllocationOperator:
 
     async def _placements(self, user: str, resource_id: str) -> dict[int, Placement]:
         raw = await self.redis.hgetall(self._key(user, resource_id))
-        placed = {int(k): msgspec.msgpack.decode(v, type=Placement) for k, v in raw.items()}
+        placed = {int(k): decode_stored(v, Placement) for k, v in raw.items()}
         return dict(sorted(placed.items()))
 
     async def resources_on(self, node: str) -> list[tuple[str, str]]:
@@ -248,7 +249,7 @@ class AllocationOperator:
         member = f"{spec.user}/{spec.resource_id}"
         pipe = self.redis.pipeline(transaction=True)
         pipe.hset(self._key(spec.user, spec.resource_id),
-                  mapping={str(i): msgspec.msgpack.encode(p) for i, p in placed.items()})
+                  mapping={str(i): encode(p) for i, p in placed.items()})
         for node in {p.nodename for p in placed.values()}:
             pipe.sadd(self._on_node_key(node), member)
         await pipe.execute()

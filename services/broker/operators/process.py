@@ -31,6 +31,7 @@ import msgspec
 from redis.asyncio import Redis
 
 from bus import scripts
+from bus.codec import decode_stored, encode
 from services.broker.layout import key_base
 from services.broker.messages import BlockDetail, Endpoint, ResourceParam, ServiceInfo
 from services.broker.operators.base import LaunchSpec, OperatorError, service_info
@@ -38,7 +39,7 @@ from services.broker.views import unreserved
 from services.processes import procfs
 from services.processes.catalog import Catalog, check_command
 from services.processes.spawn import SpawnError, spawn
-from services.servers import free_port
+from services.processes.ports import free_port
 
 BLOCK = "local"
 
@@ -100,7 +101,7 @@ class ProcessTable:
     @staticmethod
     def _decode(raw: dict[bytes, bytes]) -> dict[int, Slot]:
         return {
-            int(k): msgspec.msgpack.decode(v, type=Slot)
+            int(k): decode_stored(v, Slot)
             for k, v in sorted(raw.items(), key=lambda kv: int(kv[0]))
         }
 
@@ -114,11 +115,11 @@ class ProcessTable:
             args=[
                 str(index),
                 f"{user}/{resource_id}/{index}",
-                msgspec.msgpack.encode(seen) if seen is not None else b"",
-                msgspec.msgpack.encode(slot),
+                encode(seen) if seen is not None else b"",
+                encode(slot),
             ],
         )
-        return msgspec.msgpack.decode(now, type=Slot) if now else None
+        return decode_stored(now, Slot) if now else None
 
     async def delete(self, user: str, resource_id: str, slots: dict[int, Slot]) -> None:
         pipe = self.redis.pipeline(transaction=True)
