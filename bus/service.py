@@ -42,8 +42,6 @@ from typing import Any, Awaitable, Callable
 from nats.aio.client import Client
 from nats.micro import ServiceConfig
 from nats.micro.request import ERROR_CODE_HEADER, ERROR_HEADER, Request
-from nats.micro.service import Endpoint as MicroEndpoint
-from nats.micro.service import Service as MicroService
 from redis import exceptions as redis_errors
 
 from bus.callers import Caller, Role, caller_of, current_caller
@@ -51,6 +49,7 @@ from bus.codec import decode, encode
 from bus.connection import subscriptions_in_place
 from bus.errors import BerthError, InvalidArgument, PermissionDenied, Unavailable
 from bus.idempotency import IdempotencyStore, Reply
+from bus.micro import MicroService
 from bus.replicas import ReplicaWait, collecting
 from bus.tasks import cancel_and_wait
 from bus.telemetry import EndpointMeter, error_code
@@ -151,7 +150,6 @@ class Service:
         self._nc: Client | None = None
         self._slots = asyncio.Semaphore(concurrency)
         self._tasks: set[asyncio.Task] = set()
-        self._stats: dict[str, MicroEndpoint] = {}
         self._meters: dict[str, EndpointMeter] = {}  # Prometheus request metrics (bus.telemetry)
 
     # -- declaring endpoints -------------------------------------------------------------
@@ -204,19 +202,11 @@ class Service:
         config = ServiceConfig(
             name=self.name, version=self.version, description=self.description, metadata=self.metadata
         )
-        self._micro = MicroService(nc, config)
-        await self._micro.start()
+        self._micro = await MicroService.start(nc, config)
         for spec in self.specs:
             await self._micro.add_endpoint(
-                name=spec.name,
-                subject=f"{self.prefix}.{spec.subject}",
-                handler=self._dispatcher(spec),
-                # A queue group of its own makes this instance receive every request (broadcast).
-                queue_group=self._micro.id if spec.broadcast else None,
+                spec.name, f"{self.prefix}.{spec.subject}", self._dispatcher(spec), spec.broadcast
             )
-            # nats.micro keeps per-endpoint stats on its Endpoint object; since the real work runs in
-            # our own task, we complete those stats ourselves when the task ends (see _account).
-            self._stats[spec.name] = self._micro._endpoints[-1]
             self._meters[spec.name] = EndpointMeter(self.name, spec.subject)
         await subscriptions_in_place(nc)  # so that "started" means every endpoint answers
         log.info("%s serving %d endpoints under %s (id %s)", self.name, len(self.specs), self.prefix, self.id)
@@ -235,20 +225,14 @@ class Service:
         if self._micro is None or self._nc is None:
             return
         deadline = time.monotonic() + timeout
-        for endpoint in self._micro._endpoints:
-            if endpoint._subscription is not None:
-                try:
-                    await asyncio.wait_for(endpoint._subscription.drain(), max(0.1, deadline - time.monotonic()))
-                except Exception as error:  # a drain that cannot finish must not stop the others
-                    log.warning("drain of %s: %r", endpoint._subject, error)
-                endpoint._subscription = None
+        await self._micro.drain(deadline)
         if self._tasks:
             _, pending = await asyncio.wait(set(self._tasks), timeout=max(0.1, deadline - time.monotonic()))
             if pending:
                 log.error("%d requests still running after %.1f s; cancelling them", len(pending), timeout)
                 await cancel_and_wait(*pending, timeout=max(0.1, deadline - time.monotonic()))
         await self._nc.flush(timeout=max(1, int(deadline - time.monotonic())))
-        self._micro._stopped.set()
+        self._micro.stopped()
         self._micro = None
 
     async def serve_until_signalled(self, drain_timeout: float = 10.0) -> None:
@@ -346,14 +330,9 @@ class Service:
         if meter is not None:
             error = error_code(reply.body, reply.headers.get(ERROR_CODE_HEADER)) if reply.headers else None
             meter.record(elapsed_ns / 1e9, error)
-        stats = self._stats.get(spec.name)
-        if stats is None:
-            return
-        stats._processing_time += elapsed_ns
-        stats._average_processing_time = int(stats._processing_time / max(1, stats._num_requests))
-        if reply.headers:
-            stats._num_errors += 1
-            stats._last_error = f"{reply.headers[ERROR_CODE_HEADER]}:{reply.headers[ERROR_HEADER]}"
+        if self._micro is not None:  # `$SRV.STATS`: nats.micro's counts end when the handler returns
+            error = f"{reply.headers[ERROR_CODE_HEADER]}:{reply.headers[ERROR_HEADER]}" if reply.headers else None
+            self._micro.record(spec.name, elapsed_ns, error)
 
 
 async def serve_until_signalled(services: list[Service], drain_timeout: float = 10.0) -> None:

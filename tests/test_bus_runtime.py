@@ -67,6 +67,20 @@ async def test_domain_errors_map_to_headers_and_body(echo, client, nc, prefix, c
     assert (caught.value.code, caught.value.status, caught.value.details) == (code, status, {"asked": code})
 
 
+async def test_srv_stats_count_the_work_done_in_the_request_task(echo, client, nc, prefix):
+    """nats.micro's own counts end when its handler returns, before our task does the work
+    (bus/micro.py completes them): `$SRV.STATS` shows the time spent and the errors."""
+    await client.request("echo.sleep", {"seconds": 0.2}, Served)
+    with pytest.raises(BusError):
+        await client.request("echo.fail", {"code": "node_not_found", "message": "nope"})
+    msg = await nc.request(f"$SRV.STATS.{prefix}-echo.{echo.id}", b"", timeout=5)
+    endpoints = {e["name"]: e for e in msgspec.json.decode(msg.data)["endpoints"]}
+    assert endpoints["echo-sleep"]["num_requests"] == 1
+    assert endpoints["echo-sleep"]["processing_time"] >= 200_000_000  # nanoseconds
+    assert endpoints["echo-fail"]["num_errors"] == 1
+    assert endpoints["echo-fail"]["last_error"] == "404:nope"
+
+
 async def test_unexpected_exception_is_internal_and_endpoint_survives(echo, client):
     with pytest.raises(BusError) as caught:
         await client.request("echo.crash", {})
