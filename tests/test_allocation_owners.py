@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from bus.callers import INTERNAL, Caller, Role, current_caller
 from bus.errors import BerthError
 from services.allocation.manager import refuse_unowned, visible
-from services.allocation.store import Change, Ledger, LedgerConflict
+from services.allocation.records import Change, Ledger, LedgerConflict
 
 GiB = 1 << 30
 ONE_CORE = {"cpumem": {"cpu-bind": True, "cpu-request": 1, "memory-request": GiB}}

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from services.allocation.store import Intent
+from services.allocation.records import Intent
 from tests.bus_helpers import until
 
 GiB = 1 << 30

@@ -7,7 +7,7 @@ import pytest
 
 from bus.errors import BerthError
 from services.allocation.plugin import DeployCapacity
-from services.allocation.store import NodeRecord
+from services.allocation.records import NodeRecord
 from services.allocation.view import CapacityView, Views
 
 # A node "n<free>-<used>": room for `free` more instances, `used` already there (usage = used / 10).

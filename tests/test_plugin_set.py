@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from bus.errors import BerthError
 from services.allocation.plugin import DeployCapacity
 from services.allocation.plugin_set import PluginSet, capacities, per_instance, split, usages
-from services.allocation.store import NodeRecord, PluginState, decode_state, encode_state
+from services.allocation.records import NodeRecord, PluginState, decode_state, encode_state
 from services.allocation.worker import make_plugins
 
 Raw = dict

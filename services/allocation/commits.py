@@ -27,14 +27,8 @@ from services.allocation import telemetry
 from services.allocation.errors import node_busy, node_not_found, not_schedulable, workload_exists
 from services.allocation.messages import Allocation, NodeEvent
 from services.allocation.plugin_set import Keyed, PluginSet
-from services.allocation.store import (
-    Change,
-    LeaseExpired,
-    LedgerConflict,
-    NodeRecord,
-    NodeStore,
-    StaleVersion,
-)
+from services.allocation.records import Change, LeaseExpired, LedgerConflict, NodeRecord, StaleVersion
+from services.allocation.store import NodeStore
 
 log = logging.getLogger("berth.allocation")
 
@@ -68,6 +62,9 @@ class Placed:
 
 
 class DeployBatches:
+    """Deploys to the same node, gathered while a commit to it is in flight and then committed
+    together: one version check and one write for many requests (a busy node is one hot key)."""
+
     def __init__(
         self,
         store: NodeStore,

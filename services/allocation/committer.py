@@ -31,7 +31,7 @@ from services.allocation.errors import node_busy
 from services.allocation.fleet import Fleet
 from services.allocation.messages import Allocation
 from services.allocation.plugin_set import Keyed, PluginSet
-from services.allocation.store import (
+from services.allocation.records import (
     UP,
     AlreadyApplied,
     Change,
@@ -39,9 +39,9 @@ from services.allocation.store import (
     LeaseExpired,
     LedgerConflict,
     NodeRecord,
-    NodeStore,
     StaleVersion,
 )
+from services.allocation.store import NodeStore
 from services.allocation.view import Reservation
 
 log = logging.getLogger("berth.allocation")
@@ -53,6 +53,11 @@ _WORKLOAD_NAMESPACE = uuid.UUID("6f1d3c2e-8a4b-4e55-9a37-3b0f1c7d2e91")
 
 
 class Committer:
+    """Writes changes to nodes: computes each on a fresh record, commits it with the record's version
+    (computing again when another worker changed the node first), publishes its events through the
+    node's outbox, and places a multi-node allocation all or nothing (an intent first, then one
+    batched commit per node, rolled back if a node refuses)."""
+
     def __init__(
         self,
         store: NodeStore,

@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 from typing import Iterable
 
-from services.allocation.store import UP, NodeRecord, NodeStore
+from services.allocation.records import UP, NodeRecord
+from services.allocation.store import NodeStore
 
 Labels = dict[str, str]
 

@@ -19,7 +19,8 @@ from services.allocation.directory import NodeDirectory, matches
 from services.allocation.errors import no_node_matches, node_not_found
 from services.allocation.plugin_set import Keyed, PluginSet
 from services.allocation.shards import Shards
-from services.allocation.store import NodeRecord, NodeStore
+from services.allocation.records import NodeRecord
+from services.allocation.store import NodeStore
 from services.allocation.view import CapacityView, Selection, Views
 
 log = logging.getLogger("berth.allocation")

@@ -27,7 +27,8 @@ from services.allocation import telemetry
 from services.allocation.committer import Committer
 from services.allocation.errors import node_not_found
 from services.allocation.messages import NodeEvent
-from services.allocation.store import DOWN, DRAINING, UP, Change, LedgerConflict, NodeStore
+from services.allocation.records import DOWN, DRAINING, UP, Change, LedgerConflict
+from services.allocation.store import NodeStore
 
 log = logging.getLogger("berth.allocation.leases")
 

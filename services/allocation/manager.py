@@ -44,17 +44,17 @@ from services.allocation.plugin_set import (
     StateChange,
     States,
 )
-from services.allocation.store import (
+from services.allocation.records import (
     Change,
-    Ledger,
     Lease,
+    Ledger,
     LedgerConflict,
     Located,
     NodeRecord,
-    NodeStore,
     PluginState,
     encode_states,
 )
+from services.allocation.store import NodeStore
 from services.allocation.view import Reservation, Selection
 
 log = logging.getLogger("berth.allocation")
@@ -63,6 +63,11 @@ Raw = dict[str, Any]
 
 
 class AllocationManager:
+    """What every allocation command does, whatever level (plugin or manager) it came through:
+    reads the nodes it needs (from the fleet's views or the store), asks the plugins, and hands
+    every change to the committer, which writes it with a version check. The endpoints translate
+    the wire to and from its per-plugin values; it never sees MessagePack or NATS."""
+
     def __init__(
         self,
         store: NodeStore,

@@ -19,7 +19,7 @@ from msgspec import Struct
 from services.allocation import placement
 from services.allocation.errors import node_not_found
 from services.allocation.plugin import DeployCapacity, EngineInfo, NamingPlugin, ResourcePlugin
-from services.allocation.store import NodeRecord, PluginState, decode_state, encode_state
+from services.allocation.records import NodeRecord, PluginState, decode_state, encode_state
 
 Raw = dict[str, Any]
 Keyed = dict[str, Raw | None]  # plugin name -> that plugin's part of a request or resource

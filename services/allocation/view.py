@@ -28,7 +28,7 @@ from bus.codec import decode_as, encode
 from services.allocation.messages import NodeName
 from services.allocation.placement import each, insufficient
 from services.allocation.plugin import DeployCapacity
-from services.allocation.store import NodeRecord
+from services.allocation.records import NodeRecord
 
 
 class NodeSet:
