@@ -8,8 +8,9 @@ which finds the rest and follows slots as they move (a failover included). Over 
 are `rediss://` and `rediss+cluster://`; the server's certificate is checked against the CA file
 in `tls_ca` or `BERTH_TLS_CA` (the one `berth up` makes), else the system's.
 
-A command sent on its own costs redis-py about 70 µs of CPU (pool checkout, health check, its own
-write and read, a timeout context); in a pipeline about 15 µs. `Pipelined` gathers the commands
+A command sent on its own costs redis-py several times its share of a pipeline (pool checkout,
+health check, its own write and read, a timeout context: README "Measurements behind the code"
+has the figures). `Pipelined` gathers the commands
 that concurrent tasks issue and sends them as one pipeline, so a worker serving 64 requests at
 once pays the pipeline price. It keeps a bounded number of pipelines in flight: under light load
 a command leaves in the next turn of the event loop; under heavy load commands gather while the
@@ -17,8 +18,8 @@ pipelines in flight are answered, so batches grow with the load and the write an
 calls (on loopback, half of a busy worker's CPU) are paid once per batch, not once per request.
 On a single Redis (not a cluster) a batch goes over a connection of its own (`RespConnections`):
 hiredis packs the whole batch and parses the replies, with none of redis-py's per-command work
-(argument encoding, a timeout context and a read call per reply: a quarter of an allocation
-worker's CPU, measured with cProfile).
+(argument encoding, a timeout context and a read call per reply), which took a large share of
+an allocation worker's CPU.
 """
 
 from __future__ import annotations
@@ -197,9 +198,9 @@ class Pipelined:
     EVALSHA loads it: a plain Redis pipeline checks, before it sends, that the server holds it
     (`pipe.scripts`: SCRIPT EXISTS, and SCRIPT LOAD if missing); a Redis Cluster pipeline cannot
     (redis-py's `ClusterPipeline` has no `scripts`), so it is loaded on every primary first. Later
-    batches send plain EVALSHA: checking in every batch would cost a round trip per batch
-    (measured: +7% CPU per allocation commit, one request at a time; and a round trip of latency
-    for every scripted request, idempotency claims included). A command answered NOSCRIPT (the
+    batches send plain EVALSHA: checking in every batch would cost a round trip per batch (CPU
+    per commit, and a round trip of latency for every scripted request, idempotency claims
+    included). A command answered NOSCRIPT (the
     server lost its scripts: a restart, SCRIPT FLUSH, a failover to a replica without them) is sent
     again alone through `Script.__call__`, which has redis-py load the script and retry; so every
     command runs once. Functions are the administrator's to load: a lost one is an error that says

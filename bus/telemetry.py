@@ -20,8 +20,8 @@ in a `GaugeTable`, whose label sets are replaced as a whole so that what went aw
 
 The server (`MetricsServer`) is a small HTTP/1.1 server on the worker's event loop: a scrape runs
 the due hooks in the loop, then renders the registry in a worker thread (an allocation worker's
-63 endpoints make about 150 KB of text and 8 ms of CPU: in a thread, requests keep being served
-meanwhile). Rendering reads only thread-safe state: the client library's metrics lock their
+many endpoints make a long text, whose rendering would hold the loop: in a thread, requests keep
+being served meanwhile). Rendering reads only thread-safe state: the client library's metrics lock their
 values, and a `GaugeTable` is replaced whole, never changed in place. It answers `GET /metrics`
 (and `/`), one request per connection.
 """
