@@ -71,7 +71,7 @@ from services.allocation.placement import total_capacity
 from services.allocation.plugin import EngineInfo, keyed_field
 from services.allocation.plugin_set import Keyed, PluginSet, States, capacities, usages
 from services.allocation.records import Lease
-from services.allocation.view import NodeSet, Selection
+from services.allocation.selection import NodeSet, Selection
 
 Raw = dict[str, Any]
 

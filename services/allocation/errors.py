@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from bus.errors import BerthError, InvalidArgument, PermissionDenied
 
 if TYPE_CHECKING:
-    from services.allocation.view import Selection
+    from services.allocation.selection import Selection
 
 
 def node_not_found(node: str, plugin: str | None = None) -> BerthError:

@@ -21,7 +21,8 @@ from services.allocation.plugin_set import Keyed, PluginSet
 from services.allocation.shards import Shards
 from services.allocation.records import NodeRecord
 from services.allocation.store import NodeStore
-from services.allocation.view import CapacityView, Selection, Views
+from services.allocation.selection import Selection
+from services.allocation.view import CapacityView, Views
 
 log = logging.getLogger("berth.allocation")
 REFRESH_CHUNK = 1000  # nodes read and recomputed at a time

@@ -55,7 +55,8 @@ from services.allocation.records import (
     encode_states,
 )
 from services.allocation.store import NodeStore
-from services.allocation.view import Reservation, Selection
+from services.allocation.selection import Selection
+from services.allocation.view import Reservation
 
 log = logging.getLogger("berth.allocation")
 
