@@ -136,3 +136,9 @@ class NoResponders(BusError):
 
     def __init__(self, subject: str) -> None:
         super().__init__("no_responders", f"no service answers on {subject}", {"subject": subject})
+
+
+def answered_nothing(error: BusError) -> bool:
+    """Whether a call failed for want of an answer, so that the same call later may succeed: nobody
+    listened, no reply came in time, or the service could not reach its store."""
+    return error.code in ("no_responders", "timeout", "unavailable")

@@ -22,14 +22,14 @@ import time
 from pathlib import Path
 
 from bus.client import BusClient
-from bus.errors import BerthError, BusError
+from bus.errors import BerthError, BusError, answered_nothing
 from bus.events import EventBus
 from bus.tasks import cancel_and_wait, every
+from services.agent.config import AgentServiceConfig
 from services.agent.host import describe, node_resource, read_host
 from services.agent.instances import Instances
 from services.agent.messages import AgentEvent, AgentInfo, InstanceEvent, InstanceInfo, StartInstance
 from services.metrics.cgroups import PodCgroups
-from services.agent.config import AgentServiceConfig
 
 log = logging.getLogger("berth.agent")
 
@@ -140,7 +140,7 @@ class HostAgent:
                 await self.reconcile()
                 self._reconciled = True
         except BusError as error:
-            if error.code not in ("no_responders", "timeout", "unavailable"):
+            if not answered_nothing(error):
                 raise
             log.warning("node %s: the allocation service does not answer (%s); trying again in %.1f s",
                         self.node, error.code, self.config.heartbeat)

@@ -27,7 +27,7 @@ from bus.outbox import VersionedOutboxes, journal
 from schemas.common import Event
 from services.allocation import telemetry
 from services.allocation.commits import DeployBatches
-from services.allocation.errors import node_busy
+from services.allocation.errors import node_busy, not_placeable_now
 from services.allocation.fleet import Fleet
 from services.allocation.messages import Allocation
 from services.allocation.plugin_set import Keyed, PluginSet
@@ -184,7 +184,7 @@ class Committer:
                     )
                     placed += deployed.allocations
                 except BerthError as error:
-                    if error.code in ("insufficient_capacity", "insufficient_resource", "node_down", "node_draining"):
+                    if not_placeable_now(error):
                         raise NodeFilledUp(node, error) from None
                     raise
                 start += plan[node]

@@ -67,3 +67,13 @@ def reply_too_large(field: str, size: int, limit: int, advice: str) -> BerthErro
         field, f"the reply would take about {size} bytes, over the {limit} the server's max payload "
         f"leaves: {advice}", reply_bytes=size, limit=limit,
     )
+
+
+def no_room(error: BerthError) -> bool:
+    """The nodes have no room for what was asked (eru splits this into two codes: see DESIGN.md §3)."""
+    return error.code in ("insufficient_capacity", "insufficient_resource")
+
+
+def not_placeable_now(error: BerthError) -> bool:
+    """A node refused a deploy for now: no room, or it takes no new workloads (down or draining)."""
+    return no_room(error) or error.code in ("node_down", "node_draining")

@@ -25,6 +25,7 @@ from services.allocation import telemetry
 from services.allocation.committer import Committer, NodeFilledUp, workload_ids
 from services.allocation.errors import (
     no_node_matches,
+    no_room,
     node_not_found,
     not_yours,
     reply_too_large,
@@ -408,7 +409,7 @@ class AllocationManager:
         has that run's number and finds its ids taken (`workload_exists`) or the room it took gone
         (a capacity refusal: then the selected nodes' ledgers are searched, as the index may have
         lost its entries in the same failover). That run's placement is given back first."""
-        capacity = error.code in ("insufficient_capacity", "insufficient_resource")
+        capacity = no_room(error)
         if error.code != "workload_exists" and not capacity:
             return False
         instances = await self._instances(nodes, strategy, count)
