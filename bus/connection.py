@@ -33,6 +33,7 @@ async def connect(
     url: str | None = None, *, name: str = "berth", worker: bool = True, tls_ca: str | None = None, **options
 ) -> Client:
     """Open a NATS connection. `worker=False` suits short-lived clients: they give up after a few tries."""
+    nc: Client | None = None
 
     async def on_error(error: Exception) -> None:
         if isinstance(error, SlowConsumerError):
@@ -41,10 +42,13 @@ async def connect(
             log.error("nats error: %r", error)
 
     async def on_disconnect() -> None:
-        log.warning("nats disconnected")
+        if nc is not None and nc.is_closed:  # closed (a drain, a stop): nats-py calls this on the way out too
+            log.debug("nats connection closed")
+        else:
+            log.warning("nats disconnected")
 
     async def on_reconnect() -> None:
-        log.warning("nats reconnected to %s", nc.connected_url.netloc if nc.connected_url else "?")
+        log.warning("nats reconnected to %s", nc.connected_url.netloc if nc and nc.connected_url else "?")
 
     settings = dict(
         servers=[server.strip() for server in nats_url(url).split(",")],  # a cluster: several URLs

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from services import commands
+from services.commands.connection import UP_ENV, UP_PID, remove_up_env, write_up_env
 from services.processes.procfs import DEPLOYMENT
 from services.registry import SERVICES, available
 from services.runner import configure_logging
@@ -100,6 +101,7 @@ def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
     tls = _prepare_tls(state) if args.tls and (own_nats or own_redis) else None
     tls_env = {"BERTH_TLS_CA": str(tls.ca)} if tls else {}
     servers = []
+    up_env: Path | None = None
     try:
         if not args.nats:
             servers.append(start_nats_cluster(state / "nats-cluster", config=nats_config, tls=tls) if args.cluster
@@ -118,7 +120,7 @@ def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
         # The dashboard reads as an identity of its own, a reader (services/credentials.py).
         dashboard_url = creds.nats_url("dashboard", args.nats) if creds and own_nats else args.nats
         js_env = {"BERTH_JS_DOMAIN": args.prefix} if creds and own_nats else {}
-        _print_connection(args, state, creds if own_nats else None, tls)
+        up_env = _print_connection(args, state, creds if own_nats else None, tls)
         supervisor = Supervisor()
         scraped: list[str] = []  # the workers serving Prometheus metrics, in start order
         for name, module in _services_to_start().items():
@@ -141,7 +143,8 @@ def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
             dashboard = [sys.executable, "-m", "services.cli", "dashboard", "--prefix", args.prefix,
                          "--port", str(port), "--quiet"]
             # no password on a command line
-            supervisor.add("dashboard", dashboard, {**os.environ, **tls_env, **js_env, "NATS_URL": dashboard_url})
+            env = {**os.environ, **tls_env, **js_env, "NATS_URL": dashboard_url}
+            supervisor.add("dashboard", dashboard, env, client=True)  # stopped before the services it asks
             print(f"dashboard: http://127.0.0.1:{port}/", flush=True)
         print("berth is up; Ctrl-C stops everything", flush=True)
         if scraped:  # Prometheus metrics of every worker (bus/telemetry.py)
@@ -151,6 +154,8 @@ def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
             print(f"metrics: {where}", flush=True)
         return supervisor.run()
     finally:
+        if up_env is not None:
+            remove_up_env(up_env, os.getpid())
         _stop_launched(state)
         for server in reversed(servers):
             server.stop()
@@ -169,21 +174,34 @@ def _prepare_tls(state: Path):
     return prepare(state / "tls")
 
 
-def _print_connection(args: argparse.Namespace, state: Path, creds, tls) -> None:
+def _print_connection(args: argparse.Namespace, state: Path, creds, tls) -> Path | None:
     """What a client needs, as variables `berth call/status/events` read: the URLs, the admin
     identity's creds file, where the streams are, and the CA; never a password (stdout ends up in
-    terminals and logs)."""
-    lines = [f"NATS_URL={args.nats}", f"REDIS_URL={args.redis}"]
+    terminals and logs). The same go to `<state>/up.env`, which those commands read when neither
+    --nats nor NATS_URL is given (services/commands/connection.py); its path is returned, None when
+    a URL carries a password (a file is no place for one either)."""
+    values = {"NATS_URL": args.nats, "REDIS_URL": args.redis}
     if creds:
-        lines += [f"BERTH_NATS_CREDS={creds.nats_creds('admin')}", f"BERTH_JS_DOMAIN={args.prefix}"]
+        values |= {"BERTH_NATS_CREDS": str(creds.nats_creds("admin")), "BERTH_JS_DOMAIN": args.prefix}
     if tls:
-        lines.append(f"BERTH_TLS_CA={tls.ca}")
+        values["BERTH_TLS_CA"] = str(tls.ca)
+    lines = [f"{name}={value}" for name, value in values.items()]
+    up_env = None
+    if "@" not in args.nats and "@" not in args.redis:
+        up_env = state / UP_ENV
+        write_up_env(up_env, {**values, "BERTH_PREFIX": args.prefix, UP_PID: str(os.getpid())})
     lines.append(f"state: {state}")
     if creds:
         lines.append(f"credentials: {creds.directory} (BERTH_NATS_CREDS is the admin identity's; `berth user add "
                      "NAME --role tenant|reader|admin` makes more; the services' users, and Redis's administrator "
                      "'default', are in credentials.json)")
+    if up_env:
+        here = state == Path(state_dir()).resolve()
+        found = "run in this folder" if here else f"with BERTH_STATE={state}"
+        lines.append(f"{up_env}: these variables, which `berth status/call/nodes/events` {found} read when "
+                     "given no --nats and no NATS_URL")
     print("\n".join(lines), flush=True)
+    return up_env
 
 
 def _stop_launched(state: Path) -> None:

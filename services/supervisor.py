@@ -3,6 +3,8 @@
 Used by `berth worker` (N processes of one service) and `berth up` (one process per service).
 A child that exits while we are not stopping is restarted after a short back-off; SIGTERM or
 SIGINT sends SIGTERM to every child (they drain), waits, and kills what is left after the grace.
+Children added with `client=True` (`berth up`'s dashboard, a client of the others) are stopped
+first, so that they do not ask services that are stopping (and log that nobody answered).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ class Child:
     proc: subprocess.Popen | None = None
     restarts: int = 0
     next_start: float = 0.0
+    client: bool = False  # stopped before the others
 
     def start(self) -> None:
         # Each child gets its own session so that a terminal's Ctrl-C reaches only the supervisor,
@@ -40,8 +43,10 @@ class Supervisor:
     backoff: float = 1.0
     _stopping: bool = False
 
-    def add(self, label: str, argv: list[str], env: dict[str, str] | None = None) -> None:
-        self.children.append(Child(label, argv, env))
+    def add(
+        self, label: str, argv: list[str], env: dict[str, str] | None = None, *, client: bool = False
+    ) -> None:
+        self.children.append(Child(label, argv, env, client=client))
 
     def stop(self, *_: object) -> None:
         self._stopping = True
@@ -75,10 +80,16 @@ class Supervisor:
                 child.start()
 
     def _stop_all(self) -> int:
-        running = [child.proc for child in self.children if child.proc is not None and child.proc.poll() is None]
+        # the clients first, with a short grace of their own (they have nothing to drain)
+        clients_grace = min(5.0, self.grace)
+        self._stop([child for child in self.children if child.client], time.monotonic() + clients_grace)
+        self._stop([child for child in self.children if not child.client], time.monotonic() + self.grace)
+        return 0
+
+    def _stop(self, children: list[Child], deadline: float) -> None:
+        running = [child.proc for child in children if child.proc is not None and child.proc.poll() is None]
         for proc in running:
             proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + self.grace
         for proc in running:
             try:
                 proc.wait(max(0.1, deadline - time.monotonic()))
@@ -86,7 +97,6 @@ class Supervisor:
                 log.error("pid %d did not drain within %.0f s; killing it", proc.pid, self.grace)
                 proc.kill()
                 proc.wait()
-        return 0
 
 
 def worker_argv(module: str, extra: list[str]) -> list[str]:

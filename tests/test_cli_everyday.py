@@ -338,7 +338,7 @@ async def test_status_compact_endpoints_and_json(spawn_worker, client, nats_url,
     nobody = berth(nats_url, prefix, "status")
     assert (nobody.returncode, nobody.stdout.strip()) == (
         0,
-        f"no service instance answered under prefix {prefix!r}",
+        f"no berth service answers at {nats_url} (prefix {prefix}; from --nats)",
     )
 
     allocation = [spawn_worker(ALLOCATION), spawn_worker(ALLOCATION)]
@@ -352,8 +352,9 @@ async def test_status_compact_endpoints_and_json(spawn_worker, client, nats_url,
     compact = berth(nats_url, prefix, "status", "-v")
     assert compact.returncode == 0, compact.stderr
     lines = compact.stdout.splitlines()
-    assert lines[0].split() == ["service", "instances", "requests", "errors", "mean", "ms"]
-    rows = {line.split()[0]: line.split()[1:] for line in lines[1:-1]}
+    assert lines[0] == f"asked {nats_url} (prefix {prefix}; from --nats)"  # the server and prefix asked
+    assert lines[1].split() == ["service", "instances", "requests", "errors", "mean", "ms"]
+    rows = {line.split()[0]: line.split()[1:] for line in lines[2:-1]}
     assert set(rows) == {f"{prefix}-allocation", f"{prefix}-echo"}  # only this prefix's services
     assert rows[f"{prefix}-allocation"][:3] == ["2", "4", "1"]
     assert float(rows[f"{prefix}-allocation"][3]) > 0
@@ -361,6 +362,7 @@ async def test_status_compact_endpoints_and_json(spawn_worker, client, nats_url,
     assert lines[-1] == "2 services, 3 instances"
 
     doc = json.loads(berth(nats_url, prefix, "status", "--json").stdout)
+    assert (doc["nats"], doc["prefix"]) == (nats_url, prefix)
     by_name = {service["name"]: service for service in doc["services"]}
     assert sorted(by_name[f"{prefix}-allocation"]["ids"]) == sorted(w.instance_id for w in allocation)
     assert (by_name[f"{prefix}-allocation"]["requests"], by_name[f"{prefix}-allocation"]["errors"]) == (4, 1)
@@ -375,8 +377,8 @@ async def test_status_compact_endpoints_and_json(spawn_worker, client, nats_url,
 
     detail = berth(nats_url, prefix, "status", "--endpoints")
     lines = detail.stdout.splitlines()
-    assert lines[0].split() == ["service", "instance", "endpoint", "requests", "errors", "avg", "ms"]
-    endpoints = [line.split() for line in lines[1:-1]]
+    assert lines[1].split() == ["service", "instance", "endpoint", "requests", "errors", "avg", "ms"]
+    endpoints = [line.split() for line in lines[2:-1]]
     assert {row[1] for row in endpoints} == {w.instance_id for w in [*allocation, echo]}
     assert sum(int(row[3]) for row in endpoints if row[2] == f"{prefix}.resource.add-node") == 3
     assert [
@@ -451,7 +453,7 @@ def test_as_the_identities_berth_up_gives_out(tmp_path):
         everything = berth(tenant, prefix, "events", "resource.>", "--since", "1h", "--count", "1", *domain)
         assert everything.returncode == 5 and "not allowed" in everything.stderr
         assert berth(client, prefix, "nodes").stdout.splitlines()[1].split()[0] == "n1"
-        assert berth(client, prefix, "status").stdout.splitlines()[1].split()[:2] == [
+        assert berth(client, prefix, "status").stdout.splitlines()[2].split()[:2] == [
             f"{prefix}-allocation",
             "1",
         ]

@@ -228,3 +228,23 @@ async def test_a_reader_is_all_the_dashboard_needs(tmp_path, caplog):
         deployment.stop()
     refused = [r.getMessage() for r in caplog.records if "permissions violation" in r.getMessage()]
     assert refused == []
+
+
+def test_a_favicon_so_that_browsers_get_no_404(dashboard):
+    import urllib.request
+
+    with urllib.request.urlopen(dashboard + "favicon.ico", timeout=10) as answer:
+        assert answer.status == 200 and answer.headers["Content-Type"] == "image/svg+xml"
+        assert answer.read().startswith(b"<svg")
+    with urllib.request.urlopen(dashboard, timeout=10) as page:
+        assert '<link rel="icon" href="/favicon.ico"' in page.read().decode()
+
+
+def test_unbound_cpu_past_the_cores_is_shown_as_shared():
+    from services.dashboard.views import SHARED_CPU, node_view
+
+    node = {"nodename": "n", "capacity": {"cpumem": {"cpu": 2, "memory": 1 << 30}},
+            "usage": {"cpumem": {"cpu": 3, "memory": 1 << 29}}}
+    bars = {bar["resource"]: bar for bar in node_view(node)["bars"]}
+    assert (bars["cpu"]["used"], bars["cpu"]["total"], bars["cpu"]["note"]) == (3, 2, SHARED_CPU)
+    assert "note" not in bars["memory"]

@@ -1,11 +1,13 @@
 """Everyday commands of `berth`: `call`, `events`, `nodes` and `status`, a module each, and `agent`
 (which runs a host's agent, or drains it).
 
-Each one connects to NATS as a short-lived client (`--nats`, env `NATS_URL`; `user:password@` in
-the URL, or `--nats-creds FILE` as `berth up` writes them), under `--prefix` (env `BERTH_PREFIX`,
-default `berth`). What a command answers goes to standard output and nothing else does: messages
-about what went wrong go to standard error, and logging (also on standard error) is quiet unless
-`-v` (`-vv` for debug).
+Each one connects to NATS as a short-lived client (`--nats`, env `NATS_URL`, else the `up.env` file
+`berth up` leaves in its state folder, else nats://127.0.0.1:4222; `user:password@` in the URL, or
+`--nats-creds FILE` as `berth up` writes them), under `--prefix` (env `BERTH_PREFIX`, default
+`berth`). A message about nothing answering, or NATS failing, names the server and prefix asked.
+What a command answers goes to standard output and nothing else does: messages about what went
+wrong go to standard error, and logging (also on standard error) is quiet unless `-v` (`-vv` for
+debug).
 
 Exit statuses, the same for every command:
 

@@ -52,6 +52,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run_agent(args: argparse.Namespace, extra: list[str]) -> int:
     """The agent worker in a process of its own, restarted if it crashes (as `berth worker`)."""
+    args.prefix = args.prefix or os.environ.get("BERTH_PREFIX") or "berth"
     argv = ["--node", args.node, "--prefix", args.prefix, *(["--nats", args.nats] if args.nats else []),
             *(["--nats-creds", args.nats_creds] if args.nats_creds else []),
             *(["--js-domain", args.js_domain] if args.js_domain else []), *extra]

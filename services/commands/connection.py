@@ -5,19 +5,110 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-from typing import Any, Awaitable
+import os
+import shlex
+from pathlib import Path
+from typing import Any, Awaitable, Mapping
 from urllib.parse import urlsplit, urlunsplit
 
 from nats.aio.client import Client
 from nats.errors import Error as NatsError
 from nats.errors import NoServersError
 
-from bus.connection import connect, nats_url, url_credentials
+from bus.connection import DEFAULT_NATS_URL, connect, url_credentials
 from bus.tasks import cancel_and_wait
 from services.commands.exits import EXIT_UNREACHABLE, EXIT_USAGE, CommandError
 from services.credentials import read_creds_file
+from services.settings import state_dir
 
 log = logging.getLogger("berth.cli")
+
+# `berth up` writes what a client needs to reach the deployment it started (the lines it prints:
+# NATS_URL, REDIS_URL, BERTH_NATS_CREDS, BERTH_JS_DOMAIN, BERTH_TLS_CA, and BERTH_PREFIX) to
+# `up.env` in its state folder (.berth/ of the current directory, or $BERTH_STATE), and removes it
+# when it stops. The state folder rather than $XDG_RUNTIME_DIR: the file names the creds file and
+# the CA that live there, and it belongs to that one deployment (two clones, each with its own
+# `berth up`, never read each other's); a command run from the same folder finds it with nothing
+# set. It is a shell file too: `set -a; . .berth/up.env; set +a`.
+UP_ENV = "up.env"
+UP_PID = "BERTH_UP_PID"  # the `berth up` that wrote it, to tell a stale file from a live one
+
+
+def up_env_path(env: Mapping[str, str] | None = None) -> Path:
+    return Path(state_dir(env)) / UP_ENV
+
+
+def write_up_env(path: Path, values: Mapping[str, str]) -> None:
+    """The file `berth up` leaves for the other commands (never a password: only names of files)."""
+    lines = [f"{name}={shlex.quote(value)}" for name, value in values.items()]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("# written by `berth up`, removed when it stops\n" + "\n".join(lines) + "\n")
+    tmp.replace(path)
+
+
+def read_up_env(path: Path) -> dict[str, str] | None:
+    """The variables of a `berth up` file, None if there is none (or it cannot be read)."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return None
+    values = {}
+    for line in text.splitlines():
+        name, sep, value = line.partition("=")
+        if sep and name.strip() and not name.lstrip().startswith("#"):
+            words = shlex.split(value, comments=True) if value.strip() else [""]
+            values[name.strip()] = words[0] if words else ""
+    return values if values.get("NATS_URL") else None
+
+
+def remove_up_env(path: Path, pid: int) -> None:
+    """Remove the file when it is the one `berth up` process `pid` wrote."""
+    values = read_up_env(path)
+    if values is not None and values.get(UP_PID) == str(pid):
+        path.unlink(missing_ok=True)
+
+
+def _alive(pid: str | None) -> bool:
+    try:
+        os.kill(int(pid or ""), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def resolve_server(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> None:
+    """Which NATS server (and prefix) a command asks: --nats, else NATS_URL, else the file `berth
+    up` wrote in the state folder (with its creds file, CA, JS domain and prefix, each unless given),
+    else the default nats://127.0.0.1:4222. `args.nats_source` says which, for the messages."""
+    env = os.environ if env is None else env
+    if args.nats:
+        args.nats_source = "NATS_URL" if args.nats == env.get("NATS_URL") else "--nats"
+    elif (path := up_env_path(env)) and (values := read_up_env(path)) is not None:
+        args.nats = values["NATS_URL"]
+        stale = "" if _alive(values.get(UP_PID)) else (
+            f"; the `berth up` that wrote it (pid {values.get(UP_PID)}) no longer runs: remove the file or "
+            "start `berth up` again")
+        args.nats_source = f"{path}, written by `berth up`{stale}"
+        for option, name in (("nats_creds", "BERTH_NATS_CREDS"), ("tls_ca", "BERTH_TLS_CA"),
+                             ("js_domain", "BERTH_JS_DOMAIN")):
+            if getattr(args, option, None) is None and values.get(name):
+                setattr(args, option, values[name])
+        if getattr(args, "prefix", "") is None and not env.get("BERTH_PREFIX"):
+            args.prefix = values.get("BERTH_PREFIX") or None
+    else:
+        args.nats = DEFAULT_NATS_URL
+        args.nats_source = f"the default: no --nats, NATS_URL or {up_env_path(env)}"
+    if getattr(args, "prefix", "") is None:
+        args.prefix = env.get("BERTH_PREFIX") or "berth"
+
+
+def asked(args: argparse.Namespace) -> str:
+    """The server and prefix a command asked, for its messages."""
+    source = getattr(args, "nats_source", None)
+    return f"{redact(args.nats)} (prefix {args.prefix}{'; from ' + source if source else ''})"
 
 
 def redact(url: str) -> str:
@@ -37,7 +128,10 @@ class Connection:
     (with -v they are logged too)."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        self.url = nats_url(args.nats)
+        if not args.nats:
+            resolve_server(args)
+        self.url = args.nats
+        self.source = getattr(args, "nats_source", None)
         self.creds = args.nats_creds
         self.tls_ca = args.tls_ca
         self.errors: list[Exception] = []
@@ -83,7 +177,9 @@ class Connection:
             if "authorization" in str(reason).lower():
                 hint = "it wants a user and password it knows: nats://user:password@host:port or --nats-creds"
             else:
-                hint = "give --nats or set NATS_URL"
+                hint = "give --nats or set NATS_URL, or start `berth up` in this folder"
+            if self.source and not self.source.startswith("--nats"):
+                hint = f"from {self.source}; {hint}"
             raise CommandError(
                 f"cannot connect to NATS at {redact(self.url)}: {describe(reason)} ({hint})", EXIT_UNREACHABLE
             ) from None

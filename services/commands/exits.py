@@ -43,7 +43,9 @@ def add_command(
         name, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXIT_STATUSES, **texts
     )
     add_client_flags(parser)
-    parser.set_defaults(run=_runner(command))
+    # no --prefix and no BERTH_PREFIX: the prefix of the `berth up` file, if that is what we use
+    # (services/commands/connection.py resolve_server), else berth
+    parser.set_defaults(prefix=None, run=_runner(command))
     return parser
 
 
@@ -54,10 +56,16 @@ def _runner(command: Callable[[argparse.Namespace], Awaitable[int]]) -> Callable
         for handler in logging.getLogger().handlers:  # whatever configured it, never standard output
             if getattr(handler, "stream", None) is sys.stdout:
                 handler.setStream(sys.stderr)
+        from services.commands.connection import asked, redact, resolve_server
+
+        resolve_server(args)
         try:
             return asyncio.run(command(args))
         except CommandError as error:
-            print(f"berth {args.command}: {error}", file=sys.stderr, flush=True)
+            # nothing answered, or NATS failed us: name the server asked (unless the message does)
+            told = error.status in (EXIT_NO_ANSWER, EXIT_UNREACHABLE) and redact(args.nats) not in str(error)
+            where = f"; asked {asked(args)}" if told else ""
+            print(f"berth {args.command}: {error}{where}", file=sys.stderr, flush=True)
             return error.status
         except KeyboardInterrupt:
             return 130

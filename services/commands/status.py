@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from bus import discovery
-from services.commands.connection import Connection
+from services.commands.connection import Connection, redact
 from services.commands.exits import EXIT_OK, add_command
 from services.commands.output import emit, format_table, to_json
 
@@ -120,21 +120,32 @@ async def status_command(args: argparse.Namespace) -> int:
         instances = await connection.unless_refused(discovery.stats(nc, timeout=args.timeout))
     if not args.all:
         instances = [inst for inst in instances if of_prefix(inst.name, args.prefix)]
+    server = {"nats": redact(args.nats), "prefix": None if args.all else args.prefix}
     if args.endpoints:
         entries = endpoint_entries(instances)
         if args.json:
-            emit(to_json({"instances": entries}, pretty=True))
+            emit(to_json({**server, "instances": entries}, pretty=True))
         else:
-            emit(format_endpoints(entries) if entries else _nobody(args))
+            emit(f"{_asked(args)}\n{format_endpoints(entries)}" if entries else _nobody(args))
     else:
         services = summarize(instances)
         if args.json:
-            emit(to_json({"services": services}, pretty=True))
+            emit(to_json({**server, "services": services}, pretty=True))
         else:
-            emit(format_services(services) if services else _nobody(args))
+            emit(f"{_asked(args)}\n{format_services(services)}" if services else _nobody(args))
     return EXIT_OK
 
 
+def _where(args: argparse.Namespace) -> str:
+    """The server and prefix asked, and where the server's URL came from (the first line of the table)."""
+    source = getattr(args, "nats_source", None)
+    return (f"{redact(args.nats)} ({'every prefix' if args.all else f'prefix {args.prefix}'}"
+            f"{'; from ' + source if source else ''})")
+
+
+def _asked(args: argparse.Namespace) -> str:
+    return f"asked {_where(args)}"
+
+
 def _nobody(args: argparse.Namespace) -> str:
-    where = "" if args.all else f" under prefix {args.prefix!r}"
-    return f"no service instance answered{where}"
+    return f"no berth service answers at {_where(args)}"

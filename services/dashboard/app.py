@@ -1,6 +1,7 @@
 """The web side: a Starlette app on uvicorn, serving the page, its files and the live stream.
 
 GET /              the page (static/index.html)
+GET /favicon.ico   a small icon (an SVG), so that browsers asking for one get no 404
 GET /static/...    its CSS and ES modules, from this package (nothing is fetched at run time)
 GET /api/state     everything the page shows, as one JSON document
 GET /api/stream    server-sent events: `snapshot` first, then each change (see live.py)
@@ -18,7 +19,7 @@ from pathlib import Path
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import FileResponse, JSONResponse, StreamingResponse
+from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
@@ -27,6 +28,10 @@ from services.settings import DashboardConfig
 
 STATIC = Path(__file__).resolve().parent / "static"
 KEEP_ALIVE = 15.0  # seconds between comments on an idle stream, so that proxies keep it open
+# a berth: a hull on a line of water (an SVG, which browsers take at /favicon.ico too)
+FAVICON = (b'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 16 16">'
+           b'<path d="M2 8h12l-2 4H4z" fill="#3d5a80"/>'
+           b'<path d="M1 14h14" stroke="#98c1d9" stroke-width="1.5"/></svg>')
 
 
 def make_app(live: Live) -> Starlette:
@@ -40,6 +45,9 @@ def make_app(live: Live) -> Starlette:
 
     async def index(request: Request) -> FileResponse:
         return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
+
+    async def favicon(request: Request) -> Response:
+        return Response(FAVICON, media_type="image/svg+xml", headers={"Cache-Control": "max-age=86400"})
 
     async def state(request: Request) -> JSONResponse:
         return JSONResponse(live.snapshot())
@@ -64,6 +72,7 @@ def make_app(live: Live) -> Starlette:
     return Starlette(
         routes=[
             Route("/", index),
+            Route("/favicon.ico", favicon),
             Route("/api/state", state),
             Route("/api/stream", stream),
             Mount("/static", StaticFiles(directory=STATIC), name="static"),

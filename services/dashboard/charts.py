@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bus.client import BusClient
+from bus.errors import NoResponders
 from services.dashboard.views import CHARTS, is_number
 
 log = logging.getLogger("berth.dashboard")
@@ -70,7 +71,9 @@ class AgentCharts:
             for key in keys.values():
                 try:
                     await self._call_agent(node, "deregister-notifier", {"key": key}, timeout=1.0)
-                except Exception as error:  # the agent is gone: the lease ends by itself
+                except NoResponders as error:  # the agent is gone (stopped with us): the lease ends by itself
+                    log.debug("deregistering from %s: %r", node, error)
+                except Exception as error:
                     log.info("deregistering from %s: %r", node, error)
 
     async def _call_agent(

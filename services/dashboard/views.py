@@ -19,6 +19,9 @@ CHARTS = (
 
 PLUGIN_ORDER = {"cpumem": 0, "storage": 1, "gpu": 2}
 UNITS = {"cpu": "cores", "memory": "bytes", "storage": "bytes"}
+# eru's rule: only bound CPU (and memory) is exclusive; unbound workloads share the cores, so their
+# CPU may add up past the node's count (README, "Allocation")
+SHARED_CPU = "more than the cores: unbound CPU shares them (only bound CPU and memory are exclusive)"
 
 
 def is_number(value: Any) -> bool:
@@ -37,6 +40,8 @@ def node_view(node: dict[str, Any]) -> dict[str, Any]:
         for key, value in total.items():
             if is_number(value) and (value or used.get(key)):
                 bars.append(_bar(plugin, key, used.get(key, 0), value, UNITS.get(key, "")))
+                if plugin == "cpumem" and key == "cpu" and is_number(used.get(key)) and used[key] > value:
+                    bars[-1]["note"] = SHARED_CPU
         products, taken = total.get("prod_count_map") or {}, used.get("prod_count_map") or {}
         for product in sorted(products):
             bars.append(_bar(plugin, product, taken.get(product, 0), products[product], "count"))

@@ -160,11 +160,11 @@ function nodeRow(node) {
         "data-resource": bar.resource,
         "data-used": String(bar.used),
         "data-total": String(bar.total),
-        title: `${bar.plugin}: ${bar.resource}`,
+        title: `${bar.plugin}: ${bar.resource}${bar.note ? ` (${bar.note})` : ""}`,
       },
       el("span", { class: `bar-name plugin-${bar.plugin}` }, bar.resource),
       usageBar(bar.used, bar.total),
-      el("span", { class: "bar-text" }, usedOfTotal(bar))),
+      el("span", { class: "bar-text" }, usedOfTotal(bar) + (bar.note ? " (shared)" : ""))),
     );
   }
   if (!node.bars.length) bars.append(el("span", { class: "muted" }, "no capacity"));
