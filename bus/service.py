@@ -125,6 +125,12 @@ def error_reply(error: BerthError) -> Reply:
 
 
 class Service:
+    """One berth service instance on NATS: its endpoints (declared with `endpoint`, `add_endpoint` or
+    `bind`, served once `start` is called) and what each request goes through on its way to a
+    handler and back (see the module: a task per request, typed decoding, the caller's role,
+    idempotency, errors as DESIGN.md §2 answers, drain). Several processes with the same `name`
+    form one service: NATS spreads requests over them as a queue group."""
+
     def __init__(
         self,
         name: str,
