@@ -35,8 +35,8 @@ from urllib.parse import urlsplit
 import msgspec
 from nats.micro.request import ERROR_CODE_HEADER, ERROR_HEADER
 
-from schemas.subjects import NAME_CHARS, NAME_PATTERN
 from schemas.common import ErrorBody, Event
+from schemas.subjects import NAME_CHARS, NAME_PATTERN
 
 ASYNCAPI_VERSION = "3.0.0"
 CONTENT_TYPE = "application/msgpack"

@@ -28,12 +28,10 @@ from nats.aio.client import Client
 from redis.asyncio import Redis
 
 from bus.connection import connect
-from bus.events import EventBus
+from bus.events import EventBus, StreamSpec
 from bus.redis import connect_redis, ready
-from bus.service import serve_until_signalled
+from bus.service import Command, Service, serve_until_signalled
 from bus.telemetry import MetricsServer
-from bus.events import StreamSpec
-from bus.service import Command, Service
 from services.settings import CommonConfig, ServiceConfig, parse_worker
 
 log = logging.getLogger("berth.runner")

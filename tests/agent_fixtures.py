@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from services.agent.worker import STREAM, make_agent
 from services.agent.config import AgentServiceConfig
+from services.agent.worker import STREAM, make_agent
 from services.metrics.config import MetricsServiceConfig
 from tests.agent_helpers import HEARTBEAT, TTL
 from tests.agent_hosts import fake_host

@@ -13,9 +13,8 @@ import pytest
 import pytest_asyncio
 
 from bus.errors import BusError
-from services.broker.config import Timing
+from services.broker.config import BrokerServiceConfig, Timing
 from services.broker.worker import STREAM, make_broker
-from services.broker.config import BrokerServiceConfig
 from tests.broker_helpers import CATALOG, FAST, eventually, kill_marked
 
 

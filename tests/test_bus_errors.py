@@ -13,8 +13,8 @@ from bus.errors import (
     Unavailable,
     status_of,
 )
-from services.metrics.errors import MetricExpired, MetricNotFound
 from services.metrics.entities import MetricValue
+from services.metrics.errors import MetricExpired, MetricNotFound
 
 # Every code DESIGN.md §2 lists, the services' other codes, and the bus's own, with §8's status.
 STATUSES = {

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from services.dashboard.live import Live
-from tests.broker_helpers import FAST_ARGS, const_broker, eventually, marked, param
 from tests.accounts_helpers import NODE as AGENT
 from tests.accounts_helpers import Deployment
+from tests.broker_helpers import FAST_ARGS, const_broker, eventually, marked, param
 
 pytest_plugins = ["tests.broker_fixtures"]
 

@@ -17,10 +17,10 @@ import pytest
 
 from bus.errors import BusError
 from services.metrics.client import MetricsClient
-from services.metrics.provisioners import Provisioner
-from services.metrics.entities import PodRef
-from services.metrics.worker import MetricsWorker
 from services.metrics.config import MetricsServiceConfig
+from services.metrics.entities import PodRef
+from services.metrics.provisioners import Provisioner
+from services.metrics.worker import MetricsWorker
 from tests.bus_helpers import idempotency_keys, until
 
 NODE = "n1"

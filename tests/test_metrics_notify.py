@@ -19,8 +19,8 @@ import pytest
 
 from bus.errors import BusError
 from services.metrics.client import MetricsClient
-from services.metrics.worker import MetricsWorker
 from services.metrics.config import MetricsServiceConfig
+from services.metrics.worker import MetricsWorker
 from tests.bus_helpers import EventLog, until
 
 NODE = "n1"

@@ -8,9 +8,9 @@ import math
 import pytest
 
 from bus.errors import BerthError, InvalidArgument
+from services.metrics.entities import MetricValue, PodRef
 from services.metrics.errors import MetricExpired, MetricNotFound
 from services.metrics.provisioners import Sample
-from services.metrics.entities import MetricValue, PodRef
 from services.metrics.store import Store
 
 

@@ -36,8 +36,8 @@ from services.agent.messages import InstanceInfo, InstanceStateName, StartInstan
 from services.agent.state import Record, StateDir, StateLocked
 from services.processes import procfs
 from services.processes.catalog import Catalog, check_command
-from services.processes.spawn import SpawnError, spawn
 from services.processes.ports import free_port
+from services.processes.spawn import SpawnError, spawn
 
 __all__ = ["Instances", "StateLocked"]
 

@@ -12,8 +12,8 @@ from typing import Annotated, Literal
 
 from msgspec import Meta, Struct
 
-from schemas.subjects import END, ShortName
 from schemas.common import Event
+from schemas.subjects import END, ShortName
 
 # Printable text of at most 256 characters: the broker's workload ids ("broker/<user>/<id>/<n>").
 InstanceId = Annotated[str, Meta(pattern=rf"^[^\x00-\x1f\x7f]+{END}", min_length=1, max_length=256)]

@@ -11,6 +11,7 @@ from bus.client import BusClient
 from bus.service import Service
 from services.agent.cgroups import CgroupRoot
 from services.agent.commands import COMMANDS, EVENTS, STREAM, commands
+from services.agent.config import AgentServiceConfig
 from services.agent.endpoints import AgentEndpoints
 from services.agent.host import HostUnreadable
 from services.agent.host_agent import HostAgent
@@ -18,7 +19,6 @@ from services.agent.instances import Instances, StateLocked
 from services.metrics.commands import STREAM as METRICS_STREAM
 from services.metrics.worker import MetricsWorker
 from services.processes.catalog import Catalog, CatalogError
-from services.agent.config import AgentServiceConfig
 
 NAME = "agent"
 CONFIG = AgentServiceConfig

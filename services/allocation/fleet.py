@@ -18,10 +18,10 @@ from bus.tasks import cancel_and_wait
 from services.allocation.directory import NodeDirectory, matches
 from services.allocation.errors import no_node_matches, node_not_found
 from services.allocation.plugin_set import Keyed, PluginSet
-from services.allocation.shards import Shards
 from services.allocation.records import NodeRecord
-from services.allocation.store import NodeStore
 from services.allocation.selection import Selection
+from services.allocation.shards import Shards
+from services.allocation.store import NodeStore
 from services.allocation.view import CapacityView, Views
 
 log = logging.getLogger("berth.allocation")

@@ -33,7 +33,6 @@ from services.allocation.errors import (
 )
 from services.allocation.fleet import Fleet
 from services.allocation.leases import Heartbeat, Leases
-from services.allocation.shards import Shards
 from services.allocation.messages import Allocation, NodeEvent
 from services.allocation.plugin import DeployCapacity, EngineInfo, ResourcePlugin
 from services.allocation.plugin_set import (
@@ -55,8 +54,9 @@ from services.allocation.records import (
     PluginState,
     encode_states,
 )
-from services.allocation.store import NodeStore
 from services.allocation.selection import Selection
+from services.allocation.shards import Shards
+from services.allocation.store import NodeStore
 from services.allocation.view import Reservation
 
 log = logging.getLogger("berth.allocation")

@@ -12,8 +12,8 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta, Struct
 
-from schemas.subjects import END, NodeName
 from schemas.common import Event
+from schemas.subjects import END, NodeName
 
 Raw = dict[str, Any]
 # The server decodes a long candidate list as its MessagePack bytes and decodes the names once

@@ -6,8 +6,6 @@ from bus.idempotency import IdempotencyStore
 from bus.replicas import ReplicaWait
 from bus.service import Service
 from bus.telemetry import on_scrape
-from services.allocation.config import AllocationServiceConfig
-from services.allocation.cpumem import CpuMemPlugin
 from services.allocation.commands import (
     COMMANDS,
     EVENTS,
@@ -16,6 +14,8 @@ from services.allocation.commands import (
     STREAM,
     plugin_commands,
 )
+from services.allocation.config import AllocationServiceConfig
+from services.allocation.cpumem import CpuMemPlugin
 from services.allocation.endpoints import AllocationEndpoints
 from services.allocation.gpu import GpuPlugin
 from services.allocation.manager import AllocationManager

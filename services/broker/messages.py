@@ -12,9 +12,9 @@ from typing import Annotated, Literal
 
 from msgspec import UNSET, Meta, Struct, UnsetType, field
 
+from schemas.common import Event
 from schemas.subjects import END
 from schemas.subjects import ShortName as Token
-from schemas.common import Event
 
 # Any printable text: ids go into subjects escaped, and into launched processes' environment.
 ResourceId = Annotated[str, Meta(pattern=rf"^[^\x00-\x1f\x7f]+{END}", min_length=1, max_length=256)]

@@ -11,8 +11,8 @@ from bus.idempotency import IdempotencyStore
 from bus.service import Service
 from bus.telemetry import on_scrape
 from services.broker.brokers import BrokerRegistry
-from services.broker.config import BrokerServiceConfig, InstanceTypes
 from services.broker.commands import COMMANDS, EVENTS, STREAM
+from services.broker.config import BrokerServiceConfig, InstanceTypes
 from services.broker.endpoints import BrokerEndpoints, for_callers
 from services.broker.failover import Failover
 from services.broker.operators.allocation import AllocationOperator

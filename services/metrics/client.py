@@ -26,6 +26,7 @@ from bus.client import BusClient
 from bus.codec import decoder
 from bus.errors import BusError
 from bus.tasks import cancel_and_wait
+from services.metrics.entities import MetricValue, PodRef
 from services.metrics.messages import (
     Deregistered,
     Entries,
@@ -35,7 +36,6 @@ from services.metrics.messages import (
     Synced,
     event_subject,
 )
-from services.metrics.entities import MetricValue, PodRef
 
 log = logging.getLogger("berth.metrics.client")
 

@@ -21,7 +21,6 @@ from typing import Any
 import msgspec
 
 from bus.errors import InvalidArgument
-from services.metrics.errors import MetricExpired, MetricNotFound
 from services.metrics.entities import (
     AGGREGATORS,
     KINDS,
@@ -34,6 +33,7 @@ from services.metrics.entities import (
     entity_key,
     ids_dict,
 )
+from services.metrics.errors import MetricExpired, MetricNotFound
 from services.metrics.parsers import parse_cpulist
 from services.metrics.samples import Sample
 

@@ -22,6 +22,7 @@ from bus.telemetry import on_scrape
 from services.metrics.agent import Agent
 from services.metrics.cgroups import PodCgroups
 from services.metrics.commands import COMMANDS, EVENTS, STREAM, commands
+from services.metrics.config import MetricsServiceConfig
 from services.metrics.endpoints import MetricsEndpoints
 from services.metrics.notifier import Notifier, Publishing, Registrations
 from services.metrics.provisioners import PROVISIONERS, CgroupProvisioner, Provisioner
@@ -29,7 +30,6 @@ from services.metrics.provisioners.base import Roots
 from services.metrics.put_times import PutTimes
 from services.metrics.store import Store
 from services.metrics.telemetry import RegistrationCount
-from services.metrics.config import MetricsServiceConfig
 
 NAME = "metrics"
 CONFIG = MetricsServiceConfig

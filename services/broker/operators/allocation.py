@@ -30,8 +30,8 @@ from typing import Any
 import msgspec
 from redis.asyncio import Redis
 
-from bus.codec import decode_stored, encode
 from bus.client import BusClient
+from bus.codec import decode_stored, encode
 from bus.errors import BusError
 from services.agent.messages import (
     InstanceInfo,

@@ -38,8 +38,8 @@ from services.broker.operators.base import LaunchSpec, OperatorError, service_in
 from services.broker.views import unreserved
 from services.processes import procfs
 from services.processes.catalog import Catalog, check_command
-from services.processes.spawn import SpawnError, spawn
 from services.processes.ports import free_port
+from services.processes.spawn import SpawnError, spawn
 
 BLOCK = "local"
 

@@ -11,9 +11,9 @@ from typing import ClassVar
 
 import msgspec
 
+from services.metrics.entities import Ids
 from services.metrics.parsers import parse_cpulist, parse_int
 from services.metrics.rates import Counters
-from services.metrics.entities import Ids
 from services.metrics.samples import Sample
 
 

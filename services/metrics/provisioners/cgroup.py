@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 import msgspec
 
 from services.metrics.cgroups import CgroupLayout, Discovery, PodCgroups, detect_layout, discover
+from services.metrics.entities import Ids
 from services.metrics.metrics_list import MEMORY_COUNTERS, METRICS, PSI_RESOURCES, cgroup_name
 from services.metrics.parsers import (
     parse_blkio,
@@ -25,7 +26,6 @@ from services.metrics.parsers import (
 )
 from services.metrics.provisioners.base import HOST, Batch, Provisioner, Roots, numa_cpus, read_int, read_text
 from services.metrics.provisioners.node import add_pressure
-from services.metrics.entities import Ids
 
 # memory.stat keys -> metric; a metric with several keys is their sum (only one form exists on a
 # given kernel: 5.9 split workingset_refault into _anon and _file).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from services.metrics.entities import Ids
 from services.metrics.metrics_list import PSI_FIELDS, PSI_RESOURCES, psi_name
 from services.metrics.parsers import (
     ProcStat,
@@ -13,7 +14,6 @@ from services.metrics.parsers import (
 )
 from services.metrics.provisioners.base import HOST, Batch, Provisioner, Roots, numa_cpus, read_int, read_text
 from services.metrics.rates import Counters, CpuRatios, cpu_ratios
-from services.metrics.entities import Ids
 
 # ---------------------------------------------------------------------------------------- CPU
 
