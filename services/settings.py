@@ -151,7 +151,7 @@ class CommonConfig:
 
     @staticmethod
     def add_flags(parser: argparse.ArgumentParser, env: Env) -> None:
-        parser.add_argument("--nats", default=env.get("NATS_URL"), help="NATS URL (env NATS_URL)")
+        add_nats_and_prefix(parser, env)
         parser.add_argument(
             "--nats-user", default=env.get("NATS_USER"), help="NATS user (env NATS_USER; or user:password@ in the URL)"
         )
@@ -174,9 +174,6 @@ class CommonConfig:
             "--redis", default=env.get("REDIS_URL"),
             help="Redis URL, redis://[user:password@]host:port/db or redis+cluster://[user:password@]host:port,... "
             "(env REDIS_URL)",
-        )
-        parser.add_argument(
-            "--prefix", default=env.get("BERTH_PREFIX", "berth"), help="subject and key prefix (env BERTH_PREFIX)"
         )
         parser.add_argument(
             "--concurrency", type=int, default=int(env.get("BERTH_CONCURRENCY", "64")),
@@ -256,8 +253,7 @@ class DashboardConfig:
     @staticmethod
     def add_flags(parser: argparse.ArgumentParser, env: Env | None = None) -> None:
         env = _environ(env)
-        parser.add_argument("--nats", default=env.get("NATS_URL"), help="NATS URL, a reader's (env NATS_URL)")
-        parser.add_argument("--prefix", default=env.get("BERTH_PREFIX", "berth"))
+        add_nats_and_prefix(parser, env, nats_help="NATS URL, a reader's (env NATS_URL)")
         add_js_domain_flag(parser, env)
         parser.add_argument("--host", default="127.0.0.1", help="address to serve on")
         parser.add_argument("--port", type=int, default=0, help="port to serve on (default: a free one, printed)")
@@ -271,12 +267,20 @@ class DashboardConfig:
 # -- the `berth` command's connection options -------------------------------------------------------
 
 
+def add_nats_and_prefix(
+    parser: argparse.ArgumentParser, env: Env, nats_help: str = "NATS URL (env NATS_URL)"
+) -> None:
+    """`--nats` and `--prefix`, as every worker and command takes them (env NATS_URL, BERTH_PREFIX)."""
+    parser.add_argument("--nats", default=env.get("NATS_URL"), help=nats_help)
+    parser.add_argument("--prefix", default=env.get("BERTH_PREFIX", "berth"),
+                        help="subject and key prefix (env BERTH_PREFIX, default berth)")
+
+
 def add_server_flags(parser: argparse.ArgumentParser, env: Env | None = None) -> None:
     """`berth up` and `berth worker`: the servers and the prefix."""
     env = _environ(env)
-    parser.add_argument("--nats", default=env.get("NATS_URL"), help="NATS URL (env NATS_URL)")
+    add_nats_and_prefix(parser, env)
     parser.add_argument("--redis", default=env.get("REDIS_URL"), help="Redis URL (env REDIS_URL)")
-    parser.add_argument("--prefix", default=env.get("BERTH_PREFIX", "berth"))
 
 
 def add_js_domain_flag(parser: argparse.ArgumentParser, env: Env | None = None) -> None:
@@ -311,15 +315,14 @@ def add_metrics_port_flag(parser: argparse.ArgumentParser, env: Env | None = Non
 def add_client_flags(parser: argparse.ArgumentParser, env: Env | None = None) -> None:
     """`berth call`, `events`, `nodes`, `status`: a short-lived client's connection and prefix."""
     env = _environ(env)
-    parser.add_argument("--nats", default=env.get("NATS_URL"),
-                        help="NATS URL(s), comma-separated; nats://user:password@host:port works (env NATS_URL)")
+    add_nats_and_prefix(
+        parser, env, nats_help="NATS URL(s), comma-separated; nats://user:password@host:port works (env NATS_URL)"
+    )
     parser.add_argument("--nats-creds", default=env.get("BERTH_NATS_CREDS"), metavar="FILE",
                         help="user=... and password=... lines, as .berth/credentials/admin.nats "
                         "(env BERTH_NATS_CREDS)")
     add_js_domain_flag(parser, env)
     _add_tls_ca_flag(parser, env, "tls://")
-    parser.add_argument("--prefix", default=env.get("BERTH_PREFIX", "berth"),
-                        help="subject prefix (env BERTH_PREFIX, default berth)")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log to standard error (-vv: debug)")
 
 
