@@ -79,7 +79,7 @@ CASES = [
      deploy({"gpu": {"prod_count_map": {"nvidia-3070": 1}}}, 3), None),
     ("insufficient_resource", 409, "calculate-deploy", deploy({"storage": {"storage-request": "1T"}}), None),
     ("insufficient_resource", 409, "allocate", deploy({"storage": {"volumes": ["AUTO:/d:rw:60G"]}}, 2), None),
-    ("node_exists", 409, "add-node", {"nodename": "e0"}, None),
+    ("node_exists", 409, "add-node", {"nodename": "e0", "resource": {"cpumem": {"cpu": 1}}}, None),
     ("node_not_found", 404, "get-node-resource-info", {"nodename": "nope"}, None),
     ("plugin_not_found", 404, "calculate-deploy", deploy({"fpga": {"count": 1}}), None),
     ("workload_not_found", 404, "realloc", {"workload_id": "missing"}, None),

@@ -53,7 +53,9 @@ def test_a_plan_that_cannot_be_completed_reserves_nothing():
     view = view_of("n1-0", "n1-1")
     with pytest.raises(BerthError) as caught:
         view.plan("spread", 3)
-    assert (caught.value.code, caught.value.details) == ("insufficient_capacity", {"wanted": 3, "available": 2})
+    assert (caught.value.code, caught.value.details) == (
+        "insufficient_capacity", {"wanted": 3, "available": 2, "unit": "instances"}
+    )
     assert view.pending == {}
     assert view.plan("spread", 2)[0] == {"n1-0": 1, "n1-1": 1}
 

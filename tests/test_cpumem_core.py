@@ -188,8 +188,12 @@ def test_sizes_accept_human_strings_and_integral_floats(plugin):
     assert deployed(plugin, {"memory-request": 1024.0})["memory_request"] == 1024
 
 
-def test_unknown_keys_are_ignored(plugin):
-    assert deployed(plugin, {"cpu": 4, "memory": "1G", "x": None})["cpu_request"] == 0.0
+@pytest.mark.parametrize("key", ["cpu", "memory", "cpu_request", "x"])
+def test_unknown_keys_are_refused(plugin, key):
+    """DESIGN.md §8: a typo (or eru's removed `cpu`/`memory` shortcuts) must not place an empty workload."""
+    error = error_of(deployed, plugin, {"cpu-request": 1, key: 4})
+    assert (error.code, error.field) == ("invalid_argument", f"workload_resource_request.{key}")
+    assert f"unknown key '{key}'; accepted: cpu-bind, cpu-limit, cpu-request, keep-cpu-bind" in error.message
 
 
 @pytest.mark.parametrize("request_", [None, {}])
@@ -650,7 +654,9 @@ def test_bound_deploy_beyond_the_plans_is_insufficient_capacity(plugin):
     capacity, usage = make_node(plugin, {0: 100, 1: 100})
     error = error_of(plugin.calculate_deploy, capacity, usage, 3, bound(1))
     assert error.code == "insufficient_capacity" and error.status == 409
-    assert error.details == {"plugin": "cpumem", "resource": "cpu", "requested": 3, "available": 2}
+    assert error.details == {
+        "plugin": "cpumem", "resource": "cpu", "requested": 3, "available": 2, "unit": "instances"
+    }
     assert error_of(plugin.calculate_deploy, capacity, usage, 1, bound(2.2)).code == "insufficient_capacity"
 
 

@@ -100,7 +100,9 @@ def test_deploy_that_does_not_fit(gpu, node):
     with pytest.raises(BerthError) as caught:
         gpu.calculate_deploy(*node, 3, cards(nvidia_3090=2))
     assert caught.value.code == "insufficient_resource"
-    assert caught.value.details == {"product": "nvidia-3090", "requested": 6, "available": 4}
+    assert caught.value.details == {
+        "product": "nvidia-3090", "requested": 6, "available": 4, "unit": "cards"
+    }
     assert error_of(gpu.calculate_deploy, *node, 1, cards(h100=1))[0] == "insufficient_resource"
 
 

@@ -209,7 +209,7 @@ def only_workload(plugin, capacity, usage, request):
     return plugin.calculate_deploy(capacity, usage, 1, request)[1][0]
 
 
-@pytest.mark.parametrize("request_", [None, {}, {"volumes": []}, {"unknown-key": 1}])
+@pytest.mark.parametrize("request_", [None, {}, {"volumes": []}])
 def test_empty_request_deploys_anything_and_reports_max_deploy_count(plugin, big, request_):
     engines, workloads = plugin.calculate_deploy(*big, 3, request_)
     assert engines == [{"volumes": [], "volume_changed": False, "storage": 0, "iops_options": {}}] * 3

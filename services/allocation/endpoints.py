@@ -95,9 +95,10 @@ def keyed(value: Raw | None, names: list[str], field: str, plugins: PluginSet) -
     value = value or {}
     for key, sub in value.items():
         if key not in plugins:
+            # `plugin_not_found` (not invalid_argument): the contract pins this code for a plugin key.
             raise BerthError(
-                f"{field}: no plugin named {key!r} (have {', '.join(plugins)})",
-                code="plugin_not_found", field=f"{field}.{key}",
+                f"{field}.{key}: unknown plugin {key!r}; accepted: {', '.join(plugins)}",
+                code="plugin_not_found", field=f"{field}.{key}", details={"accepted": list(plugins)},
             )
         if sub is not None and not isinstance(sub, dict):
             raise BerthError(f"{field}.{key}: must be a map", code="invalid_argument", field=f"{field}.{key}")
@@ -161,6 +162,14 @@ class AllocationEndpoints:
             return {self.plugin: value}
         return keyed(value, self.names, field, self.manager.plugins)
 
+    def _workloads_in(self, value: Raw | None, field: str) -> Keyed:
+        """A workload resource a client sends (not one read from a ledger): `_in`, with each plugin
+        refusing keys it does not read."""
+        per_plugin = self._in(value, field)
+        for name, workload in per_plugin.items():
+            self.manager.plugins[name].check_workload_keys(workload, field)
+        return per_plugin
+
     def _out(self, per_plugin: Raw) -> Any:
         """A per-plugin value for the wire: the plugin's own, or the map keyed by plugin."""
         return per_plugin.get(self.plugin) if self.plugin else per_plugin
@@ -183,7 +192,7 @@ class AllocationEndpoints:
         return reply
 
     async def calculate_realloc(self, req: CalculateRealloc) -> CalculateReallocReply:
-        current = self._in(req.workload_resource, "workload_resource")
+        current = self._workloads_in(req.workload_resource, "workload_resource")
         requests = self._in(req.workload_resource_request, "workload_resource_request")
         result = await self.manager.calculate_realloc(self.names, req.nodename, current, requests)
         return CalculateReallocReply(
@@ -191,16 +200,37 @@ class AllocationEndpoints:
         )
 
     async def calculate_remap(self, req: CalculateRemap) -> CalculateRemapReply:
-        workloads = {wid: self._in(w, f"workloads_resource.{wid}") for wid, w in req.workloads_resource.items()}
+        workloads = {
+            wid: self._workloads_in(w, f"workloads_resource.{wid}")
+            for wid, w in req.workloads_resource.items()
+        }
         remapped = await self.manager.calculate_remap(self.names, req.nodename, workloads)
         return CalculateRemapReply({wid: self._out(params) for wid, params in remapped.items()})
 
     async def add_node(self, req: AddNode) -> CapacityUsage:
+        if self.plugin is None and req.resource is None and req.info is None:
+            raise InvalidArgument(
+                "resource", "a node needs `resource` (a map keyed by plugin) or `info` (what its engine "
+                "reports); without either it would have no capacity at all",
+            )
+        if req.info is not None:
+            self._check_info_plugins(req.info.resources)
         info = EngineInfo(req.info.ncpu, req.info.memory_total, req.info.storage_total, req.info.resources) if req.info else None
         created = await self.manager.add_node(
             self.names, req.nodename, self._in(req.resource, "resource"), info, req.labels
         )
         return CapacityUsage(*self._capacity_usage(created))
+
+    def _check_info_plugins(self, resources: dict[str, Raw]) -> None:
+        """Engine `info.resources` is keyed by plugin at both levels: a name no plugin has is a typo."""
+        known = set(PLUGIN_NAMES) | set(self.manager.plugins)
+        for name in resources:
+            if name not in known:
+                raise InvalidArgument(
+                    f"info.resources.{name}",
+                    f"unknown plugin {name!r}; accepted: {', '.join(sorted(known))}",
+                    accepted=sorted(known),
+                )
 
     async def remove_node(self, req: NodeRequest) -> Empty:
         await self.manager.remove_node(self.names, req.nodename)
@@ -239,7 +269,9 @@ class AllocationEndpoints:
         """Workloads as manager-level maps; None means "the node's ledger"."""
         if req.workloads_resource is None:
             return None
-        return [self._in(w, f"workloads_resource[{i}]") for i, w in enumerate(req.workloads_resource)]
+        return [
+            self._workloads_in(w, f"workloads_resource[{i}]") for i, w in enumerate(req.workloads_resource)
+        ]
 
     async def set_node_resource_info(self, req: SetNodeResourceInfo) -> Empty:
         await self.manager.set_info(

@@ -34,7 +34,7 @@ def insufficient(wanted: int, available: int) -> BerthError:
     return BerthError(
         f"cannot place {wanted} instances: the nodes have room for {available}",
         code="insufficient_capacity",
-        details={"wanted": wanted, "available": available},
+        details={"wanted": wanted, "available": available, "unit": "instances"},
     )
 
 
@@ -45,7 +45,7 @@ def each(room: dict[str, int], count: int) -> None:
             raise BerthError(
                 f"node {node} has room for {have} instances, {count} wanted",
                 code="insufficient_capacity",
-                details={"nodename": node, "wanted": count, "available": have},
+                details={"nodename": node, "wanted": count, "available": have, "unit": "instances"},
             )
 
 

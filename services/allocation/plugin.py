@@ -50,7 +50,10 @@ class ResourcePlugin(Protocol):
         """(capacity, usage) of a new node from its node request, else from engine info, else empty."""
 
     def validate_record(self, capacity: Raw, usage: Raw) -> None:
-        """Reject a record that must not be stored (set-node-resource-info, after every change)."""
+        """Reject a record a client gives to be stored (set-node-resource-info), unknown keys included."""
+
+    def check_workload_keys(self, workload: Raw | None, field: str) -> None:
+        """Refuse a key of a client's workload resource that the plugin does not read (DESIGN.md §8)."""
 
     def calculate_deploy(
         self, capacity: Raw, usage: Raw, deploy_count: int, request: Raw | None

@@ -225,14 +225,18 @@ def record_key(prefix: str, node: str) -> str:
 
 
 async def test_success_reply_is_the_response_map_and_unknown_keys_are_ignored(wire):
-    """§2: "Success: the reply is the response map." "Unknown keys are ignored"."""
+    """§2: "Success: the reply is the response map." "Unknown keys are ignored"; §8: "Unknown
+    top-level keys are still ignored" (but not inside a plugin's map: see TYPOS)."""
     held = await held_node(wire)
     plain = await wire.request("resource.calculate-deploy", deploy(held.node, BOUND_ONE))
     padded = await wire.request("resource.calculate-deploy", {
-        **deploy(held.node, {"cpumem": {**BOUND, "colour": "red"}}), "comment": [1, {"x": None}],
+        **deploy(held.node, BOUND_ONE), "comment": [1, {"x": None}],
     })
     assert plain.ok and ERROR_HEADER not in plain.headers and isinstance(plain.body, dict)
     assert padded.data == plain.data
+    typo = deploy(held.node, {"cpumem": {**BOUND, "colour": "red"}})
+    inside = await wire.request("resource.calculate-deploy", typo)
+    assert_error(inside, INVALID, f"{WRR}.cpumem.colour")
 
 
 async def test_payload_map_keys_must_be_strings(wire):
@@ -613,6 +617,81 @@ REFUSALS = [
 ]
 
 
+# §8 (pinned for the next work): "Unknown keys inside a plugin's maps (`workload_resource_request`,
+# `resource`, `capacity`, `usage`, node `info.resources`) are `invalid_argument` naming the key, with the
+# accepted keys in the message: a typo must never place an empty workload or register an empty node."
+CPUMEM_NODE = {"cpu": 2, "cpu_map": {"0": 100, "1": 100}, "memory": GiB}
+TYPOS = [
+    R("typo-cpumem-request-plugin", CPU + DEPLOY,
+      lambda h: deploy(h.node, {"cpu_request": 1}), INVALID, f"{WRR}.cpu_request"),
+    R("typo-cpumem-request-manager", M + DEPLOY,
+      lambda h: deploy(h.node, {"cpumem": {"cpu_request": 1}}), INVALID, f"{WRR}.cpumem.cpu_request"),
+    R("typo-cpumem-allocate", M + "allocate",
+      lambda h: deploy(h.node, {"cpumem": {"cpu-bind": True, "cpu_request": 1}}), INVALID,
+      f"{WRR}.cpumem.cpu_request"),
+    R("typo-cpumem-realloc", M + "realloc",
+      lambda h: h.realloc_all({"cpumem": {"memory_request": "1G"}}), INVALID, f"{WRR}.cpumem.memory_request"),
+    R("typo-storage-request-manager", M + "allocate",
+      lambda h: deploy(h.node, {"storage": {"volume_request": ["AUTO:/v:rw:1G"]}}), INVALID,
+      f"{WRR}.storage.volume_request"),
+    R("typo-storage-request-plugin", STO + DEPLOY,
+      lambda h: deploy(h.node, {"storage_request": "1G"}), INVALID, f"{WRR}.storage_request"),
+    R("typo-gpu-request-manager", M + "allocate",
+      lambda h: deploy(h.node, {"gpu": {"prod_count": {GPU: 1}}}), INVALID, f"{WRR}.gpu.prod_count"),
+    R("typo-gpu-request-plugin", GPU_ + DEPLOY,
+      lambda h: deploy(h.node, {"count": 1}), INVALID, f"{WRR}.count"),
+    R("typo-add-node-resource", M + "add-node",
+      _new({**full_resource(), "cpumem": {"cpu": 2, "memroy": "4G"}}), INVALID, "resource.cpumem.memroy"),
+    R("typo-add-node-resource-storage", M + "add-node",
+      _new({**full_resource(), "storage": {"volume": ["/data:100G"]}}), INVALID, "resource.storage.volume"),
+    R("typo-add-node-resource-plugin", GPU_ + "add-node",
+      _new({"prod_count_maps": {GPU: 2}}), INVALID, "resource.prod_count_maps"),
+    R("typo-add-node-info-resources", M + "add-node",
+      lambda h: {"nodename": unique("x"), "info": {"resources": {"cpumem": {**CPUMEM_NODE, "numa_mem": {}}}}},
+      INVALID, "info.resources.cpumem.numa_mem"),
+    R("typo-add-node-info-resources-storage", M + "add-node",
+      lambda h: {"nodename": unique("x"),
+                 "info": {"resources": {"storage": {"volumes": {"/d": GiB}, "storge": 1}}}},
+      INVALID, "info.resources.storage.storge"),
+    R("typo-add-node-info-plugin", M + "add-node",
+      lambda h: {"nodename": unique("x"), "info": {"ncpu": 2, "resources": {"cpu_mem": CPUMEM_NODE}}},
+      INVALID, "info.resources.cpu_mem"),
+    R("typo-set-capacity-request", M + "set-node-resource-capacity",
+      lambda h: {"nodename": h.node, "resource_request": {"cpumem": {"cpus": 4}}}, INVALID,
+      "resource_request.cpumem.cpus"),
+    R("typo-set-capacity-request-plugin", STO + "set-node-resource-capacity",
+      lambda h: {"nodename": h.node, "resource_request": {"volume": ["/more:1G"]}}, INVALID,
+      "resource_request.volume"),
+    R("typo-set-capacity-resource", M + "set-node-resource-capacity",
+      lambda h: {"nodename": h.node, "resource": {"cpumem": {**CPUMEM_NODE, "numa_memroy": {}}}}, INVALID,
+      "resource.cpumem.numa_memroy"),
+    R("typo-set-capacity-resource-nested", M + "set-node-resource-capacity",
+      lambda h: {"nodename": h.node,
+                 "resource": {"storage": {"disks": [{"device": "/dev/a", "read_iops": 1}]}}},
+      INVALID, "resource.storage.disks[0].read_iops"),
+    R("typo-set-usage-request", M + "set-node-resource-usage",
+      lambda h: {"nodename": h.node, "resource_request": {"gpu": {"prod_count_mapp": {GPU: 1}}}}, INVALID,
+      "resource_request.gpu.prod_count_mapp"),
+    R("typo-set-info-capacity", CPU + "set-node-resource-info",
+      lambda h: {"nodename": h.node, "capacity": {**CPUMEM_NODE, "mem": 1}, "usage": {}}, INVALID,
+      "capacity.mem"),
+    R("typo-set-info-usage", M + "set-node-resource-info",
+      lambda h: {"nodename": h.node, "capacity": {"gpu": {"prod_count_map": {GPU: 2}}},
+                 "usage": {"gpu": {"prod_count_map": {}, "x": 1}}}, INVALID, "usage.gpu.x"),
+    R("typo-workloads-resource", M + "fix-node-resource",
+      lambda h: {"nodename": h.node, "workloads_resource": [{"cpumem": {"cpu_requests": 1}}]}, INVALID,
+      "workloads_resource[0].cpumem.cpu_requests"),
+    R("typo-workload-resource-realloc", CPU + "calculate-realloc",
+      lambda h: {**h.realloc("cpumem", {}), "workload_resource": {"cpu_requets": 1}}, INVALID,
+      "workload_resource.cpu_requets"),
+    # A manager-level add-node without `resource` or `info` (`resources` is a typo) would register
+    # a node with no capacity at all.
+    R("add-node-without-resource-or-info", M + "add-node",
+      lambda h: {"nodename": unique("x"), "resources": full_resource()}, INVALID, "resource"),
+]
+REFUSALS += TYPOS
+
+
 @pytest.mark.parametrize("case", REFUSALS, ids=[r.id for r in REFUSALS])
 async def test_refusal_has_its_status_code_and_field_and_changes_nothing(wire, redis, namespace, case):
     """§2 error shape and codes; §8 statuses (400 `invalid_*`, 404 `*_not_found`, 409 conflicts);
@@ -626,6 +705,37 @@ async def test_refusal_has_its_status_code_and_field_and_changes_nothing(wire, r
         reply = await wire.request(case.subject, payload)
     assert_error(reply, case.code, case.field)
     assert not [stored for stored in await stored_replies(redis, namespace, request_id) if is_success(stored)]
+
+
+@pytest.mark.parametrize("case", TYPOS, ids=[r.id for r in TYPOS])
+async def test_a_typo_is_named_with_the_accepted_keys_and_creates_no_node(wire, case):
+    """§8: a typo is `invalid_argument` "naming the key, with the accepted keys in the message"; a
+    refused add-node registers no node (the table above checks that nothing else changed)."""
+    held = await held_node(wire)
+    payload = case.payload(held)
+    async with changes_nothing(wire, held.node):
+        reply = await wire.request(case.subject, payload)
+    assert_error(reply, case.code, case.field)
+    message = reply.error["message"]
+    if case.field == "resource":
+        assert "needs `resource`" in message and "or `info`" in message
+    else:
+        key = case.field.rsplit(".", 1)[-1]
+        what = "plugin" if case.id == "typo-add-node-info-plugin" else "key"
+        assert f"unknown {what} {key!r}; accepted: " in message
+        assert reply.details["accepted"] and ", ".join(reply.details["accepted"]) in message
+    if payload.get("nodename", held.node) != held.node:
+        gone = await wire.request("resource.get-node-resource-info", {"nodename": payload["nodename"]})
+        assert_error(gone, "node_not_found", "nodename")
+
+
+async def test_unknown_plugin_in_a_keyed_map_is_named_with_the_plugins(wire):
+    """§8 (`plugin_not_found`, kept): `{"cpu_mem": ...}` names the key and lists the plugins."""
+    held = await held_node(wire)
+    async with changes_nothing(wire, held.node):
+        reply = await wire.request("resource.allocate", deploy(held.node, {"cpu_mem": {"cpu-request": 1}}))
+    assert_error(reply, "plugin_not_found", f"{WRR}.cpu_mem")
+    assert "unknown plugin 'cpu_mem'; accepted: cpumem, storage, gpu" in reply.error["message"]
 
 
 async def test_node_not_found_when_one_plugin_lacks_the_node(wire):

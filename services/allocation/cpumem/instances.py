@@ -44,18 +44,36 @@ def check_unbound(capacity: NodeResource, usage: NodeResource, want: WorkloadReq
     """Unbound CPU is never capacity-checked, but one instance may not ask for more than the node's cores."""
     if want.cpu_request > len(capacity.cpu_map):
         raise insufficient(
-            "insufficient_capacity", "cpu", requested=want.cpu_request, available=len(capacity.cpu_map)
+            "insufficient_capacity", "cpu", requested=want.cpu_request, available=len(capacity.cpu_map),
+            unit="cores",
         )
     if want.memory_request > 0:
-        fits = max((capacity.memory - usage.memory) // want.memory_request, 0)
+        free = max(capacity.memory - usage.memory, 0)
+        fits = free // want.memory_request
         if fits < count:
-            raise insufficient("insufficient_capacity", "memory", requested=count, available=fits)
+            raise insufficient(
+                "insufficient_capacity", "memory", requested=count, available=fits,
+                note=f" ({want.memory_request} bytes each, {free} bytes free)",
+                memory_request=want.memory_request, memory_free=free,
+            )
 
 
-def insufficient(code: str, resource: str, **details: Any) -> BerthError:
+def insufficient(
+    code: str, resource: str, *, requested: float, available: float, unit: str = "instances", note: str = "",
+    **details: Any,
+) -> BerthError:
+    """eru's shortfall error. `requested` and `available` count `unit` (also in details): `instances`
+    (how many were asked, how many fit) or `cores` (one instance's request, the node's cores)."""
     reason = "not enough nodes capacity" if code == "insufficient_capacity" else "not enough resource"
+    if unit == "instances":
+        counts = f"{requested:g} instances wanted, room for {available:g}"
+    else:
+        counts = f"{requested:g} {unit} wanted by one instance, the node has {available:g}"
     return BerthError(
-        f"{resource}: cannot alloc a plan, {reason}",
+        f"{resource}: cannot alloc a plan, {reason}: {counts}{note}",
         code=code,
-        details={"plugin": "cpumem", "resource": resource, **details},
+        details={
+            "plugin": "cpumem", "resource": resource, "requested": requested, "available": available,
+            "unit": unit, **details,
+        },
     )

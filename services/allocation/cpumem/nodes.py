@@ -5,6 +5,7 @@ from __future__ import annotations
 from bus.codec import convert
 from bus.errors import BerthError, InvalidArgument
 from services.allocation.plugin import EngineInfo, Raw
+from services.allocation.plugin_kit import refuse_unknown_fields
 
 from .requests import MAX_CORES, parse_node_request
 from .resources import complete_usage, split_memory, validate_record
@@ -50,6 +51,7 @@ def _fill_from_engine(
     The engine's own cpumem resource, when present, overrides ncpu and memory_total. A requested
     topology (`numa-cpu`, `numa-memory`) wins over the engine's.
     """
+    refuse_unknown_fields(info.resources.get("cpumem"), NodeResource, "info.resources.cpumem")
     engine = decode_node_resource(info.resources.get("cpumem"), "info.resources.cpumem")
     ncpu = int(engine.cpu) if engine.cpu > 0 else info.ncpu
     memory_total = engine.memory if engine.memory > 0 else info.memory_total

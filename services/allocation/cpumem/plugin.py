@@ -18,6 +18,7 @@ from services.allocation.plugin_kit import (
     encode,
     metric,
     metric_description,
+    refuse_unknown_fields,
     safe_name,
 )
 from services.allocation.quantity import MAX_INT
@@ -76,7 +77,15 @@ class CpuMemPlugin(MatrixUpdates[NodeResource]):
         capacity, usage = new_node(resource, info, self.share_base)
         return encode(capacity), encode(usage)
 
+    def check_workload_keys(self, workload: Raw | None, field: str) -> None:
+        """Refuse a key a client's workload resource has that this plugin does not read (a ledger's
+        resources stay lenient: they are never checked here)."""
+        refuse_unknown_fields(workload, WorkloadResource, field)
+
     def validate_record(self, capacity: Raw, usage: Raw) -> None:
+        """A record a client gives to be stored as is: unknown keys are refused too."""
+        refuse_unknown_fields(capacity, NodeResource, "capacity")
+        refuse_unknown_fields(usage, NodeResource, "usage")
         validate_record(*self._record(capacity, usage))
 
     # -- calculations ------------------------------------------------------------------------
@@ -122,7 +131,10 @@ class CpuMemPlugin(MatrixUpdates[NodeResource]):
                 availability(node_capacity, node_usage), self._plan_request(want), origin, limit=1
             )
             if not plans:
-                raise insufficient("insufficient_resource", "cpu", requested=1, available=0)
+                raise insufficient(
+                    "insufficient_resource", "cpu", requested=1, available=0,
+                    note=" (no cores free for the new binding)",
+                )
             cpu_map, numa_node, numa_memory = placement(plans[0], want.memory_request)
         else:
             check_unbound(node_capacity, node_usage, want, 1)
@@ -296,6 +308,7 @@ class CpuMemPlugin(MatrixUpdates[NodeResource]):
         if request is not None:
             requested = parse_node_request(request, self.share_base, delta=delta).to_resource(origin)
         elif resource is not None:
+            refuse_unknown_fields(resource, NodeResource, "resource")
             given = decode_node_resource(resource, "resource")
         held = _workloads(workloads or []) if requested is None and given is None else []
         return chosen_source(requested, given, [workload.as_usage() for workload in held])

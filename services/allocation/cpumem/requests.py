@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 
 from bus.errors import InvalidArgument
+from services.allocation.plugin_kit import refuse_unknown_fields, refuse_unknown_keys
 from services.allocation.quantity import parse_cpu, parse_size
 
 from .types import NodeResource, WorkloadRequest, check_ids, decode_node_resource, sorted_by_id
@@ -20,6 +21,11 @@ from .types import NodeResource, WorkloadRequest, check_ids, decode_node_resourc
 MAX_CORES = 1 << 16
 MAX_PIECES = 2**31 - 1
 _PIECES = re.compile(r"-?[0-9]+")
+# The keys each map is read with (eru reference §2.3, §2.4); any other is a typo, refused.
+WORKLOAD_REQUEST_KEYS = frozenset({
+    "cpu-bind", "keep-cpu-bind", "cpu-request", "cpu-limit", "memory-request", "memory-limit",
+})
+NODE_REQUEST_KEYS = frozenset({"cpu", "share", "memory", "numa-cpu", "numa-memory"})
 
 
 def parse_workload_request(raw: Any, *, delta: bool = False, field: str = "workload_resource_request") -> WorkloadRequest:
@@ -30,6 +36,7 @@ def parse_workload_request(raw: Any, *, delta: bool = False, field: str = "workl
     invalid_cpu / invalid_memory codes.
     """
     raw = _as_map(raw, field)
+    refuse_unknown_keys(raw, WORKLOAD_REQUEST_KEYS, field)
     # Memory is read first: eru validates memory before cpu (step 2 before step 3).
     memory_request = _size(raw, field, "memory-request", allow_negative=delta)
     memory_limit = _size(raw, field, "memory-limit", allow_negative=delta)
@@ -104,8 +111,10 @@ def parse_node_request(raw: Any, share_base: int, *, delta: bool, field: str = "
     """
     raw = _as_map(raw, field)
     if "cpu_map" in raw:
+        refuse_unknown_fields(raw, NodeResource, field)
         snapshot = decode_node_resource(raw, field)
         return NodeRequest(snapshot.cpu_map, snapshot.memory, snapshot.numa, snapshot.numa_memory)
+    refuse_unknown_keys(raw, NODE_REQUEST_KEYS, field)
     return NodeRequest(
         cpu_map=_cpu_map(raw, share_base, delta, field) if "cpu" in raw else None,
         memory=_size(raw, field, "memory", allow_negative=delta) if "memory" in raw else None,
@@ -129,7 +138,7 @@ def _cpu_list(text: str, delta: bool, field: str) -> dict[str, int]:
     for entry in filter(None, (part.strip() for part in text.split(","))):
         core, sep, pieces = (part.strip() for part in entry.partition(":"))
         if not sep:
-            raise InvalidArgument(field, f"{entry!r} is not 'id:pieces'")
+            raise InvalidArgument(field, f"{entry!r} should be '<cpu id>:<pieces>', such as '3:100'")
         check_ids([core], field, "invalid_argument")
         if core in cpu_map:
             raise InvalidArgument(field, f"core {core} is listed twice")
@@ -196,5 +205,7 @@ def _whole_number(value: Any, field: str, maximum: int) -> int:
 
 def _string_list(value: Any, field: str) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
-        raise InvalidArgument(field, "must be a list of strings")
+        raise InvalidArgument(
+            field, "must be a list of strings, one per NUMA node listing its cores, such as ['0,1', '2,3']"
+        )
     return value

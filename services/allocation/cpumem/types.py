@@ -100,7 +100,10 @@ def check_ids(ids: Collection[str], field: str, code: str) -> None:
     if not ids or (_CANONICAL_IDS.fullmatch(joined) and joined.count("\x00") == len(ids) - 1):
         return
     bad = next(i for i in ids if not _CANONICAL_ID.fullmatch(i))
-    raise InvalidArgument(field, f"{bad!r} is not a canonical non-negative integer id", code=code)
+    raise InvalidArgument(
+        field, f"{bad!r} should be a whole number such as '0' or '17' (digits only, no leading zeros)",
+        code=code,
+    )
 
 
 def decode_node_resource(raw: Any, field: str) -> NodeResource:

@@ -25,6 +25,7 @@ from services.allocation.plugin_kit import (
     metric,
     metric_description,
     ratio,
+    refuse_unknown_fields,
     safe_name,
 )
 from services.allocation.quantity import MAX_INT
@@ -51,27 +52,36 @@ class GpuPlugin(MatrixUpdates[Counts]):
         _check_record(capacity, {})
         return _wire(capacity), _wire({})
 
+    def check_workload_keys(self, workload: Raw | None, field: str) -> None:
+        """Refuse a key a client's workload resource has that this plugin does not read (a ledger's
+        resources stay lenient: they are never checked here)."""
+        refuse_unknown_fields(workload, GpuResource, field)
+
     def validate_record(self, capacity: Raw, usage: Raw) -> None:
+        """A record a client gives to be stored as is: unknown keys are refused too."""
+        refuse_unknown_fields(capacity, GpuResource, "capacity")
+        refuse_unknown_fields(usage, GpuResource, "usage")
         _record(capacity, usage)
 
     def calculate_deploy(
         self, capacity: Raw, usage: Raw, deploy_count: int, request: Raw | None
     ) -> tuple[list[Raw], list[Raw]]:
         count = check_count(deploy_count, "deploy_count")
-        wanted = _counts(request, "workload_resource_request", minimum=1)
+        wanted = _request(request, "workload_resource_request", minimum=1)
         free = _free(*_record(capacity, usage))
         for product, cards in wanted.items():
             if cards * count > free.get(product, 0):
                 raise insufficient_resource(
-                    f"not enough {product}",
+                    f"not enough {product}: {cards * count} cards wanted, {free.get(product, 0)} free",
                     product=product,
                     requested=cards * count,
                     available=free.get(product, 0),
+                    unit="cards",
                 )
         return [_wire(wanted) for _ in range(count)], [_wire(wanted) for _ in range(count)]
 
     def deploy_capacity(self, capacity: Raw, usage: Raw, request: Raw | None) -> DeployCapacity:
-        wanted = _counts(request, "workload_resource_request", minimum=1)
+        wanted = _request(request, "workload_resource_request", minimum=1)
         cap, used = _record(capacity, usage)
         free = _free(cap, used)
         fits = min((free.get(p, 0) // cards for p, cards in wanted.items()), default=EMPTY_REQUEST_CAPACITY)
@@ -89,7 +99,7 @@ class GpuPlugin(MatrixUpdates[Counts]):
         """eru's delta realloc: counts add to the current ones; one ending at 0 or below is dropped."""
         cap, used = _record(capacity, usage)
         current = _counts(workload_resource, "workload_resource", minimum=1)
-        delta = _counts(request, "workload_resource_request", minimum=None)
+        delta = _request(request, "workload_resource_request", minimum=None)
         wanted = {product: cards for product, cards in _sum(current, delta, 1).items() if cards > 0}
         returned = _sum(used, current, -1)
         if any(cards < 0 for cards in returned.values()):
@@ -99,7 +109,10 @@ class GpuPlugin(MatrixUpdates[Counts]):
         free = _free(cap, returned)
         short = [product for product, cards in wanted.items() if cards > free.get(product, 0)]
         if short:
-            raise insufficient_resource(f"not enough {', '.join(short)}", products=short)
+            wants = ", ".join(f"{wanted[p]} {p} cards wanted, {max(free.get(p, 0), 0)} free" for p in short)
+            raise insufficient_resource(
+                f"not enough {', '.join(short)}: {wants}", products=short, unit="cards"
+            )
         return _wire(wanted), _wire(_sum(wanted, current, -1)), _wire(wanted)
 
     def calculate_remap(self, capacity: Raw, usage: Raw, workloads: dict[str, Raw]) -> dict[str, Raw]:
@@ -202,11 +215,18 @@ def _counts(raw: object, field: str, *, minimum: int | None) -> Counts:
     return dict(sorted(counts.items()))
 
 
+def _request(raw: object, field: str, *, minimum: int | None) -> Counts:
+    """A prod_count_map a client sends: `_counts`, and a key other than `prod_count_map` is refused
+    (stored records decode leniently)."""
+    refuse_unknown_fields(raw, GpuResource, field)
+    return _counts(raw, field, minimum=minimum)
+
+
 def _node_counts(raw: object, field: str, delta: bool) -> Counts | None:
     """A node request or resource: None when absent; counts may be negative only in a delta."""
     if raw is None:
         return None
-    return {p: cards for p, cards in _counts(raw, field, minimum=None if delta else 0).items() if cards}
+    return {p: cards for p, cards in _request(raw, field, minimum=None if delta else 0).items() if cards}
 
 
 def _check_count_types(raw: object, field: str) -> None:

@@ -22,6 +22,7 @@ from services.allocation.plugin_kit import (
     metric,
     metric_description,
     ratio,
+    refuse_unknown_fields,
     safe_name,
 )
 from services.allocation.storage.instances import applied, instance, plan_from_wire, volumes_changed
@@ -78,7 +79,15 @@ class StoragePlugin(MatrixUpdates[StorageNode]):
         check_record(capacity, usage)
         return encode(capacity), encode(usage)
 
+    def check_workload_keys(self, workload: Raw | None, field: str) -> None:
+        """Refuse a key a client's workload resource has that this plugin does not read (a ledger's
+        resources stay lenient: they are never checked here)."""
+        refuse_unknown_fields(workload, StorageWorkload, field)
+
     def validate_record(self, capacity: Raw, usage: Raw) -> None:
+        """A record a client gives to be stored as is: unknown keys are refused too."""
+        refuse_unknown_fields(capacity, StorageNode, "capacity")
+        refuse_unknown_fields(usage, StorageNode, "usage")
         _record(capacity, usage)
 
     # --- calculations --------------------------------------------------------------------------------
@@ -91,12 +100,19 @@ class StoragePlugin(MatrixUpdates[StorageNode]):
         cap, used = _record(capacity, usage)
         fits = _storage_fits(cap, used, wanted)
         if fits is not None and fits < count:
-            raise insufficient_resource("not enough storage", requested=count, available=fits)
+            raise insufficient_resource(
+                f"not enough storage: {count} instances wanted, room for {fits} "
+                f"({wanted.storage_request} bytes each, {cap.storage - used.storage} bytes free)",
+                requested=count, available=fits, unit="instances",
+            )
         plans = [Plan()] * count
         if wanted.needs_planning():
             plans = volume_plans(Host.of(cap, used), wanted.volumes_request, self.max_deploy_count)
             if len(plans) < count:
-                raise insufficient_resource("not enough volume plans", requested=count, available=len(plans))
+                raise insufficient_resource(
+                    f"not enough volume plans: {count} instances wanted, room for {len(plans)}",
+                    requested=count, available=len(plans), unit="instances",
+                )
         instances = [instance(wanted, plan, cap) for plan in plans[:count]]
         return [encode(engine) for engine, _ in instances], [encode(workload) for _, workload in instances]
 
@@ -120,8 +136,14 @@ class StoragePlugin(MatrixUpdates[StorageNode]):
         current = decode(workload_resource, StorageWorkload, "workload_resource")
         delta = parse_workload_request(request, "workload_resource_request", delta=True)
         wanted = _merged_request(current, delta)
-        if wanted.storage_request - current.storage_request > cap.storage - used.storage:
-            raise insufficient_resource("not enough storage", requested=wanted.storage_request)
+        free = cap.storage - used.storage
+        if wanted.storage_request - current.storage_request > free:
+            room = current.storage_request + free  # what the workload may hold in all
+            raise insufficient_resource(
+                f"not enough storage: {wanted.storage_request} bytes wanted in all, {room} bytes available "
+                f"({current.storage_request} held, {free} free)",
+                requested=wanted.storage_request, available=room, unit="bytes",
+            )
         current_plan = plan_from_wire(current.volume_plan_request, "workload_resource.volume_plan_request")
         if any(binding.needs_planning for binding in delta.volumes_request or delta.volumes_limit):
             returned = returned_usage(cap, used, current.usage(), "workload_resource")
@@ -166,7 +188,7 @@ class StoragePlugin(MatrixUpdates[StorageNode]):
         self, capacity: StorageNode, resource: Raw | None, request: Raw | None, delta: bool
     ) -> tuple[StorageNode, list[StorageNode]]:
         node_request = parse_node_request(request, "resource_request", delta=delta)
-        node_resource = decode(resource, StorageNode, "resource") if resource is not None else None
+        node_resource = _node_resource(resource)
         if node_request is not None and node_request.rm_disks:
             if delta:
                 raise InvalidArgument(
@@ -188,7 +210,7 @@ class StoragePlugin(MatrixUpdates[StorageNode]):
         self, resource: Raw | None, request: Raw | None, workloads: list[Raw], delta: bool
     ) -> list[StorageNode]:
         node_request = parse_node_request(request, "resource_request", delta=delta)
-        node_resource = decode(resource, StorageNode, "resource") if resource is not None else None
+        node_resource = _node_resource(resource)
         requested = node_request.resolve() if node_request is not None else None
         return chosen_source(requested, node_resource, _holdings(workloads))
 
@@ -253,6 +275,14 @@ def _usage(usage: Raw) -> StorageNode:
     return decode(usage, StorageNode, "usage")
 
 
+def _node_resource(resource: Raw | None) -> StorageNode | None:
+    """A set-* `resource` a client sends, in the stored shape; None when absent."""
+    if resource is None:
+        return None
+    refuse_unknown_fields(resource, StorageNode, "resource")
+    return decode(resource, StorageNode, "resource")
+
+
 def _holdings(workloads: list[Raw]) -> list[StorageNode]:
     """What each workload holds of the node (its request side)."""
     held = decode_each(workloads, lambda raw, field: decode(raw, StorageWorkload, field))
@@ -291,6 +321,7 @@ def _with_engine_defaults(capacity: StorageNode, info: EngineInfo) -> StorageNod
     `info.storage_total` (eru would read 0 there). 80% of that total becomes the budget if none was given.
     """
     if "storage" in info.resources:
+        refuse_unknown_fields(info.resources["storage"], StorageNode, "info.resources.storage")
         engine = decode(info.resources["storage"], StorageNode, "info.resources.storage")
     else:
         engine = StorageNode(storage=check_count(info.storage_total, "info.storage_total"))

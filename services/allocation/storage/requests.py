@@ -12,7 +12,13 @@ from functools import reduce
 import msgspec
 
 from services.allocation.plugin import Raw
-from services.allocation.plugin_kit import decode, field_error, recoded
+from services.allocation.plugin_kit import (
+    decode,
+    field_error,
+    recoded,
+    refuse_unknown_fields,
+    refuse_unknown_keys,
+)
 from services.allocation.quantity import MAX_INT, parse_size, saturating_add
 from services.allocation.storage.types import IO, Disk, StorageNode, sorted_disks
 from services.allocation.storage.volumes import VolumeBinding, parse_bindings
@@ -20,7 +26,16 @@ from services.allocation.storage.volumes import VolumeBinding, parse_bindings
 # eru reads the first of these keys that holds a non-empty list.
 REQUEST_VOLUME_KEYS = ("volumes-request", "volume-request")
 LIMIT_VOLUME_KEYS = ("volumes", "volume", "volume-limit", "volumes-limit")
+# Every key each map is read with (eru reference §3.3); any other is a typo, refused.
+WORKLOAD_REQUEST_KEYS = frozenset({
+    *REQUEST_VOLUME_KEYS, *LIMIT_VOLUME_KEYS, "storage-request", "storage-limit", "storage",
+})
+NODE_REQUEST_KEYS = frozenset({"volumes", "storage", "disks", "rm-disks"})
 _PLAIN_INT = re.compile(r"-?\d+")
+DISK_FORM = (
+    "'<device>:<mount points, comma-separated>:<read IOPS>:<write IOPS>:<read bytes/s>:<write bytes/s>', "
+    "such as '/dev/sda:/,/data:1000:1000:100M:100M'"
+)
 
 
 def total(values: list[int]) -> int:
@@ -49,6 +64,7 @@ def parse_workload_request(raw: object, field: str, *, delta: bool = False) -> S
         return StorageRequest()
     if not isinstance(raw, dict):
         raise field_error("invalid_argument", field, f"must be a map, got {type(raw).__name__}")
+    refuse_unknown_keys(raw, WORKLOAD_REQUEST_KEYS, field)
     request = StorageRequest(
         _first_bindings(raw, field, REQUEST_VOLUME_KEYS, delta),
         _first_bindings(raw, field, LIMIT_VOLUME_KEYS, delta),
@@ -169,9 +185,11 @@ def parse_node_request(raw: object, field: str, *, delta: bool) -> NodeRequest |
     if not isinstance(raw, dict):
         raise field_error("invalid_argument", field, f"must be a map, got {type(raw).__name__}")
     if _is_snapshot(raw):
+        refuse_unknown_fields(raw, StorageNode, field)
         node = decode(raw, StorageNode, field)
         given = {key: getattr(node, key) for key in ("volumes", "storage", "disks") if key in raw}
         return NodeRequest(**given, snapshot=True)
+    refuse_unknown_keys(raw, NODE_REQUEST_KEYS, field)
     request = NodeRequest(rm_disks=_rm_disks(raw, field))
     if "volumes" in raw:
         request.volumes = _node_volumes(raw["volumes"], f"{field}.volumes", delta)
@@ -200,7 +218,9 @@ def _node_volumes(values: object, field: str, delta: bool) -> dict[str, int]:
         where = f"{field}[{index}]"
         parts = text.split(":") if isinstance(text, str) else []
         if len(parts) != 2 or not parts[0]:
-            raise field_error("invalid_volume", where, f"{text!r} is not a 'device:size' string")
+            raise field_error(
+                "invalid_volume", where, f"{text!r} should be '<device>:<size>', such as '/data:100G'"
+            )
         if parts[0] in volumes:
             raise field_error("invalid_volume", where, f"volume {parts[0]!r} is listed twice")
         volumes[parts[0]] = recoded("invalid_volume", parse_size, parts[1], where, allow_negative=delta)
@@ -225,7 +245,7 @@ def parse_disk(text: object, field: str, *, delta: bool = False) -> Disk:
     """
     parts = text.split(":") if isinstance(text, str) else []
     if len(parts) != 6 or not parts[0]:
-        raise field_error("invalid_argument", field, f"{text!r} is not 'device:mounts:rIOPS:wIOPS:rBPS:wBPS'")
+        raise field_error("invalid_argument", field, f"{text!r} should be {DISK_FORM}")
     device, mounts, read_iops, write_iops, read_bps, write_bps = parts
     mount_list = mounts.split(",") if mounts else []
     if "" in mount_list:

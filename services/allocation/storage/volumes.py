@@ -84,7 +84,11 @@ def parse_binding(text: object, field: str, *, delta: bool = False) -> VolumeBin
         raise field_error("invalid_volume", field, f"a volume must be a string, got {type(text).__name__}")
     parts = text.split(":")
     if not 2 <= len(parts) <= 8:
-        raise field_error("invalid_volume", field, f"{text!r} must have 2 to 8 ':'-separated parts")
+        raise field_error(
+            "invalid_volume", field,
+            f"{text!r} should be '<source>:<destination>' with optionally ':<flags>:<size>' and four IO "
+            "limits after it (2 to 8 ':'-separated parts), such as 'AUTO:/data:rw:10G'",
+        )
     source, destination, *rest = parts
     if not destination:
         raise field_error("invalid_volume", field, f"{text!r} has no destination")
