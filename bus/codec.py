@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from bus.errors import InvalidArgument
+from schemas.patterns import in_words
 
 T = TypeVar("T")
 
@@ -200,7 +201,7 @@ def error_field(message: str, prefix: str = "", *, value: Any = _UNKNOWN, type_:
         missing = reason.split("`")[1]
         field = f"{field}.{missing}" if field != "$" else missing
         reason = "required field is missing"
-    return field, reason
+    return field, in_words(reason)
 
 
 def split_field(field: str) -> tuple[str, list[str]]:

@@ -11,24 +11,24 @@ no wildcard, no whitespace.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any
+from typing import Any
 
-from msgspec import Meta
+from schemas.patterns import END, matching
 
 NAME_CHARS = "A-Za-z0-9_-"  # a regex character class's inside: `[^{NAME_CHARS}]` is any other character
 NAME_RULE = f"[{NAME_CHARS}]+"  # as DESIGN.md §8 writes it (and error messages quote it)
-# `$(?!\n)`: Python's `$` also matches before a final newline, so `"n1\n"` would pass `^...$`; the
-# look-ahead refuses it, and reads the same in JSON Schema (ECMA regexes), where `\Z` does not exist.
-END = r"$(?!\n)"
 NAME_REGEX = f"^{NAME_RULE}{END}"
 NAME_PATTERN = re.compile(NAME_REGEX)
 # Names joined by `.`, each part one subject token (metric names: `cpu.usage.ratio.cpu`).
 DOTTED_NAME_REGEX = rf"^{NAME_RULE}(\.{NAME_RULE})*{END}"
 
 
+NAME_WORDS = "letters, digits, '_' and '-' only"
+
+
 def _name(max_length: int) -> Any:
     """A msgspec string type: a subject-token name of 1 to `max_length` characters."""
-    return Annotated[str, Meta(pattern=NAME_REGEX, min_length=1, max_length=max_length)]
+    return matching(NAME_REGEX, NAME_WORDS, min_length=1, max_length=max_length)
 
 
 NodeName = _name(253)  # a node's name: at most a DNS host name's length

@@ -147,3 +147,21 @@ def test_split_field_reads_the_paths_error_field_writes(field, head, steps):
 )
 def test_keyed_field_puts_the_plugin_after_the_keyed_key(field, keyed):
     assert keyed_field(field, "cpumem") == keyed
+
+
+@pytest.mark.parametrize(
+    "payload,field,reason",
+    [
+        ({"nodename": "n 1", "deploy_count": 1}, "nodename", "must be letters, digits, '_' and '-' only"),
+        ({"nodename": "n1\n", "deploy_count": 1}, "nodename", "must be letters, digits, '_' and '-' only"),
+        ({"nodenames": ["a", "b"], "strategy": "fill", "deploy_count": 1}, "strategy",
+         "must be spread, pack or each"),
+    ],
+)
+def test_a_pattern_is_said_in_words_not_as_its_regex(payload, field, reason):
+    from services.allocation.messages import Allocate
+
+    with pytest.raises(InvalidArgument) as caught:
+        decode(msgpack.packb(payload), Allocate)
+    assert caught.value.field == field
+    assert caught.value.message == f"{field}: {reason}"

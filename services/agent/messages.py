@@ -13,16 +13,18 @@ from typing import Annotated, Literal
 from msgspec import Meta, Struct
 
 from schemas.common import Event
-from schemas.subjects import END, ShortName
+from schemas.patterns import END, matching, printable
+from schemas.subjects import ShortName
 
 # Printable text of at most 256 characters: the broker's workload ids ("broker/<user>/<id>/<n>").
-InstanceId = Annotated[str, Meta(pattern=rf"^[^\x00-\x1f\x7f]+{END}", min_length=1, max_length=256)]
+InstanceId = printable(min_length=1, max_length=256)
 Protocol = Literal["tcp", "http"]
 Cpu = Annotated[int, Meta(ge=0, le=65535)]
 # A status reply of this many instances stays well under NATS's 1 MiB max payload (about 300 bytes each).
 MAX_INSTANCES_PER_REQUEST = 1000
 MAX_ENTRIES = 64  # env variables, ports, volumes of one instance
-EnvName = Annotated[str, Meta(pattern=rf"^[A-Za-z_][A-Za-z0-9_]*{END}", max_length=128)]
+EnvName = matching(rf"^[A-Za-z_][A-Za-z0-9_]*{END}", "a letter or '_', then letters, digits or '_'",
+                   max_length=128)
 # starting: the process runs, a port does not answer yet; ready: every port answers (or it has none);
 # unready: it was ready and a port stopped answering; exited: the process is gone.
 InstanceStateName = Literal["starting", "ready", "unready", "exited"]

@@ -13,11 +13,12 @@ import msgspec
 from msgspec import Meta, Struct
 
 from schemas.common import Event
-from schemas.subjects import END, NodeName
+from schemas.patterns import END, matching
+from schemas.subjects import NodeName
 
 Raw = dict[str, Any]
 # The server decodes a long candidate list as its MessagePack bytes and decodes the names once
-# per distinct list (see services/allocation/view.py NodeSet): the *Wire subclasses below.
+# per distinct list (see services/allocation/selection.py NodeSet): the *Wire subclasses below.
 NULL = msgspec.Raw(b"\xc0")
 WorkloadId = Annotated[str, Meta(min_length=1, max_length=256)]
 RequestId = Annotated[str, Meta(max_length=200)]
@@ -27,7 +28,7 @@ Labels = Annotated[
     dict[Annotated[str, Meta(min_length=1, max_length=256)], Annotated[str, Meta(max_length=1024)]],
     Meta(max_length=MAX_LABELS),
 ]
-
+Strategy = matching(f"^(spread|pack|each){END}", "spread, pack or each")
 
 # -- the eru plugin commands (both levels) --------------------------------------------------
 
@@ -206,7 +207,7 @@ class Allocate(Struct, omit_defaults=True):
     nodename: NodeName | None = None
     nodenames: list[NodeName] | None = None
     labels: Labels | None = None
-    strategy: Annotated[str, Meta(pattern=f"^(spread|pack|each){END}")] = "spread"
+    strategy: Strategy = "spread"
     workload_resource_request: Raw | None = None
     workload_ids: list[WorkloadId] | None = None
     request_id: RequestId = ""

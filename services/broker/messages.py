@@ -13,11 +13,11 @@ from typing import Annotated, Literal
 from msgspec import UNSET, Meta, Struct, UnsetType, field
 
 from schemas.common import Event
-from schemas.subjects import END
+from schemas.patterns import printable
 from schemas.subjects import ShortName as Token
 
 # Any printable text: ids go into subjects escaped, and into launched processes' environment.
-ResourceId = Annotated[str, Meta(pattern=rf"^[^\x00-\x1f\x7f]+{END}", min_length=1, max_length=256)]
+ResourceId = printable(min_length=1, max_length=256)
 RequestId = Annotated[str, Meta(max_length=200)]
 Instances = Annotated[int, Meta(ge=1, le=10_000)]
 Seconds = Annotated[float, Meta(ge=0, le=30 * 24 * 3600)]

@@ -17,7 +17,8 @@ from typing import Annotated, Any, Literal
 from msgspec import UNSET, Meta, Struct, UnsetType, field
 
 from bus.errors import InvalidArgument
-from schemas.subjects import DOTTED_NAME_REGEX, END, MAX_SUBJECT_BYTES, escape_token
+from schemas.patterns import END, matching
+from schemas.subjects import DOTTED_NAME_REGEX, MAX_SUBJECT_BYTES, escape_token
 from services.metrics.entities import AGGREGATORS, KINDS, MAX_CPU_ID, SCOPES, Ids, PodRef, entity_key
 
 Scope = Literal[
@@ -30,11 +31,11 @@ assert set(Scope.__args__) == set(SCOPES) and set(Kind.__args__) == set(KINDS)
 assert set(Aggregator.__args__) == set(AGGREGATORS)
 
 # Metric names become subject tokens (one per dot-separated part), so each part is a plain name.
-Metric = Annotated[str, Meta(pattern=DOTTED_NAME_REGEX, max_length=255)]
+Metric = matching(DOTTED_NAME_REGEX, "names of letters, digits, '_' and '-', joined by '.'", max_length=255)
 Index = Annotated[int, Meta(ge=0, le=MAX_CPU_ID)]
 MAX_ID_LENGTH = 1024  # characters of a string id (device, nic, pod_uid, container, volume, cgroup_path)
 Id = Annotated[str, Meta(min_length=1, max_length=MAX_ID_LENGTH)]
-NotifierKey = Annotated[str, Meta(pattern=rf"^[0-9a-f]{{32}}{END}")]
+NotifierKey = matching(rf"^[0-9a-f]{{32}}{END}", "32 lower-case hexadecimal digits")
 LeaseSeconds = Annotated[float, Meta(ge=1, le=3600)]
 RequestId = Annotated[str, Meta(min_length=1, max_length=200)]
 
