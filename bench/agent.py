@@ -36,8 +36,8 @@ from bench.allocation import EchoResponders, cpu_seconds  # noqa: E402
 from bench.stats import percentile  # noqa: E402
 from bus.client import BusClient  # noqa: E402
 from bus.connection import connect  # noqa: E402
-from bus.errors import BusError  # noqa: E402
 from bus.redis import connect_redis  # noqa: E402
+from schemas.errors import BusError  # noqa: E402
 from services.agent.host import node_resource, read_host  # noqa: E402
 from services.allocation.store import NodeStore  # noqa: E402
 from services.processes import procfs  # noqa: E402

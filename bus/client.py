@@ -18,8 +18,8 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.micro.request import ERROR_CODE_HEADER, ERROR_HEADER
 
 from bus.codec import decode_stored, encode
-from bus.errors import BusError, NoResponders, RequestTimeout
 from schemas.common import ErrorBody
+from schemas.errors import BusError, NoResponders, RequestTimeout
 
 T = TypeVar("T")
 

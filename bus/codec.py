@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from bus.errors import InvalidArgument
+from schemas.errors import InvalidArgument
 from schemas.patterns import in_words
 
 T = TypeVar("T")

@@ -36,9 +36,9 @@ from redis.asyncio import Redis
 
 from bus import scripts
 from bus.codec import decode_stored, encode
-from bus.errors import BerthError, InvalidArgument
 from bus.redis import Pipelined
 from bus.replicas import ReplicaWait, landed
+from schemas.errors import BerthError, InvalidArgument
 
 log = logging.getLogger("berth.idempotency")
 

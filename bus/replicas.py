@@ -31,8 +31,8 @@ from redis.asyncio.cluster import PipelineCommand
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 from redis.exceptions import RedisError
 
-from bus.errors import Unavailable
 from bus.redis import is_cluster
+from schemas.errors import Unavailable
 
 FENCE_TTL_MS = 60_000  # a fence only has to outlive its WAIT; it then expires on its own
 

@@ -47,13 +47,13 @@ from redis import exceptions as redis_errors
 from bus.callers import Caller, Role, caller_of, current_caller
 from bus.codec import decode, encode
 from bus.connection import subscriptions_in_place
-from bus.errors import BerthError, InvalidArgument, PermissionDenied, Unavailable
 from bus.idempotency import IdempotencyStore, Reply
 from bus.micro import MicroService
 from bus.replicas import ReplicaWait, collecting
 from bus.tasks import cancel_and_wait
 from bus.telemetry import EndpointMeter, error_code
 from schemas.common import ErrorBody, ErrorInfo
+from schemas.errors import BerthError, InvalidArgument, PermissionDenied, Unavailable
 
 log = logging.getLogger("berth.service")
 

@@ -25,7 +25,7 @@ from nats.aio.client import Client
 from bus.callers import Role
 from bus.client import BusClient
 from bus.connection import connect
-from bus.errors import BusError
+from schemas.errors import BusError
 from services import redis_functions
 from services.credentials import Credentials, prepare
 from services.servers import reload_nats, start_nats, start_redis

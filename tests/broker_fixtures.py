@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from bus.errors import BusError
+from schemas.errors import BusError
 from services.broker.config import BrokerServiceConfig, Timing
 from services.broker.worker import STREAM, make_broker
 from tests.broker_helpers import CATALOG, FAST, eventually, kill_marked

@@ -17,10 +17,10 @@ from typing import Annotated
 
 import msgspec
 
-from bus.errors import BerthError
 from bus.events import StreamSpec
 from bus.idempotency import IdempotencyStore
 from bus.service import Command, Service
+from schemas.errors import BerthError
 
 NAME = "echo"
 CONFIG = None  # no options of its own

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from bus.errors import BusError
+from schemas.errors import BusError
 from tests.agent_helpers import TTL, ready, start_request
 from tests.agent_hosts import set_online
 from tests.broker_helpers import eventually

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from bus.errors import BusError
+from schemas.errors import BusError
 from services.agent.cgroups import CgroupRoot
 from services.processes import procfs
 from tests.agent_helpers import TTL, remove_parent_cgroup

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from bus.errors import BerthError, InvalidArgument
+from schemas.errors import BerthError, InvalidArgument
 from services.agent.cgroups import CgroupRoot
 from services.agent.instances import Instances, StateLocked
 from services.agent.messages import InstanceInfo, InstanceParam, Owner, StartInstance

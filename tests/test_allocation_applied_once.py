@@ -15,7 +15,7 @@ import pytest
 from nats.micro.request import ERROR_CODE_HEADER
 
 from bus.codec import encode
-from bus.errors import BusError
+from schemas.errors import BusError
 from tests.bus_helpers import EventLog, stopped, until
 
 GiB = 1 << 30

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from bus.errors import BerthError, BusError
+from schemas.errors import BerthError, BusError
 
 GiB = 1 << 30
 ONE_CORE = {"cpumem": {"cpu-bind": True, "cpu-request": 1, "memory-request": GiB}}

@@ -7,7 +7,7 @@ import asyncio
 import msgpack
 import pytest
 
-from bus.errors import BusError, NoResponders
+from schemas.errors import BusError, NoResponders
 from tests.bus_helpers import EventLog, idempotency_keys
 
 GiB = 1 << 30

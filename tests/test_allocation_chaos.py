@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from bus.errors import BusError
+from schemas.errors import BusError
 from tests.test_allocation_concurrency import check_invariants
 
 GiB = 1 << 30

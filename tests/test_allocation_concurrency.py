@@ -11,7 +11,7 @@ import signal
 
 import pytest
 
-from bus.errors import BusError
+from schemas.errors import BusError
 
 GiB = 1 << 30
 NODES = [f"c{i}" for i in range(4)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bus.errors import BusError
+from schemas.errors import BusError
 from tests.bus_helpers import EventLog, idempotency_keys
 
 GiB = 1 << 30

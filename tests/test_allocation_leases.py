@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from bus.errors import BusError
+from schemas.errors import BusError
 from tests.broker_helpers import eventually
 
 GiB = 1 << 30

@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from bus.errors import BusError
+from schemas.errors import BusError
 from tests.bus_helpers import stream_events, until
 
 NODE = {"nodename": "o1", "resource": {"cpumem": {"cpu": 4, "memory": "8G"}}}

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from bus.callers import INTERNAL, Caller, Role, current_caller
-from bus.errors import BerthError
+from schemas.errors import BerthError
 from services.allocation.manager import refuse_unowned, visible
 from services.allocation.records import Change, Ledger, LedgerConflict
 

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from bus.errors import BusError
+from schemas.errors import BusError
 
 GiB = 1 << 30
 ONE_CORE = {"cpumem": {"cpu-bind": True, "cpu-request": 1, "memory-request": GiB}}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from bus.errors import BerthError
+from schemas.errors import BerthError
 from services.allocation.cpumem import CpuMemPlugin
 from services.allocation.gpu import GpuPlugin
 from services.allocation.plugin import EngineInfo

@@ -16,7 +16,7 @@ import pytest
 from nats.micro.request import ERROR_CODE_HEADER
 
 from bus.codec import encode
-from bus.errors import BusError
+from schemas.errors import BusError
 from tests.broker_helpers import FAST_ARGS, all_tracked_once, const_broker, eventually, marked_pids, param
 from tests.bus_helpers import stopped, stream_events
 

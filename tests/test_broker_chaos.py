@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from bus.errors import BusError
+from schemas.errors import BusError
 from tests.broker_helpers import (
     FAST_ARGS,
     all_tracked_once,

@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from bus.errors import BusError
+from schemas.errors import BusError
 from tests.broker_helpers import FAST, FAST_ARGS, SERVER, const_broker, eventually, marked, param, server
 from tests.bus_helpers import EventLog
 

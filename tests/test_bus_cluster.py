@@ -11,9 +11,9 @@ import pytest
 from nats.micro.service import ServiceStats
 
 from bus import discovery
-from bus.errors import BusError
 from bus.events import StreamSpec
 from schemas.common import Event
+from schemas.errors import BusError
 from tests import echo_service
 from tests.bus_helpers import until
 from tests.echo_service import Served

@@ -1,10 +1,10 @@
-"""`bus.errors`: every code's HTTP-like status (DESIGN.md §2 and §8), wherever the code is defined."""
+"""`schemas.errors`: every code's HTTP-like status (DESIGN.md §2 and §8), wherever the code is defined."""
 
 from __future__ import annotations
 
 import pytest
 
-from bus.errors import (
+from schemas.errors import (
     BerthError,
     BusError,
     InvalidArgument,

@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from bus.codec import decode, encode
-from bus.errors import BusError, InvalidArgument, NoResponders, RequestTimeout
+from schemas.errors import BusError, InvalidArgument, NoResponders, RequestTimeout
 from tests import echo_service
 from tests.bus_helpers import until
 from tests.echo_service import Counted, Served, Typed

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from bus.client import BusClient
-from bus.errors import BusError
 from bus.redis import connect_redis
+from schemas.errors import BusError
 from tests.conftest import new_prefix, start_worker, stop_workers
 
 BOUND = {"cpumem": {"cpu-bind": True, "cpu-request": 1}}

@@ -26,8 +26,8 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from bus.client import BusClient
-from bus.errors import BusError
 from bus.redis import connect_redis
+from schemas.errors import BusError
 from services.broker.layout import key_base
 from services.metrics.notifier import node_base
 from services.servers import ServerCluster, ServerProcess, start_redis_cluster

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from bus.codec import convert, decode, decode_as, error_field, split_field
-from bus.errors import InvalidArgument
+from schemas.errors import InvalidArgument
 from services.allocation import plugin_kit
 from services.allocation.plugin import keyed_field
 

@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
-from bus.errors import BerthError, InvalidArgument
+from schemas.errors import BerthError, InvalidArgument
+from schemas.sizes import MAX_INT
 from services.allocation.cpumem import CpuMemPlugin
 from services.allocation.cpumem.plans import PlanRequest, count_core_plans, plan_cores
 from services.allocation.plugin import DeployCapacity, EngineInfo, ResourcePlugin
-from services.allocation.quantity import MAX_INT
 
 GiB = 1 << 30
 

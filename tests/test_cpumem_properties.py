@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
-from bus.errors import BerthError
+from schemas.errors import BerthError
 from services.allocation.cpumem import CpuMemPlugin
 from services.allocation.cpumem.plans import PlanRequest, count_core_plans, count_full_plans, plan_cores
 

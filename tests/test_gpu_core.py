@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from bus.errors import BerthError
+from schemas.errors import BerthError
 from services.allocation.gpu import GpuPlugin
 from services.allocation.plugin import EngineInfo
 

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from bus.errors import BerthError
 from bus.idempotency import IdempotencyStore, Reply, current_claim
+from schemas.errors import BerthError
 from tests.conftest import ROOT
 
 OK = Reply(b"\x81\xa2ok\xc3")

@@ -15,7 +15,7 @@ import msgpack
 import pytest
 
 from bus.codec import encode
-from bus.errors import BusError
+from schemas.errors import BusError
 from services.metrics.client import MetricsClient
 
 NODE = "n1"

@@ -15,7 +15,7 @@ import time
 import msgpack
 import pytest
 
-from bus.errors import BusError
+from schemas.errors import BusError
 from services.metrics.client import MetricsClient
 from services.metrics.config import MetricsServiceConfig
 from services.metrics.entities import PodRef

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from bus.errors import BerthError, InvalidArgument
+from schemas.errors import BerthError, InvalidArgument
 from services.metrics.entities import MetricValue, PodRef
 from services.metrics.errors import MetricExpired, MetricNotFound
 from services.metrics.provisioners import Sample

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bus.errors import InvalidArgument
+from schemas.errors import InvalidArgument
 from services.allocation.plugin_kit import MatrixUpdates, chosen_source, decode_each
 
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import assume, event, given
 from hypothesis import strategies as st
 
-from bus.errors import BerthError
+from schemas.errors import BerthError
 from services.allocation.plugin import DeployCapacity
 from services.allocation.plugin_set import PluginSet, capacities, per_instance, split, usages
 from services.allocation.records import NodeRecord, PluginState, decode_state, encode_state

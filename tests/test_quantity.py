@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bus.errors import InvalidArgument
-from services.allocation.quantity import MAX_INT, parse_size
+from schemas.errors import InvalidArgument
+from schemas.sizes import MAX_INT, parse_size
 
 SHIFTS = {"": 0, "K": 10, "M": 20, "G": 30, "T": 40, "P": 50}
 

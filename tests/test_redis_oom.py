@@ -12,7 +12,7 @@ from redis.exceptions import OutOfMemoryError
 
 from bus import scripts
 from bus.client import BusClient
-from bus.errors import BusError
+from schemas.errors import BusError
 from services.redis_functions import every_library
 from services.servers import memory_limit, start_redis
 from tests.conftest import start_worker, stop_workers

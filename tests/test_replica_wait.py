@@ -10,9 +10,9 @@ import time
 import pytest
 import redis as sync_redis
 
-from bus.errors import Unavailable
 from bus.redis import connect_redis, ready
 from bus.replicas import ReplicaWait, collecting, landed, wrote
+from schemas.errors import Unavailable
 from tests.cluster_helpers import port, read_on_replica, replica_of, slot_owner
 
 KEY = "replicas-test:{node:n1}:node"

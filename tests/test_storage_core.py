@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from bus.errors import BerthError
+from schemas.errors import BerthError
 from services.allocation.plugin import EngineInfo
 from services.allocation.storage import StoragePlugin
 from services.allocation.storage.plans import disk_for_path

@@ -22,7 +22,7 @@ import msgspec
 from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
 
-from bus.errors import BerthError
+from schemas.errors import BerthError
 from services.allocation.gpu import GpuPlugin
 from services.allocation.storage import StoragePlugin
 from services.allocation.storage.plans import Host, volume_plans

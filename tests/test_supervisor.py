@@ -11,7 +11,7 @@ import textwrap
 from pathlib import Path
 
 from bus import discovery
-from bus.errors import NoResponders
+from schemas.errors import NoResponders
 from tests.bus_helpers import until
 from tests.echo_service import Served
 

@@ -21,7 +21,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bus.errors import BusError
+from schemas.errors import BusError
 from services.cli import _metrics_args
 from services.metrics.client import MetricsClient
 from services.metrics.provisioners import PROVISIONER_NAMES

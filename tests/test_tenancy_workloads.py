@@ -15,7 +15,7 @@ import pytest
 import pytest_asyncio
 
 from bus.callers import Role
-from bus.errors import BusError
+from schemas.errors import BusError
 from tests.accounts_helpers import IDENTITIES, Deployment, refused
 from tests.test_allocation_concurrency import check_invariants
 

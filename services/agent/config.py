@@ -8,8 +8,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bus.errors import BerthError
-from services.allocation.quantity import parse_size
+from schemas.errors import BerthError
+from schemas.sizes import parse_size
 from services.metrics.config import MetricsServiceConfig
 from services.settings import Env, node_name, seconds
 

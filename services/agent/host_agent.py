@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 
 from bus.client import BusClient
-from bus.errors import BerthError, BusError, answered_nothing
 from bus.events import EventBus
 from bus.tasks import cancel_and_wait, every
+from schemas.errors import BerthError, BusError, answered_nothing
 from services.agent.config import AgentServiceConfig
 from services.agent.host import describe, node_resource, read_host
 from services.agent.instances import Instances

@@ -29,8 +29,8 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 
-from bus.errors import BerthError, InvalidArgument
 from bus.tasks import cancel_and_wait
+from schemas.errors import BerthError, InvalidArgument
 from services.agent.cgroups import CgroupRoot, Confinement, affinity_confinement
 from services.agent.messages import InstanceInfo, InstanceStateName, StartInstance
 from services.agent.state import Record, StateDir, StateLocked

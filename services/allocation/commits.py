@@ -19,10 +19,10 @@ from typing import Any, Awaitable, Callable
 
 from bus.callers import current_caller
 from bus.codec import encode
-from bus.errors import BerthError
 from bus.failpoints import failpoint
 from bus.idempotency import Claim, own_claim, taken_over
 from bus.outbox import VersionedOutboxes, journal
+from schemas.errors import BerthError
 from services.allocation import telemetry
 from services.allocation.errors import node_busy, node_not_found, not_schedulable, workload_exists
 from services.allocation.messages import Allocation, NodeEvent

@@ -20,11 +20,11 @@ from typing import Any, Awaitable, Callable, TypeVar
 import msgspec
 
 from bus.callers import current_caller
-from bus.errors import BerthError
 from bus.failpoints import failpoint
 from bus.idempotency import own_claim, taken_over
 from bus.outbox import VersionedOutboxes, journal
 from schemas.common import Event
+from schemas.errors import BerthError
 from services.allocation import telemetry
 from services.allocation.commits import DeployBatches
 from services.allocation.errors import node_busy, not_placeable_now

@@ -17,9 +17,9 @@ import msgspec
 
 from bus.callers import current_caller
 from bus.codec import encode
-from bus.errors import BerthError, InvalidArgument
 from bus.service import REPLY_HEADROOM
 from schemas.common import Empty
+from schemas.errors import BerthError, InvalidArgument
 from services.allocation.commands import PLUGIN_NAMES
 from services.allocation.errors import reply_too_large
 from services.allocation.manager import AllocationManager

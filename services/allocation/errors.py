@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from bus.errors import BerthError, InvalidArgument, PermissionDenied
+from schemas.errors import BerthError, InvalidArgument, PermissionDenied
 
 if TYPE_CHECKING:
     from services.allocation.selection import Selection

@@ -16,11 +16,11 @@ from typing import Any, Callable
 import msgspec
 
 from bus.callers import Caller, current_caller
-from bus.errors import BerthError
 from bus.events import EventBus
 from bus.idempotency import Claim, current_claim, own_claim
 from bus.outbox import VersionedOutboxes
 from bus.tasks import cancel_and_wait, every
+from schemas.errors import BerthError
 from services.allocation import telemetry
 from services.allocation.committer import Committer, NodeFilledUp, workload_ids
 from services.allocation.errors import (

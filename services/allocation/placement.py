@@ -7,9 +7,10 @@ saturate. Strategies place `count` instances over nodes whose per-node capacity 
 
 from __future__ import annotations
 
-from bus.errors import BerthError
+from schemas.errors import BerthError
+from schemas.sizes import MAX_INT
 from services.allocation.plugin import DeployCapacity
-from services.allocation.quantity import MAX_INT, saturating_add
+from services.allocation.quantity import saturating_add
 
 
 def merge(entries: list[DeployCapacity]) -> DeployCapacity:

@@ -4,7 +4,7 @@ Everything here is synchronous, deterministic and free of I/O: the service layer
 record from Redis, calls one of these methods, and commits the result with a Lua script that
 re-checks the record's version. Values cross this boundary in their wire shape (plain maps of
 MessagePack builtins, keys as in DESIGN.md §3) so the service layer can stay plugin-agnostic;
-each plugin decodes them into its own typed Structs and raises `bus.errors.BerthError`
+each plugin decodes them into its own typed Structs and raises `schemas.errors.BerthError`
 subclasses naming the field at fault.
 
 `capacity` and `usage` are a node's stored NodeResource maps for this plugin.
@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import msgspec
 
 from bus.codec import split_field
-from bus.errors import BerthError
+from schemas.errors import BerthError
 
 Raw = dict[str, Any]
 

@@ -14,7 +14,7 @@ import msgspec
 import msgspec.inspect as inspect
 
 from bus.codec import invalid_argument_from
-from bus.errors import BerthError, InvalidArgument
+from schemas.errors import BerthError, InvalidArgument
 from services.allocation.plugin import Raw
 
 T = TypeVar("T")

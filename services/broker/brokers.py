@@ -13,8 +13,8 @@ import secrets
 
 import msgspec
 
-from bus.errors import BerthError
 from bus.outbox import journal
+from schemas.errors import BerthError
 from services.broker import errors, model, telemetry, transitions
 from services.broker.messages import InstanceFilter
 from services.broker.model import BrokerConfig, Resource, now

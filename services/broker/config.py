@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, fields
 
 import msgspec
 
-from services.allocation.quantity import parse_size
+from schemas.sizes import parse_size
 from services.broker.messages import InstanceType
 from services.settings import Env, own_fields
 

@@ -19,9 +19,9 @@ from typing import Any
 from msgspec import UNSET, UnsetType
 
 from bus.callers import Role, current_caller
-from bus.errors import PermissionDenied
 from bus.service import Command
 from schemas.common import Empty
+from schemas.errors import PermissionDenied
 from services.broker.commands import COMMANDS
 from services.broker.config import InstanceTypes
 from services.broker.messages import (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bus.errors import BerthError
+from schemas.errors import BerthError
 
 
 def _error(code: str, field: str, message: str, **details: Any) -> BerthError:

@@ -16,9 +16,9 @@ from collections.abc import Awaitable, Callable
 
 import msgspec
 
-from bus.errors import BerthError
 from bus.idempotency import own_claim
 from bus.tasks import cancel_and_wait
+from schemas.errors import BerthError
 from services.broker import errors, model, telemetry, transitions
 from services.broker.brokers import BrokerRegistry
 from services.broker.context import RETRIES, Context, Part

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from bus.errors import InvalidArgument
+from schemas.errors import InvalidArgument
 from schemas.subjects import NAME_PATTERN as TOKEN
 from services.broker import errors
 from services.broker.messages import (

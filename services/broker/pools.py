@@ -22,8 +22,8 @@ import logging
 import msgspec
 
 from bus.codec import decode_stored, encode
-from bus.errors import BerthError
 from bus.idempotency import own_claim
+from schemas.errors import BerthError
 from services.broker import errors, model, strategies
 from services.broker.messages import AddBroker, BrokerView
 from services.broker.model import INIT, RUNNING, BrokerConfig, BrokerState, Resource, now

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import logging
 
-from bus.errors import BerthError
 from bus.idempotency import own_claim
+from schemas.errors import BerthError
 from services.broker import errors, transitions
 from services.broker.context import RETRIES, Part
 from services.broker.model import DELETING, RELEASED, Resource, now

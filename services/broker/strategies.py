@@ -8,7 +8,7 @@ not throw away warm servers that the next burst needs.
 
 from __future__ import annotations
 
-from bus.errors import InvalidArgument
+from schemas.errors import InvalidArgument
 from services.broker.messages import ConstStrategy, ReactiveStrategy, Strategy
 
 # How far back demand is kept for brokers whose strategy does not look at it (list-brokers, events).

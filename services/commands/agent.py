@@ -14,7 +14,7 @@ import os
 import time
 
 from bus.client import BusClient
-from bus.errors import BusError, NoResponders, RequestTimeout
+from schemas.errors import BusError, NoResponders, RequestTimeout
 from services.commands.connection import Connection
 from services.commands.exits import EXIT_FAILED, EXIT_NO_ANSWER, EXIT_OK, EXIT_REFUSED, CommandError, add_command
 from services.settings import default_node

@@ -6,7 +6,7 @@ import argparse
 from typing import Any, Callable
 
 from bus.client import BusClient
-from bus.errors import BusError, NoResponders, RequestTimeout
+from schemas.errors import BusError, NoResponders, RequestTimeout
 from services.commands.connection import Connection
 from services.commands.exits import (
     EXIT_FAILED,

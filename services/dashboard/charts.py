@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bus.client import BusClient
-from bus.errors import NoResponders
+from schemas.errors import NoResponders
 from services.dashboard.views import CHARTS, is_number
 
 log = logging.getLogger("berth.dashboard")

@@ -35,8 +35,8 @@ from nats.js.errors import NotFoundError
 from bus import discovery
 from bus.client import BusClient
 from bus.connection import connect, subscriptions_in_place
-from bus.errors import BusError
 from bus.tasks import cancel_and_wait
+from schemas.errors import BusError
 from services.dashboard.charts import AgentCharts
 from services.dashboard.feed import Feed
 from services.dashboard.views import CHARTS, event_view, node_view, services_view, sse

@@ -24,8 +24,8 @@ from nats.aio.client import Client
 
 from bus.client import BusClient
 from bus.codec import decoder
-from bus.errors import BusError
 from bus.tasks import cancel_and_wait
+from schemas.errors import BusError
 from services.metrics.entities import MetricValue, PodRef
 from services.metrics.messages import (
     Deregistered,

@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from bus.errors import InvalidArgument
+from schemas.errors import InvalidArgument
 
 # Scope -> the id keys that name one entity in it, in order. A sample's `ids` is a tuple of these.
 SCOPES: dict[str, tuple[str, ...]] = {

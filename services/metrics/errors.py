@@ -1,6 +1,6 @@
 """The metrics service's own error codes (DESIGN.md §5 and §8, "Metrics").
 
-`invalid_argument` is the bus's (`bus.errors.InvalidArgument`); the notifier's `notifier_not_found`
+`invalid_argument` is the bus's (`schemas.errors.InvalidArgument`); the notifier's `notifier_not_found`
 lives beside the notifier.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from bus.errors import BerthError
+from schemas.errors import BerthError
 
 if TYPE_CHECKING:
     from services.metrics.entities import MetricValue

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from msgspec import UNSET, Meta, Struct, UnsetType, field
 
-from bus.errors import InvalidArgument
+from schemas.errors import InvalidArgument
 from schemas.patterns import END, matching
 from schemas.subjects import DOTTED_NAME_REGEX, MAX_SUBJECT_BYTES, escape_token
 from services.metrics.entities import AGGREGATORS, KINDS, MAX_CPU_ID, SCOPES, Ids, PodRef, entity_key

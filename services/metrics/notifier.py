@@ -41,10 +41,10 @@ from redis.asyncio import Redis
 
 from bus import scripts
 from bus.codec import decode_stored, encode
-from bus.errors import BerthError, InvalidArgument
 from bus.failpoints import failpoint
 from bus.idempotency import current_claim
 from bus.lease import Leases
+from schemas.errors import BerthError, InvalidArgument
 from services.metrics import telemetry
 from services.metrics.messages import Lease, MetricEvent, MetricRef, checked_subject
 from services.metrics.store import Store

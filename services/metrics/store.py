@@ -20,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-from bus.errors import InvalidArgument
+from schemas.errors import InvalidArgument
 from services.metrics.entities import (
     AGGREGATORS,
     KINDS,

@@ -43,7 +43,7 @@ from typing import Protocol
 import msgspec
 
 from bus.codec import decode_stored, encode
-from bus.errors import InvalidArgument
+from schemas.errors import InvalidArgument
 from services.processes.procfs import DEPLOYMENT
 
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bus.errors import BerthError
+from schemas.errors import BerthError
 from services.allocation.quantity import saturating_add
 
 from .types import CPU_DIGITS, EngineParams, NodeResource, WorkloadRequest, WorkloadResource

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from bus.codec import convert
-from bus.errors import BerthError, InvalidArgument
+from schemas.errors import BerthError, InvalidArgument
 from services.allocation.plugin import EngineInfo, Raw
 from services.allocation.plugin_kit import refuse_unknown_fields
 

@@ -22,7 +22,7 @@ import heapq
 
 import msgspec
 
-from services.allocation.quantity import MAX_INT
+from schemas.sizes import MAX_INT
 
 Core = tuple[int, int]  # (free pieces, core id)
 Plan = list[tuple[int, int]]  # [(core id, pieces)], ascending core id

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from bus.errors import InvalidArgument
+from schemas.errors import InvalidArgument
+from schemas.sizes import MAX_INT
 from services.allocation.plugin import DeployCapacity, EngineInfo, Raw
 from services.allocation.plugin_kit import (
     MatrixUpdates,
@@ -21,7 +22,6 @@ from services.allocation.plugin_kit import (
     refuse_unknown_fields,
     safe_name,
 )
-from services.allocation.quantity import MAX_INT
 
 from .instances import add_delta, check_unbound, engine_params, insufficient, workload
 from .nodes import new_node

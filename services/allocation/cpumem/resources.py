@@ -7,7 +7,7 @@ capacity's topology, and nothing in a usage is negative.
 
 from __future__ import annotations
 
-from bus.errors import InvalidArgument
+from schemas.errors import InvalidArgument
 from services.allocation.quantity import saturating_add
 
 from .plans import CpuPlan, NodeAvailability

@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from bus.errors import InvalidArgument
+from schemas.errors import InvalidArgument
 from services.allocation import plugin_kit
 
 # Float sums are rounded to 1e-9 (eru's Round) so that adding and removing workloads cancels out.

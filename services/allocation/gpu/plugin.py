@@ -11,7 +11,8 @@ from functools import reduce
 
 import msgspec
 
-from bus.errors import InvalidArgument
+from schemas.errors import InvalidArgument
+from schemas.sizes import MAX_INT
 from services.allocation.plugin import DeployCapacity, EngineInfo, Raw
 from services.allocation.plugin_kit import (
     MatrixUpdates,
@@ -28,7 +29,6 @@ from services.allocation.plugin_kit import (
     refuse_unknown_fields,
     safe_name,
 )
-from services.allocation.quantity import MAX_INT
 
 # eru's capacity for a request that asks for no card: "a big number", not MAX_INT.
 EMPTY_REQUEST_CAPACITY = 1_000_000

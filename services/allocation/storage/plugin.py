@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from functools import reduce
 
-from bus.errors import InvalidArgument
+from schemas.errors import InvalidArgument
 from services.allocation.plugin import DeployCapacity, EngineInfo, Raw
 from services.allocation.plugin_kit import (
     MatrixUpdates,

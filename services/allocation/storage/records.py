@@ -6,9 +6,9 @@ disk's mounts. Stored records are checked but never rewritten (set-node-resource
 
 from __future__ import annotations
 
-from bus.errors import InvalidArgument
+from schemas.errors import InvalidArgument
+from schemas.sizes import MAX_INT
 from services.allocation.plugin_kit import field_error
-from services.allocation.quantity import MAX_INT
 from services.allocation.storage.types import IO, StorageNode, combine, sorted_disks
 
 

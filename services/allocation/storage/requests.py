@@ -11,6 +11,7 @@ from functools import reduce
 
 import msgspec
 
+from schemas.sizes import MAX_INT, parse_size
 from services.allocation.plugin import Raw
 from services.allocation.plugin_kit import (
     decode,
@@ -19,7 +20,7 @@ from services.allocation.plugin_kit import (
     refuse_unknown_fields,
     refuse_unknown_keys,
 )
-from services.allocation.quantity import MAX_INT, parse_size, saturating_add
+from services.allocation.quantity import saturating_add
 from services.allocation.storage.types import IO, Disk, StorageNode, sorted_disks
 from services.allocation.storage.volumes import VolumeBinding, parse_bindings
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import msgspec
 
-from bus.errors import InvalidArgument
+from schemas.errors import InvalidArgument
+from schemas.sizes import parse_size
 from services.allocation.plugin_kit import field_error
-from services.allocation.quantity import parse_size
 from services.allocation.storage.types import IO
 
 AUTO = "AUTO"

@@ -32,7 +32,7 @@ from redis.asyncio import Redis
 
 from bus.client import BusClient
 from bus.codec import decode_stored, encode
-from bus.errors import BusError
+from schemas.errors import BusError
 from services.agent.messages import (
     InstanceInfo,
     InstanceParam,

@@ -1,4 +1,5 @@
-"""The error mechanism and its wire form (DESIGN.md §2 and §8).
+"""The error vocabulary and its wire form (DESIGN.md §2 and §8): part of the contract, so it lives
+in schemas/ and imports nothing of berth.
 
 A handler raises a `BerthError` (or a subclass); the service runtime turns it into the
 `Nats-Service-Error-Code` / `Nats-Service-Error` headers and the `{"error": {...}}` body.
@@ -9,7 +10,7 @@ Here are the errors every service shares: `InvalidArgument`, `PermissionDenied`,
 and defines them next to its code (`services/broker/errors.py`, `services/metrics/errors.py`; the
 allocation service raises `BerthError(code=...)` where it refuses); their statuses follow §8.
 
-This module imports nothing from nats so that pure calculation code can raise these errors.
+It imports nothing from nats either, so that pure calculation code can raise these errors.
 """
 
 from __future__ import annotations
