@@ -47,9 +47,9 @@ import nats  # noqa: E402
 from bench.servers import given_or_started  # noqa: E402
 from bench.stats import percentile  # noqa: E402
 from bus.redis import connect_redis  # noqa: E402
-from services.allocation.cpumem.plans import PlanRequest, cpu_plans  # noqa: E402
-from services.allocation.cpumem.resources import availability  # noqa: E402
-from services.allocation.cpumem.types import decode_node_resource  # noqa: E402
+from services.allocation.plugins.cpumem.plans import PlanRequest, cpu_plans  # noqa: E402
+from services.allocation.plugins.cpumem.resources import availability  # noqa: E402
+from services.allocation.plugins.cpumem.types import decode_node_resource  # noqa: E402
 from services.allocation.worker import make_plugins  # noqa: E402
 
 GiB = 1 << 30

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.agent.host import Host, HostUnreadable, describe, node_resource, read_host
-from services.allocation.plugin_set import PluginSet
+from services.allocation.plugins.plugin_set import PluginSet
 from services.allocation.worker import make_plugins
 from services.metrics.parsers import parse_cpulist
 from tests.agent_hosts import fake_host, set_online

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 
 from schemas.errors import BerthError
-from services.allocation.cpumem import CpuMemPlugin
-from services.allocation.gpu import GpuPlugin
-from services.allocation.plugin import EngineInfo
-from services.allocation.storage import StoragePlugin
+from services.allocation.plugins.cpumem import CpuMemPlugin
+from services.allocation.plugins.gpu import GpuPlugin
+from services.allocation.plugins.interface import EngineInfo
+from services.allocation.plugins.storage import StoragePlugin
 
 GiB = 1 << 30
 WRR = "workload_resource_request"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from schemas.errors import BerthError
-from services.allocation.plugin import DeployCapacity
+from services.allocation.plugins.interface import DeployCapacity
 from services.allocation.records import NodeRecord
 from services.allocation.view import CapacityView, Views
 

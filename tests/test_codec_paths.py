@@ -1,5 +1,5 @@
 """The one parser of msgspec's error paths (bus/codec.py `error_field`), used by the bus decoder and
-by the plugins' decoder (plugin_kit.decode): fields are whole paths, map values named by their key."""
+by the plugins' decoder (plugins/kit.py decode): fields are whole paths, map values named by their key."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 
 from bus.codec import convert, decode, decode_as, error_field, split_field
 from schemas.errors import InvalidArgument
-from services.allocation import plugin_kit
-from services.allocation.plugin import keyed_field
+from services.allocation.plugins import kit
+from services.allocation.plugins.interface import keyed_field
 
 
 class Leaf(msgspec.Struct):
@@ -111,10 +111,10 @@ def test_the_bus_decoders_name_the_key_from_messagepack():
 
 def test_the_plugin_decoder_uses_the_same_parser():
     with pytest.raises(InvalidArgument) as caught:
-        plugin_kit.decode({"m": {"0": 1.0, "1": 99.5}}, Tree, "capacity")
+        kit.decode({"m": {"0": 1.0, "1": 99.5}}, Tree, "capacity")
     assert caught.value.field == "capacity.m.1"  # 1.0 counts as an integer, 99.5 does not
     with pytest.raises(InvalidArgument) as caught:
-        plugin_kit.decode({"m": {2: 1}}, Tree, "usage")
+        kit.decode({"m": {2: 1}}, Tree, "usage")
     assert (caught.value.field, caught.value.details) == ("usage.m", {"field": "usage.m"})
     assert "map key" in caught.value.message
 

@@ -14,9 +14,9 @@ import pytest
 
 from schemas.errors import BerthError, InvalidArgument
 from schemas.sizes import MAX_INT
-from services.allocation.cpumem import CpuMemPlugin
-from services.allocation.cpumem.plans import PlanRequest, count_core_plans, plan_cores
-from services.allocation.plugin import DeployCapacity, EngineInfo, ResourcePlugin
+from services.allocation.plugins.cpumem import CpuMemPlugin
+from services.allocation.plugins.cpumem.plans import PlanRequest, count_core_plans, plan_cores
+from services.allocation.plugins.interface import DeployCapacity, EngineInfo, ResourcePlugin
 
 GiB = 1 << 30
 

@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 from schemas.errors import BerthError
-from services.allocation.cpumem import CpuMemPlugin
-from services.allocation.cpumem.plans import PlanRequest, count_core_plans, count_full_plans, plan_cores
+from services.allocation.plugins.cpumem import CpuMemPlugin
+from services.allocation.plugins.cpumem.plans import PlanRequest, count_core_plans, count_full_plans, plan_cores
 
 # Fewer examples than before the strategies were shaped, yet more of them reach the arithmetic.
 SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -7,8 +7,8 @@ import math
 import pytest
 
 from schemas.errors import BerthError
-from services.allocation.gpu import GpuPlugin
-from services.allocation.plugin import EngineInfo
+from services.allocation.plugins.gpu import GpuPlugin
+from services.allocation.plugins.interface import EngineInfo
 
 
 def cards(**counts: int) -> dict:

@@ -32,7 +32,7 @@ SHARED_PARTS = {
     ("agent", "metrics"): ("parsers", "cgroups", "provisioners", "worker"),
 }
 # Allocation's calculation core: pure and synchronous, unit-tested without a server (README "Layout").
-PURE_ALLOCATION = ("plugin", "plugin_kit", "plugin_set", "placement", "quantity", "view", "cpumem", "storage", "gpu")
+PURE_ALLOCATION = ("plugins", "placement", "quantity", "records", "selection", "view")
 IO_MODULES = ("services.allocation.store", "redis", "nats")
 
 
@@ -74,7 +74,7 @@ def service_of(module: str) -> str | None:
 def test_the_rules_see_every_layer():
     """The walk finds the modules the rules speak of (a rule over nothing would pass for ever)."""
     for module in ("schemas.subjects", "bus.service", "services.settings", "services.allocation.commands",
-                   "services.metrics.entities", "services.allocation.plugin_set", "services.cli"):
+                   "services.metrics.entities", "services.allocation.plugins.plugin_set", "services.cli"):
         assert module in MODULES
     assert "bus.service" in imports("services.allocation.commands")
     assert "services.allocation.messages" in imports("services.allocation.commands")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from schemas.errors import InvalidArgument
-from services.allocation.plugin_kit import MatrixUpdates, chosen_source, decode_each
+from services.allocation.plugins.kit import MatrixUpdates, chosen_source, decode_each
 
 
 def _count(raw: object, field: str) -> int:

@@ -7,8 +7,8 @@ from hypothesis import assume, event, given
 from hypothesis import strategies as st
 
 from schemas.errors import BerthError
-from services.allocation.plugin import DeployCapacity
-from services.allocation.plugin_set import PluginSet, capacities, per_instance, split, usages
+from services.allocation.plugins.interface import DeployCapacity
+from services.allocation.plugins.plugin_set import PluginSet, capacities, per_instance, split, usages
 from services.allocation.records import NodeRecord, PluginState, decode_state, encode_state
 from services.allocation.worker import make_plugins
 

@@ -7,12 +7,12 @@ import math
 import pytest
 
 from schemas.errors import BerthError
-from services.allocation.plugin import EngineInfo
-from services.allocation.storage import StoragePlugin
-from services.allocation.storage.plans import disk_for_path
-from services.allocation.storage.requests import parse_disk
-from services.allocation.storage.types import IO, Disk
-from services.allocation.storage.volumes import VolumeBinding, merge_bindings, parse_binding
+from services.allocation.plugins.interface import EngineInfo
+from services.allocation.plugins.storage import StoragePlugin
+from services.allocation.plugins.storage.plans import disk_for_path
+from services.allocation.plugins.storage.requests import parse_disk
+from services.allocation.plugins.storage.types import IO, Disk
+from services.allocation.plugins.storage.volumes import VolumeBinding, merge_bindings, parse_binding
 
 G = 2**30
 M = 2**20

@@ -23,11 +23,11 @@ from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
 
 from schemas.errors import BerthError
-from services.allocation.gpu import GpuPlugin
-from services.allocation.storage import StoragePlugin
-from services.allocation.storage.plans import Host, volume_plans
-from services.allocation.storage.types import StorageNode
-from services.allocation.storage.volumes import parse_binding
+from services.allocation.plugins.gpu import GpuPlugin
+from services.allocation.plugins.storage import StoragePlugin
+from services.allocation.plugins.storage.plans import Host, volume_plans
+from services.allocation.plugins.storage.types import StorageNode
+from services.allocation.plugins.storage.volumes import parse_binding
 
 # Fewer examples than before the strategies were shaped, yet more of them reach the arithmetic.
 MODERATE = settings(max_examples=70, deadline=None)

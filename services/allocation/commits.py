@@ -26,7 +26,7 @@ from schemas.errors import BerthError
 from services.allocation import telemetry
 from services.allocation.errors import node_busy, node_not_found, not_schedulable, workload_exists
 from services.allocation.messages import Allocation, NodeEvent
-from services.allocation.plugin_set import Keyed, PluginSet
+from services.allocation.plugins.plugin_set import Keyed, PluginSet
 from services.allocation.records import Change, LeaseExpired, LedgerConflict, NodeRecord, StaleVersion
 from services.allocation.store import NodeStore
 

@@ -30,7 +30,7 @@ from services.allocation.commits import DeployBatches
 from services.allocation.errors import node_busy, not_placeable_now
 from services.allocation.fleet import Fleet
 from services.allocation.messages import Allocation
-from services.allocation.plugin_set import Keyed, PluginSet
+from services.allocation.plugins.plugin_set import Keyed, PluginSet
 from services.allocation.records import (
     UP,
     AlreadyApplied,

@@ -68,8 +68,8 @@ from services.allocation.messages import (
     WorkloadAllocation,
 )
 from services.allocation.placement import total_capacity
-from services.allocation.plugin import EngineInfo, keyed_field
-from services.allocation.plugin_set import Keyed, PluginSet, States, capacities, usages
+from services.allocation.plugins.interface import EngineInfo, keyed_field
+from services.allocation.plugins.plugin_set import Keyed, PluginSet, States, capacities, usages
 from services.allocation.records import Lease
 from services.allocation.selection import NodeSet, Selection
 

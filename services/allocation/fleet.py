@@ -17,7 +17,7 @@ from bus.events import EventBus
 from bus.tasks import cancel_and_wait
 from services.allocation.directory import NodeDirectory, matches
 from services.allocation.errors import no_node_matches, node_not_found
-from services.allocation.plugin_set import Keyed, PluginSet
+from services.allocation.plugins.plugin_set import Keyed, PluginSet
 from services.allocation.records import NodeRecord
 from services.allocation.selection import Selection
 from services.allocation.shards import Shards

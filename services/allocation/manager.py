@@ -34,8 +34,8 @@ from services.allocation.errors import (
 from services.allocation.fleet import Fleet
 from services.allocation.leases import Heartbeat, Leases
 from services.allocation.messages import Allocation, NodeEvent
-from services.allocation.plugin import DeployCapacity, EngineInfo, ResourcePlugin
-from services.allocation.plugin_set import (
+from services.allocation.plugins.interface import DeployCapacity, EngineInfo, ResourcePlugin
+from services.allocation.plugins.plugin_set import (
     Deployment,
     Keyed,
     NodeInfo,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from schemas.errors import BerthError
 from schemas.sizes import MAX_INT
-from services.allocation.plugin import DeployCapacity
+from services.allocation.plugins.interface import DeployCapacity
 from services.allocation.quantity import saturating_add
 
 

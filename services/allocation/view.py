@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from services.allocation.placement import each, insufficient
-from services.allocation.plugin import DeployCapacity
+from services.allocation.plugins.interface import DeployCapacity
 from services.allocation.records import NodeRecord
 from services.allocation.selection import Selection
 

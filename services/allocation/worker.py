@@ -15,12 +15,12 @@ from services.allocation.commands import (
     plugin_commands,
 )
 from services.allocation.config import AllocationServiceConfig
-from services.allocation.cpumem import CpuMemPlugin
 from services.allocation.endpoints import AllocationEndpoints
-from services.allocation.gpu import GpuPlugin
 from services.allocation.manager import AllocationManager
-from services.allocation.plugin import ResourcePlugin
-from services.allocation.storage import StoragePlugin
+from services.allocation.plugins.cpumem import CpuMemPlugin
+from services.allocation.plugins.gpu import GpuPlugin
+from services.allocation.plugins.interface import ResourcePlugin
+from services.allocation.plugins.storage import StoragePlugin
 from services.allocation.store import NodeStore
 from services.allocation.telemetry import NodeTotals
 

@@ -10,8 +10,8 @@ import msgspec
 
 from schemas.errors import InvalidArgument
 from schemas.sizes import parse_size
-from services.allocation.plugin_kit import field_error
-from services.allocation.storage.types import IO
+from services.allocation.plugins.kit import field_error
+from services.allocation.plugins.storage.types import IO
 
 AUTO = "AUTO"
 _IO_PARTS = ("read IOPS", "write IOPS", "read BPS", "write BPS")  # parts 5 to 8, in order

@@ -13,8 +13,8 @@ import msgspec
 
 from schemas.errors import InvalidArgument
 from schemas.sizes import MAX_INT
-from services.allocation.plugin import DeployCapacity, EngineInfo, Raw
-from services.allocation.plugin_kit import (
+from services.allocation.plugins.interface import DeployCapacity, EngineInfo, Raw
+from services.allocation.plugins.kit import (
     MatrixUpdates,
     check_count,
     check_flags,

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from schemas.errors import InvalidArgument
 from schemas.sizes import MAX_INT
-from services.allocation.plugin_kit import field_error
-from services.allocation.storage.types import IO, StorageNode, combine, sorted_disks
+from services.allocation.plugins.kit import field_error
+from services.allocation.plugins.storage.types import IO, StorageNode, combine, sorted_disks
 
 
 def check_node(node: StorageNode, name: str) -> None:

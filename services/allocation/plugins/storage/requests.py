@@ -12,17 +12,17 @@ from functools import reduce
 import msgspec
 
 from schemas.sizes import MAX_INT, parse_size
-from services.allocation.plugin import Raw
-from services.allocation.plugin_kit import (
+from services.allocation.plugins.interface import Raw
+from services.allocation.plugins.kit import (
     decode,
     field_error,
     recoded,
     refuse_unknown_fields,
     refuse_unknown_keys,
 )
+from services.allocation.plugins.storage.types import IO, Disk, StorageNode, sorted_disks
+from services.allocation.plugins.storage.volumes import VolumeBinding, parse_bindings
 from services.allocation.quantity import saturating_add
-from services.allocation.storage.types import IO, Disk, StorageNode, sorted_disks
-from services.allocation.storage.volumes import VolumeBinding, parse_bindings
 
 # eru reads the first of these keys that holds a non-empty list.
 REQUEST_VOLUME_KEYS = ("volumes-request", "volume-request")

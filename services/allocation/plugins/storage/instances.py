@@ -6,10 +6,10 @@ goes to its request's device, and the engine gets the limit bindings with that d
 
 from __future__ import annotations
 
-from services.allocation.plugin_kit import field_error
-from services.allocation.storage.plans import Placement, Plan, disk_for_path
-from services.allocation.storage.requests import StorageRequest
-from services.allocation.storage.types import (
+from services.allocation.plugins.kit import field_error
+from services.allocation.plugins.storage.plans import Placement, Plan, disk_for_path
+from services.allocation.plugins.storage.requests import StorageRequest
+from services.allocation.plugins.storage.types import (
     IO,
     Disk,
     StorageEngineParams,
@@ -17,7 +17,7 @@ from services.allocation.storage.types import (
     StorageWorkload,
     sorted_disks,
 )
-from services.allocation.storage.volumes import VolumeBinding, parse_binding, parse_bindings
+from services.allocation.plugins.storage.volumes import VolumeBinding, parse_binding, parse_bindings
 
 
 def instance(

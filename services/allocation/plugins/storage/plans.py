@@ -16,9 +16,9 @@ from collections.abc import Iterable
 
 import msgspec
 
-from services.allocation.plugin_kit import insufficient_resource
-from services.allocation.storage.types import IO, Disk, StorageNode
-from services.allocation.storage.volumes import VolumeBinding
+from services.allocation.plugins.kit import insufficient_resource
+from services.allocation.plugins.storage.types import IO, Disk, StorageNode
+from services.allocation.plugins.storage.volumes import VolumeBinding
 
 
 class Placement(msgspec.Struct, frozen=True):

@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 
 from schemas.errors import InvalidArgument
-from services.allocation import plugin_kit
+from services.allocation.plugins import kit
 
 # Float sums are rounded to 1e-9 (eru's Round) so that adding and removing workloads cancels out.
 CPU_DIGITS = 9
@@ -138,7 +138,7 @@ def _convert(raw: Any, kind: type, field: str) -> Any:
         return msgspec.convert(raw, kind)  # fast: records this plugin wrote hold plain ints
     except msgspec.ValidationError:
         # JSON clients send integral floats; the shared decoder accepts those and names a bad path.
-        return plugin_kit.decode(raw, kind, field)
+        return kit.decode(raw, kind, field)
 
 
 def _check_cpu(value: float, field: str) -> None:

@@ -10,8 +10,8 @@ from typing import Any
 
 from schemas.errors import InvalidArgument
 from schemas.sizes import MAX_INT
-from services.allocation.plugin import DeployCapacity, EngineInfo, Raw
-from services.allocation.plugin_kit import (
+from services.allocation.plugins.interface import DeployCapacity, EngineInfo, Raw
+from services.allocation.plugins.kit import (
     MatrixUpdates,
     check_flags,
     chosen_source,

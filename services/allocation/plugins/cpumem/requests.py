@@ -13,7 +13,7 @@ import msgspec
 
 from schemas.errors import InvalidArgument
 from schemas.sizes import parse_size
-from services.allocation.plugin_kit import refuse_unknown_fields, refuse_unknown_keys
+from services.allocation.plugins.kit import refuse_unknown_fields, refuse_unknown_keys
 from services.allocation.quantity import parse_cpu
 
 from .types import NodeResource, WorkloadRequest, check_ids, decode_node_resource, sorted_by_id

@@ -18,7 +18,7 @@ from msgspec import Struct
 
 from services.allocation import placement
 from services.allocation.errors import node_not_found
-from services.allocation.plugin import DeployCapacity, EngineInfo, NamingPlugin, ResourcePlugin
+from services.allocation.plugins.interface import DeployCapacity, EngineInfo, NamingPlugin, ResourcePlugin
 from services.allocation.records import NodeRecord, PluginState, decode_state, encode_state
 
 Raw = dict[str, Any]

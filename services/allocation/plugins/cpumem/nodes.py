@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from bus.codec import convert
 from schemas.errors import BerthError, InvalidArgument
-from services.allocation.plugin import EngineInfo, Raw
-from services.allocation.plugin_kit import refuse_unknown_fields
+from services.allocation.plugins.interface import EngineInfo, Raw
+from services.allocation.plugins.kit import refuse_unknown_fields
 
 from .requests import MAX_CORES, parse_node_request
 from .resources import complete_usage, split_memory, validate_record

@@ -15,7 +15,7 @@ import msgspec.inspect as inspect
 
 from bus.codec import invalid_argument_from
 from schemas.errors import BerthError, InvalidArgument
-from services.allocation.plugin import Raw
+from services.allocation.plugins.interface import Raw
 
 T = TypeVar("T")
 N = TypeVar("N")  # a plugin's typed node resource (capacity or usage)

@@ -9,8 +9,8 @@ from __future__ import annotations
 from functools import reduce
 
 from schemas.errors import InvalidArgument
-from services.allocation.plugin import DeployCapacity, EngineInfo, Raw
-from services.allocation.plugin_kit import (
+from services.allocation.plugins.interface import DeployCapacity, EngineInfo, Raw
+from services.allocation.plugins.kit import (
     MatrixUpdates,
     check_count,
     check_flags,
@@ -25,9 +25,9 @@ from services.allocation.plugin_kit import (
     refuse_unknown_fields,
     safe_name,
 )
-from services.allocation.storage.instances import applied, instance, plan_from_wire, volumes_changed
-from services.allocation.storage.plans import Host, Plan, affinity_plan, volume_plans
-from services.allocation.storage.records import (
+from services.allocation.plugins.storage.instances import applied, instance, plan_from_wire, volumes_changed
+from services.allocation.plugins.storage.plans import Host, Plan, affinity_plan, volume_plans
+from services.allocation.plugins.storage.records import (
     check_node,
     check_record,
     normalized_usage,
@@ -35,14 +35,14 @@ from services.allocation.storage.records import (
     without_disks,
     without_empty_volumes,
 )
-from services.allocation.storage.requests import (
+from services.allocation.plugins.storage.requests import (
     StorageRequest,
     parse_node_request,
     parse_workload_request,
     total,
     validate_request,
 )
-from services.allocation.storage.types import (
+from services.allocation.plugins.storage.types import (
     IO,
     Disk,
     StorageNode,
@@ -50,7 +50,7 @@ from services.allocation.storage.types import (
     combine,
     sorted_disks,
 )
-from services.allocation.storage.volumes import merge_bindings, parse_bindings
+from services.allocation.plugins.storage.volumes import merge_bindings, parse_bindings
 
 # eru's realloc delta carries the per-device volume change under this made-up binding; only its
 # devices and sizes are ever read (by set-node-resource-usage / apply_workloads).
