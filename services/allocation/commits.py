@@ -1,9 +1,10 @@
-"""Committing deploys to a node in batches: many concurrent placements, one commit per node.
+"""Committing to a node: the one optimistic loop every change goes through (`NodeCommits`), and
+deploys gathered into batches (`DeployBatches`): many concurrent placements, one commit per node.
 
 Every commit re-checks the node's version, so two commits to one node from the same worker race
 and one of them must compute again. With `pack`, every request wants the most-used node: 64
-concurrent requests made 64 racing commits, and each loser read the node and computed again (89
-placements/s). Here a worker keeps at most one commit per node in flight: deploys that arrive
+concurrent requests made 64 racing commits, each loser reading the node and computing again, and
+placements crawled. Here a worker keeps at most one commit per node in flight: deploys that arrive
 meanwhile wait, then go together in the next commit, each computed on the state its predecessors
 leave. A deploy that does not fit fails alone; the others commit. Races remain only between
 workers, one batch each.
@@ -15,7 +16,7 @@ import asyncio
 import logging
 import random
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Generic, TypeVar
 
 from bus.callers import current_caller
 from bus.codec import encode
@@ -25,7 +26,8 @@ from bus.outbox import VersionedOutboxes, journal
 from schemas.errors import BerthError
 from services.allocation import telemetry
 from services.allocation.errors import node_busy, node_not_found, not_schedulable, workload_exists
-from services.allocation.messages import Allocation, NodeEvent
+from services.allocation.fleet import Fleet
+from services.allocation.messages import Allocation, node_event
 from services.allocation.plugins.plugin_set import Keyed, PluginSet
 from services.allocation.records import Change, LeaseExpired, LedgerConflict, NodeRecord, StaleVersion
 from services.allocation.store import NodeStore
@@ -61,30 +63,89 @@ class Placed:
     version: int
 
 
+T = TypeVar("T")
+
+
+@dataclass
+class Attempt(Generic[T]):
+    """One try at changing a node: the record it was computed on (None: the node is new), the change
+    (None: nothing to write, `result` is already the answer), and what the caller gets once it
+    lands, with the node's version then."""
+
+    record: NodeRecord | None
+    change: Change | None
+    result: T
+    version: int = 0
+
+
+async def _give_up(error: BaseException, attempt: Attempt) -> Attempt | None:
+    raise error
+
+
+class NodeCommits:
+    """The one optimistic loop every change to a node goes through: compute it on the record as it
+    is, commit it with that record's version, and compute again when another writer changed the
+    node first. What else a refused commit means (a ledger entry moved, a lease ended, the change
+    was applied already) is the caller's `conflict` to say: compute again (None), that is the
+    outcome (an Attempt), or give up (raise). A landed commit is shown to this worker's views."""
+
+    def __init__(self, store: NodeStore, fleet: Fleet, attempts: int = 200) -> None:
+        self.store = store
+        self.fleet = fleet
+        self.attempts = attempts
+
+    async def run(
+        self,
+        node: str,
+        compute: Callable[[], Awaitable[Attempt[T]]],
+        conflict: Callable[[BaseException, Attempt[T]], Awaitable[Attempt[T] | None]] = _give_up,
+    ) -> Attempt[T]:
+        for attempt in range(self.attempts):
+            step = await compute()
+            if step.change is None:
+                return step
+            record = step.record
+            failpoint("before-commit")
+            try:
+                version = await self.store.commit(
+                    node, record.version if record else 0, step.change, record.tag if record else ""
+                )
+            except StaleVersion:
+                telemetry.RETRY_VERSION.inc()
+                self.fleet.views.contend(node)
+                # Reading the node again is pause enough the first times; after that a short random
+                # pause spreads the contenders out.
+                if attempt >= 2:
+                    await asyncio.sleep(random.uniform(0, 0.001 * min(attempt, 10)))
+                continue
+            except BaseException as error:
+                outcome = await conflict(error, step)
+                if outcome is not None:
+                    return outcome
+                continue
+            failpoint("after-commit")
+            step.version = version
+            self.fleet.show_commit(node, record, step.change, version)
+            return step
+        raise node_busy(node)
+
+
 class DeployBatches:
     """Deploys to the same node, gathered while a commit to it is in flight and then committed
     together: one version check and one write for many requests (a busy node is one hot key)."""
 
     def __init__(
         self,
-        store: NodeStore,
+        commits: NodeCommits,
         plugins: PluginSet,
-        *,
-        latest: Callable[[str], NodeRecord | None],
-        committed: Callable[[str, NodeRecord | None, Change, int], None],
         outbox: VersionedOutboxes,
         release: Callable[[list[str], str | None], Awaitable[Any]],
-        contend: Callable[[str], None] = lambda node: None,
-        attempts: int = 200,
     ) -> None:
-        self.store = store
+        self.commits = commits
+        self.store = commits.store
         self.plugins = plugins
-        self.latest = latest  # a record of the node this worker already holds (its version is checked)
-        self.committed = committed
         self.outbox = outbox
         self.release = release  # gives back what was placed for a caller (by name) that went away
-        self.contend = contend  # says another worker commits to the node too
-        self.attempts = attempts
         self._waiting: dict[str, list[Deploy]] = {}  # node -> deploys for its next commit
 
     async def deploy(
@@ -146,58 +207,56 @@ class DeployBatches:
         self, node: str, batch: list[Deploy]
     ) -> tuple[dict[Deploy, list[Allocation]], dict[Deploy, BaseException], int, bytes | None]:
         """The deploys committed, those refused, the node's version, and the commit's events."""
-        for attempt in range(self.attempts):
-            record = self.latest(node) or await self.store.load(node)
+
+        async def compute() -> Attempt[tuple]:
+            # A record this worker already holds saves a read (the commit checks its version).
+            record = self.commits.fleet.views.take_record(node) or await self.store.load(node)
             if record is None:
-                return {}, {d: node_not_found(node) for d in batch}, 0, None
+                return Attempt(None, None, ({}, {d: node_not_found(node) for d in batch}, 0, None))
             if not record.schedulable:  # a node going down after this read fails the commit's version check
-                return {}, {d: not_schedulable(node, record.status) for d in batch}, record.version, None
+                refused = {d: not_schedulable(node, record.status) for d in batch}
+                return Attempt(record, None, ({}, refused, record.version, None))
             placed, refused, after = self._fit(record, batch)
             if not placed:
-                return {}, refused, record.version, None
+                return Attempt(record, None, ({}, refused, record.version, None))
             ids = [i for d in placed for i in d.ids]
             ledger = {a.workload_id: a.workload_resource for allocations in placed.values() for a in allocations}
             owners = {wid: d.owner for d in placed if d.owner is not None for wid in d.ids}
-            claimed = [d for d in placed if d.claim is not None]
-            fence = min((d.claim.lease_end for d in claimed), default=0)
-            allocated = NodeEvent(nodename=node, workload_ids=ids)
+            fence = min((d.claim.lease_end for d in placed if d.claim is not None), default=0)
             change = Change(plugins=after, ledger_add=ledger, owners=owners, index=ids, fence=fence,
-                            journal=journal([(f"resource.{node}.allocated", allocated)]))
-            failpoint("before-commit")
-            try:
-                version = await self.store.commit(node, record.version, change, record.tag)
-            except LeaseExpired:
+                            journal=journal([node_event(node, "allocated", workload_ids=ids)]))
+            return Attempt(record, change, (placed, refused))
+
+        async def conflict(error: BaseException, step: Attempt[tuple]) -> None:
+            nonlocal batch
+            placed: dict[Deploy, list[Allocation]] = step.result[0]
+            ids = [i for d in placed for i in d.ids]
+            if isinstance(error, LeaseExpired):
                 # A run's lease ended (its worker paused?): renew each; a run taken over is refused.
-                await self._unindex(node, change, ids)
+                await self._unindex(node, step.change, ids)
+                claimed = [d for d in placed if d.claim is not None]
                 held = await asyncio.gather(*(d.claim.still_held() for d in claimed))
                 for deploy in (d for d, alive in zip(claimed, held) if not alive):
                     batch = [d for d in batch if d is not deploy]
                     deploy.done.set_exception(taken_over(deploy.claim))
-                continue
-            except StaleVersion:
-                telemetry.RETRY_VERSION.inc()
-                self.contend(node)
-                # Another worker changed the node. Reading it again is pause enough the first
-                # times; after that a short random pause spreads the contenders out.
-                if attempt >= 2:
-                    await asyncio.sleep(random.uniform(0, 0.001 * min(attempt, 10)))
-                continue
-            except LedgerConflict as conflict:
+                return None
+            if isinstance(error, LedgerConflict):
                 # A workload id is taken already: refuse the deploy that named it, try the rest again.
-                culprit = next(d for d in placed if conflict.subject in d.ids)
-                await self._unindex(node, change, [i for i in culprit.ids if i != conflict.subject])
+                culprit = next(d for d in placed if error.subject in d.ids)
+                await self._unindex(node, step.change, [i for i in culprit.ids if i != error.subject])
                 batch = [d for d in batch if d is not culprit]
-                culprit.done.set_exception(workload_exists(conflict.subject))
-                continue
-            except BaseException:
-                await self._unindex(node, change, ids)
-                raise
-            failpoint("after-commit")
-            self.committed(node, record, change, version)
-            telemetry.PLACEMENTS.inc(len(ids))
-            telemetry.COMMIT_DEPLOYS.observe(len(placed))
-            return placed, refused, version, change.journal
-        raise node_busy(node)
+                culprit.done.set_exception(workload_exists(error.subject))
+                return None
+            await self._unindex(node, step.change, ids)
+            raise error
+
+        step = await self.commits.run(node, compute, conflict)
+        if step.change is None:
+            return step.result
+        placed, refused = step.result
+        telemetry.PLACEMENTS.inc(sum(len(d.ids) for d in placed))
+        telemetry.COMMIT_DEPLOYS.observe(len(placed))
+        return placed, refused, step.version, step.change.journal
 
     async def _unindex(self, node: str, change: Change, ids: list[str]) -> None:
         """Take back the index entries a refused commit wrote for `ids` (not those written since)."""

@@ -1,10 +1,12 @@
-"""Committing changes to nodes: the optimistic-concurrency loop, and multi-node placements that
-either all land or are rolled back, even when their worker dies half way.
+"""Committing changes to nodes: single changes (`mutate`), releases, and multi-node placements
+that either all land or are rolled back, even when their worker dies half way.
 
 A change is computed on a fresh record and committed with `NodeStore.commit`, which refuses if the
 record changed meanwhile; then we compute again on the fresh record. Calculation and commit are
-therefore one atomic step per node, with any number of workers. Deploys go through `DeployBatches`
-(commits.py): one commit per node in flight per worker.
+therefore one atomic step per node, with any number of workers. Every change goes through the
+one loop of commits.py (`NodeCommits`); deploys through `DeployBatches` there, one commit per node
+in flight per worker. A rollback gives back what it placed through this module's own `give_back`:
+nothing on the commit path calls back into the manager.
 """
 
 from __future__ import annotations
@@ -17,29 +19,27 @@ import uuid
 from functools import partial
 from typing import Any, Awaitable, Callable, TypeVar
 
-import msgspec
-
 from bus.callers import current_caller
-from bus.failpoints import failpoint
-from bus.idempotency import own_claim, taken_over
+from bus.codec import decode_stored, encode
+from bus.idempotency import Claim, own_claim, taken_over
 from bus.outbox import VersionedOutboxes, journal
 from schemas.common import Event
 from schemas.errors import BerthError
 from services.allocation import telemetry
-from services.allocation.commits import DeployBatches
-from services.allocation.errors import node_busy, not_placeable_now
+from services.allocation.commits import Attempt, DeployBatches, NodeCommits
+from services.allocation.errors import not_placeable_now
 from services.allocation.fleet import Fleet
-from services.allocation.messages import Allocation
+from services.allocation.messages import Allocation, node_event
 from services.allocation.plugins.plugin_set import Keyed, PluginSet
 from services.allocation.records import (
-    UP,
     AlreadyApplied,
     Change,
     Intent,
     LeaseExpired,
     LedgerConflict,
+    Located,
     NodeRecord,
-    StaleVersion,
+    encode_states,
 )
 from services.allocation.store import NodeStore
 from services.allocation.view import Reservation
@@ -65,20 +65,16 @@ class Committer:
         fleet: Fleet,
         outbox: VersionedOutboxes,
         *,
-        release: Callable[[list[str], str | None], Awaitable[list[str]]],
         attempts: int = 200,
         intent_timeout: float = 30.0,
     ) -> None:
         self.store = store
+        self.plugins = plugins
         self.fleet = fleet
         self.outbox = outbox
-        self.release = release  # gives back workloads (by id) placed for an owner to their nodes
-        self.attempts = attempts
         self.intent_timeout = intent_timeout
-        self.deploys = DeployBatches(
-            store, plugins, latest=fleet.views.take_record, committed=self.committed, outbox=outbox,
-            release=release, contend=fleet.views.contend, attempts=attempts,
-        )
+        self.commits = NodeCommits(store, fleet, attempts)
+        self.deploys = DeployBatches(self.commits, plugins, outbox, release=self.give_back)
 
     async def mutate(
         self,
@@ -104,64 +100,103 @@ class Committer:
         longer finds what its first run removed). The commit is also fenced by the run's lease: a
         run paused past it, whose request a retry took over, writes nothing.
         """
-        retry_on: tuple[type[Exception], ...] = (StaleVersion, LedgerConflict) if retry_ledger else (StaleVersion,)
         run = own_claim() if once is not None else None
         if run is not None and run.attempt:  # an earlier run may have applied it and died unanswered
             kept = (await self.store.applied([node], run.marker)).get(node)
             if kept is not None:
                 return await self._replayed(node, kept, once)
-        for attempt in range(self.attempts):
+        ledger_retries = 0
+
+        async def attempt() -> Attempt[T]:
             record, change, result = await compute()
-            version = record.version if record else 0
             if change.is_empty():
-                return result, version
+                return Attempt(record, None, result, record.version if record else 0)
             change.journal = journal(announced) if (announced := events(result)) else None
             if run is not None:
-                change.once, change.fence = (run.marker, msgspec.msgpack.encode(result)), run.lease_end
-            failpoint("before-commit")
-            try:
-                version = await self.store.commit(node, version, change, record.tag if record else "")
-            except AlreadyApplied as kept:  # an earlier run applied it: its answer is the answer
-                return await self._replayed(node, kept, once)
-            except LeaseExpired:
+                change.once, change.fence = (run.marker, encode(result)), run.lease_end
+            return Attempt(record, change, result)
+
+        async def conflict(error: BaseException, step: Attempt[T]) -> Attempt[T] | None:
+            nonlocal ledger_retries
+            if isinstance(error, AlreadyApplied):  # an earlier run applied it: its answer is the answer
+                return Attempt(step.record, None, *await self._replayed(node, error, once))
+            if isinstance(error, LeaseExpired) and run is not None:
                 if not await run.still_held():
                     raise taken_over(run) from None
-                continue
-            except retry_on as error:
-                (telemetry.RETRY_VERSION if isinstance(error, StaleVersion) else telemetry.RETRY_LEDGER).inc()
-                # Someone else changed the node; a short random pause spreads the contenders out.
-                await asyncio.sleep(random.uniform(0, 0.002 * min(attempt + 1, 10)))
-                continue
-            failpoint("after-commit")
-            self.committed(node, record, change, version)
-            if change.journal is not None:
-                await self.outbox.deliver(self.store.outbox_key(node), version, change.journal)
-            return result, version
-        raise node_busy(node)
+                return None
+            if isinstance(error, LedgerConflict) and retry_ledger:
+                telemetry.RETRY_LEDGER.inc()
+                ledger_retries += 1  # someone else moved the entry: a short random pause spreads us out
+                await asyncio.sleep(random.uniform(0, 0.002 * min(ledger_retries, 10)))
+                return None
+            raise error
+
+        step = await self.commits.run(node, attempt, conflict)
+        if step.change is not None and step.change.journal is not None:
+            await self.outbox.deliver(self.store.outbox_key(node), step.version, step.change.journal)
+        return step.result, step.version
 
     async def _replayed(self, node: str, kept: AlreadyApplied, result_type: type) -> tuple[Any, int]:
         """The answer an earlier run kept; its events go out now if that run died before they did."""
         await self.outbox.deliver(self.store.outbox_key(node), kept.version)
-        return msgspec.msgpack.decode(kept.answer, type=result_type), kept.version
+        return decode_stored(kept.answer, result_type), kept.version
 
-    def committed(self, node: str, record: NodeRecord | None, change: Change, version: int) -> None:
-        """Show our own commit to the views and the directory at once, instead of waiting for its
-        event and a reload."""
-        fleet = self.fleet
-        if not fleet.watching:
-            return
-        if change.delete:
-            after = None
-            fleet.views.invalidate(node)
-        else:
-            raw = {} if record is None else {n: v for n, v in record.raw.items() if n not in change.remove_plugins}
-            raw.update(change.plugins)
-            labels = change.labels if change.labels is not None else record.labels if record else {}
-            status = change.status if change.status is not None else record.status if record else UP
-            after = NodeRecord(node, version, labels, raw, change.tag, status)
-            fleet.views.committed(after)
-        if fleet.directory.note(after, node):
-            fleet.views.relabelled(node, fleet.directory.selectable(node))
+    # -- releases ---------------------------------------------------------------------------------
+
+    async def give_back(self, ids: list[str], owner: str | None) -> list[str]:
+        """Release workloads that no answer named (a rolled-back or unanswered placement) placed for
+        `owner`: an id that someone else holds by then stays theirs."""
+        return await self.release(ids, await self.store.located(ids), lambda held: held == owner, once=False)
+
+    async def release(
+        self, ids: list[str], located: Located, mine: Callable[[str | None], bool], *, once: bool
+    ) -> list[str]:
+        """Release the `located` ids whose owner `mine` accepts; those of other owners stay, indexed.
+        `once`: as the answer to the request this task runs under (see `mutate`)."""
+        released: list[str] = []
+        run = own_claim() if once else None
+        unknown = set(ids) - set(located.entries)
+        if run is not None and run.attempt and unknown:
+            released += await self._released_before(run, unknown)
+        others: set[str] = set()
+        for node, held_ids in sorted(located.nodes.items()):
+            gone, theirs = await self._release_on(node, held_ids, mine, once)
+            released += gone
+            others |= theirs
+        await self.store.unindex({wid: entry for wid, entry in located.entries.items() if wid not in others})
+        return sorted(set(released))
+
+    async def _released_before(self, run: Claim, ids: set[str]) -> list[str]:
+        """Which of `ids` (no longer indexed) an earlier run of this request removed: the nodes'
+        kept answers say. Only a retry after a run that died unanswered pays for this search."""
+        kept = await self.store.applied(await self.fleet.all_nodes(), run.marker)
+        return [wid for answer in kept.values() for wid in decode_stored(answer.answer, list[str])
+                if wid in ids]
+
+    async def _release_on(
+        self, node: str, ids: list[str], mine: Callable[[str | None], bool], once: bool
+    ) -> tuple[list[str], set[str]]:
+        """Release those of `ids` the node holds for an owner `mine` accepts; returns them, and the
+        ids it holds for other owners (as the computation that committed saw them)."""
+        theirs: set[str] = set()  # not part of the result: a retry's kept answer names only what went
+
+        async def compute():
+            record, ledger = await self.store.load_with_ledger(node, ids)
+            theirs.clear()
+            theirs.update(wid for wid in ledger.resources if not mine(ledger.owner(wid)))
+            ours = [wid for wid in ledger.resources if wid not in theirs]
+            if record is None or not ours:
+                return record, Change(), []
+            after = self.plugins.released(record.plugins, [ledger.resources[wid] for wid in ours])
+            change = Change(plugins=encode_states(after), ledger_remove=ours, owners=ledger.owners)
+            return record, change, sorted(ours)
+
+        released, _ = await self.mutate(
+            node, compute, retry_ledger=True, once=list[str] if once else None,
+            events=lambda ids: [node_event(node, "released", workload_ids=ids)],
+        )
+        telemetry.RELEASED.inc(len(released))
+        return released, theirs
 
     # -- placements over several nodes ---------------------------------------------------------
 
@@ -201,7 +236,7 @@ class Committer:
         return placed
 
     async def _roll_back(self, ids: list[str], owner: str | None, intent: str | None) -> None:
-        released = await self.release(ids, owner)
+        released = await self.give_back(ids, owner)
         if released:
             log.info("allocate failed after placing %d instances: rolled them back", len(released))
         if intent:
@@ -223,7 +258,7 @@ class Committer:
             if await self.store.take_intent(intent_id):
                 ids = intent.workload_ids
                 log.warning("allocate %s never finished: releasing its %d instances", intent_id, len(ids))
-                await self.release(ids, intent.owner)
+                await self.give_back(ids, intent.owner)
 
     async def forget_runs(
         self, request_id: str, attempt: int, count: int, nodes: list[str] | None = None
@@ -237,7 +272,7 @@ class Committer:
             # Not all were placed, or some lost their index entry with a Redis failover: look in the
             # ledgers (this reads the nodes' ledgers for these ids once).
             await self.store.repair_index(nodes if nodes is not None else await self.fleet.all_nodes(), earlier)
-        released = await self.release(earlier, current_caller.get().name)
+        released = await self.give_back(earlier, current_caller.get().name)
         if released:
             log.info("request %s: released %d instances an unanswered run had placed", request_id, len(released))
         return len(released)

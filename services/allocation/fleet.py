@@ -18,7 +18,7 @@ from bus.tasks import cancel_and_wait
 from services.allocation.directory import NodeDirectory, matches
 from services.allocation.errors import no_node_matches, node_not_found
 from services.allocation.plugins.plugin_set import Keyed, PluginSet
-from services.allocation.records import NodeRecord
+from services.allocation.records import UP, Change, NodeRecord
 from services.allocation.selection import Selection
 from services.allocation.shards import Shards
 from services.allocation.store import NodeStore
@@ -138,6 +138,24 @@ class Fleet:
         return [r for r in page.values() if r is not None and matches(r.labels, labels)], len(names)
 
     # -- keeping views fresh -----------------------------------------------------------------------
+
+    def show_commit(self, node: str, record: NodeRecord | None, change: Change, version: int) -> None:
+        """Show this worker's own commit (`change` on `record`, which made `version`) to the views
+        and the directory at once, instead of waiting for its event and a reload."""
+        if not self.watching:
+            return
+        if change.delete:
+            after = None
+            self.views.invalidate(node)
+        else:
+            raw = {} if record is None else {n: v for n, v in record.raw.items() if n not in change.remove_plugins}
+            raw.update(change.plugins)
+            labels = change.labels if change.labels is not None else record.labels if record else {}
+            status = change.status if change.status is not None else record.status if record else UP
+            after = NodeRecord(node, version, labels, raw, change.tag, status)
+            self.views.committed(after)
+        if self.directory.note(after, node):
+            self.views.relabelled(node, self.directory.selectable(node))
 
     async def watch(
         self, events: EventBus | None, sweep_interval: float, chores: Callable[[int], Awaitable[None]]

@@ -13,15 +13,14 @@ import asyncio
 import logging
 from typing import Any, Callable
 
-import msgspec
 
 from bus.callers import Caller, current_caller
+from bus.codec import encode
 from bus.events import EventBus
-from bus.idempotency import Claim, current_claim, own_claim
+from bus.idempotency import current_claim
 from bus.outbox import VersionedOutboxes
 from bus.tasks import cancel_and_wait, every
 from schemas.errors import BerthError
-from services.allocation import telemetry
 from services.allocation.committer import Committer, NodeFilledUp, workload_ids
 from services.allocation.errors import (
     no_node_matches,
@@ -33,7 +32,7 @@ from services.allocation.errors import (
 )
 from services.allocation.fleet import Fleet
 from services.allocation.leases import Heartbeat, Leases
-from services.allocation.messages import Allocation, NodeEvent
+from services.allocation.messages import Allocation, node_event
 from services.allocation.plugins.interface import DeployCapacity, EngineInfo, ResourcePlugin
 from services.allocation.plugins.plugin_set import (
     Deployment,
@@ -49,7 +48,6 @@ from services.allocation.records import (
     Lease,
     Ledger,
     LedgerConflict,
-    Located,
     NodeRecord,
     PluginState,
     encode_states,
@@ -86,7 +84,6 @@ class AllocationManager:
         self.fleet = Fleet(store, self.plugins, self.shards)
         self.committer = Committer(
             store, self.plugins, self.fleet, VersionedOutboxes(events, store.batch, store.pending_key, store.outbox_key),
-            release=self.give_back,
             attempts=attempts, intent_timeout=intent_timeout,
         )
         self.deploys = self.committer.deploys
@@ -127,17 +124,12 @@ class AllocationManager:
     async def _load(self, node: str, names: list[str]) -> States:
         return self.plugins.states(await self._existing(node), names)
 
-    @staticmethod
-    def _event(node: str, kind: str, **fields: Any) -> tuple[str, NodeEvent]:
-        """An event of the node's change; its version is set when the change is committed."""
-        return f"resource.{node}.{kind}", NodeEvent(nodename=node, **fields)
-
     def _state_events(self, node: str, kind: str, after: States, before: States | None = None) -> list:
         """One `kind` event per plugin in `after`; a plugin without a `before` state is `added`."""
         return [
-            self._event(node, kind, plugin=name, before=as_map(before[name]), after=as_map(state))
+            node_event(node, kind, plugin=name, before=as_map(before[name]), after=as_map(state))
             if before is not None and name in before
-            else self._event(node, "added", plugin=name, after=as_map(state))
+            else node_event(node, "added", plugin=name, after=as_map(state))
             for name, state in after.items()
         ]
 
@@ -255,7 +247,7 @@ class AllocationManager:
         try:
             (_, gone), _ = await self.committer.mutate(
                 node, compute, once=tuple[States, bool],
-                events=lambda removal: [self._event(node, "removed", plugin=name, before=as_map(state))
+                events=lambda removal: [node_event(node, "removed", plugin=name, before=as_map(state))
                                         for name, state in removal[0].items()],
             )
         except LedgerConflict as conflict:
@@ -333,7 +325,7 @@ class AllocationManager:
 
         await self.committer.mutate(
             node, compute, once=dict[str, str],
-            events=lambda before: [self._event(node, "labels", before={"labels": before}, after={"labels": labels})],
+            events=lambda before: [node_event(node, "labels", before={"labels": before}, after={"labels": labels})],
         )
 
     # -- committed allocations ---------------------------------------------------------------------
@@ -470,66 +462,16 @@ class AllocationManager:
         located = await self.store.located(ids)
         if not caller.owns_everything:
             refuse_unowned(caller, ids, await self._held_owners(located.nodes))
-        return await self._release(ids, located, caller.owns, once=True)
+        return await self.committer.release(ids, located, caller.owns, once=True)
 
     async def give_back(self, ids: list[str], owner: str | None) -> list[str]:
-        """Release workloads that no answer named (a rolled-back or unanswered placement) placed for
-        `owner`: an id that someone else holds by then stays theirs."""
-        return await self._release(ids, await self.store.located(ids), lambda held: held == owner, once=False)
+        """Release workloads that no answer named, placed for `owner` (see `Committer.give_back`)."""
+        return await self.committer.give_back(ids, owner)
 
     async def _held_owners(self, by_node: dict[str, list[str]]) -> dict[str, str | None]:
         """Each of the ids (by the node the index places them on) that its node holds -> its owner."""
         read = await asyncio.gather(*(self.store.load_with_ledger(n, ids) for n, ids in by_node.items()))
         return {wid: ledger.owner(wid) for _, ledger in read for wid in ledger.resources}
-
-    async def _release(
-        self, ids: list[str], located: Located, mine: Callable[[str | None], bool], *, once: bool
-    ) -> list[str]:
-        """Release the `located` ids whose owner `mine` accepts; those of other owners stay, indexed."""
-        released: list[str] = []
-        run = own_claim() if once else None
-        unknown = set(ids) - set(located.entries)
-        if run is not None and run.attempt and unknown:
-            released += await self._released_before(run, unknown)
-        others: set[str] = set()
-        for node, held_ids in sorted(located.nodes.items()):
-            gone, theirs = await self._release_on(node, held_ids, mine, once)
-            released += gone
-            others |= theirs
-        await self.store.unindex({wid: entry for wid, entry in located.entries.items() if wid not in others})
-        return sorted(set(released))
-
-    async def _released_before(self, run: Claim, ids: set[str]) -> list[str]:
-        """Which of `ids` (no longer indexed) an earlier run of this request removed: the nodes'
-        kept answers say. Only a retry after a run that died unanswered pays for this search."""
-        kept = await self.store.applied(await self.fleet.all_nodes(), run.marker)
-        return [wid for answer in kept.values() for wid in msgspec.msgpack.decode(answer.answer, type=list[str])
-                if wid in ids]
-
-    async def _release_on(
-        self, node: str, ids: list[str], mine: Callable[[str | None], bool], once: bool
-    ) -> tuple[list[str], set[str]]:
-        """Release those of `ids` the node holds for an owner `mine` accepts; returns them, and the
-        ids it holds for other owners (as the computation that committed saw them)."""
-        theirs: set[str] = set()  # not part of the result: a retry's kept answer names only what went
-
-        async def compute():
-            record, ledger = await self.store.load_with_ledger(node, ids)
-            theirs.clear()
-            theirs.update(wid for wid in ledger.resources if not mine(ledger.owner(wid)))
-            ours = [wid for wid in ledger.resources if wid not in theirs]
-            if record is None or not ours:
-                return record, Change(), []
-            after = self.plugins.released(record.plugins, [ledger.resources[wid] for wid in ours])
-            change = Change(plugins=encode_states(after), ledger_remove=ours, owners=ledger.owners)
-            return record, change, sorted(ours)
-
-        released, _ = await self.committer.mutate(
-            node, compute, retry_ledger=True, once=list[str] if once else None,
-            events=lambda ids: [self._event(node, "released", workload_ids=ids)],
-        )
-        telemetry.RELEASED.inc(len(released))
-        return released, theirs
 
     async def realloc(self, workload_id: str, requests: Keyed) -> tuple[str, Reallocation]:
         """A held workload's new resources, committed; returns its node and the reallocation."""
@@ -555,7 +497,7 @@ class AllocationManager:
 
         (_, result), _ = await self.committer.mutate(
             node, compute, retry_ledger=True, once=tuple[Raw, Reallocation],
-            events=lambda realloc: [self._event(
+            events=lambda realloc: [node_event(
                 node, "usage", workload_ids=[workload_id], before={"workload_resource": realloc[0]},
                 after={"workload_resource": realloc[1].workload_resource},
             )],
@@ -591,7 +533,7 @@ def visible(caller: Caller, ledger: Ledger) -> dict[str, Raw]:
 
 
 def _entry_size(entry: Allocation) -> int:
-    return len(msgspec.msgpack.encode(entry)) + 1  # and a byte or so of the list around them
+    return len(encode(entry)) + 1  # and a byte or so of the list around them
 
 
 def as_map(state: PluginState) -> Raw:

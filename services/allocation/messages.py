@@ -356,3 +356,9 @@ class NodeEvent(Event, kw_only=True, omit_defaults=True):
     before: Raw | None = None
     after: Raw | None = None
     workload_ids: list[str] | None = None
+
+
+def node_event(node: str, kind: str, **fields: Any) -> tuple[str, NodeEvent]:
+    """An event of a node's change and the subject it goes on (under `<prefix>.events.`); its version
+    is set when the change is committed."""
+    return f"resource.{node}.{kind}", NodeEvent(nodename=node, **fields)
