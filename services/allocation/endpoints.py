@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 
 from bus.callers import current_caller
-from bus.codec import encode
+from bus.codec import decode_stored, encode
 from bus.service import REPLY_HEADROOM
 from schemas.common import Empty
 from schemas.errors import BerthError, InvalidArgument
@@ -78,7 +78,7 @@ Raw = dict[str, Any]
 
 def node_lease(lease: Lease) -> NodeLease:
     """A lease as list-nodes shows it (seconds, where the store keeps ms)."""
-    agent = msgspec.msgpack.decode(lease.agent, type=AgentReport) if lease.agent else AgentReport()
+    agent = decode_stored(lease.agent, AgentReport) if lease.agent else AgentReport()
     return NodeLease(lease.ends / 1000, lease.beat / 1000, lease.ttl / 1000, agent)
 
 
@@ -186,7 +186,7 @@ class AllocationEndpoints:
         reply = CalculateDeployReply(
             [self._out(e) for e in deployment.engines_params], [self._out(w) for w in deployment.workloads_resource]
         )
-        size = len(msgspec.msgpack.encode(reply))
+        size = len(encode(reply))
         if size > self.reply_bytes:  # nothing was committed: refuse rather than send what NATS would drop
             raise reply_too_large("deploy_count", size, self.reply_bytes, "calculate fewer instances at once")
         return reply
@@ -315,7 +315,7 @@ class AllocationEndpoints:
 
     async def undo_allocate(self, req: AllocateWire, answer: bytes) -> None:
         """Give back what an allocate placed when its answer could not be kept (see Command.undo)."""
-        placed = msgspec.msgpack.decode(answer, type=AllocateReply).allocations
+        placed = decode_stored(answer, AllocateReply).allocations
         await self.manager.give_back([a.workload_id for a in placed], current_caller.get().name)
 
     async def release(self, req: ReleaseWorkloads) -> ReleaseReply:
@@ -337,7 +337,7 @@ class AllocationEndpoints:
             states = dict(sorted(record.plugins.items()))
             lease = node_lease(leases[record.name]) if record.name in leases else None
             node = NodeSummary(record.name, record.labels, capacities(states), usages(states), record.status, lease)
-            room -= len(msgspec.msgpack.encode(node))
+            room -= len(encode(node))
             if room < 0 and nodes:  # no reply may exceed the server's max payload: the page ends here
                 break
             nodes.append(node)
@@ -349,7 +349,7 @@ class AllocationEndpoints:
         return AllocationsReply([WorkloadAllocation(wid, resource) for wid, resource in ledger.items()])
 
     async def node_heartbeat(self, req: NodeHeartbeat) -> HeartbeatReply:
-        report = msgspec.msgpack.encode(req.agent)
+        report = encode(req.agent)
         beat = await self.manager.heartbeat(req.nodename, req.ttl_seconds, req.draining, report)
         return HeartbeatReply(req.nodename, beat.status, beat.was, beat.lease_ends_ms / 1000)
 

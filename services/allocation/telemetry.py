@@ -31,6 +31,7 @@ import asyncio
 import msgspec
 from prometheus_client import Counter, Histogram
 
+from bus.codec import decoder
 from bus.telemetry import GaugeTable
 from services.allocation.store import PLUGIN_FIELD
 
@@ -105,9 +106,9 @@ def _gpu(raw: bytes) -> list[tuple[str, float, float]]:
     return [(p, cards, use.prod_count_map.get(p, 0)) for p, cards in cap.prod_count_map.items()]
 
 
-_CPUMEM = msgspec.msgpack.Decoder(tuple[_CpuMem, _CpuMem]).decode
-_STORAGE = msgspec.msgpack.Decoder(tuple[_Storage, _Storage]).decode
-_GPU = msgspec.msgpack.Decoder(tuple[_Gpu, _Gpu]).decode
+_CPUMEM = decoder(tuple[_CpuMem, _CpuMem])
+_STORAGE = decoder(tuple[_Storage, _Storage])
+_GPU = decoder(tuple[_Gpu, _Gpu])
 SUMMARIES = {"cpumem": _cpumem, "storage": _storage, "gpu": _gpu}
 
 SLICE = 500  # records read per round trip
