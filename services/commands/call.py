@@ -12,6 +12,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.micro.request import ERROR_CODE_HEADER
 
 from bus.client import error_from
+from bus.codec import encode
 from services.commands.connection import Connection, full_subject
 from services.commands.exits import (
     EXIT_FAILED,
@@ -64,7 +65,7 @@ def read_payload(text: str | None) -> Any:
 
 async def call_command(args: argparse.Namespace) -> int:
     subject = full_subject(args.prefix, args.subject)
-    data = msgspec.msgpack.encode(read_payload(args.payload))
+    data = encode(read_payload(args.payload))
     connection = Connection(args)
     async with connection as nc:
         try:

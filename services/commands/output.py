@@ -7,6 +7,8 @@ from typing import Any
 
 import msgspec
 
+from bus.codec import decode_stored
+
 
 def _enc_hook(value: Any) -> Any:
     if isinstance(value, msgspec.msgpack.Ext):  # no berth message has any; shown rather than lost
@@ -25,7 +27,7 @@ def to_json(value: Any, *, pretty: bool = False) -> str:
 
 def decode_msgpack(data: bytes) -> Any:
     """A MessagePack body as Python values; an empty body is None."""
-    return msgspec.msgpack.decode(data) if data else None
+    return decode_stored(data) if data else None
 
 
 def emit(text: str) -> None:

@@ -34,6 +34,7 @@ from nats.js.errors import NotFoundError
 
 from bus import discovery
 from bus.client import BusClient
+from bus.codec import decode_stored
 from bus.connection import connect, subscriptions_in_place
 from bus.tasks import cancel_and_wait
 from schemas.errors import BusError
@@ -317,7 +318,7 @@ class Live:
 
     async def _on_event(self, msg) -> None:
         try:
-            body = msgspec.msgpack.decode(msg.data)
+            body = decode_stored(msg.data)
         except msgspec.DecodeError:
             return
         if not isinstance(body, dict):
@@ -355,7 +356,7 @@ class Live:
                     msg = await js.get_msg(stream, seq)
                 except NotFoundError:
                     continue  # deleted
-                body = msgspec.msgpack.decode(msg.data)
+                body = decode_stored(msg.data)
                 if isinstance(body, dict):
                     past.append(event_view(msg.subject.removeprefix(self._events_root), body))
         except Exception as error:  # no stream yet, or not allowed to read it
