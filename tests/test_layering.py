@@ -126,3 +126,12 @@ def test_a_service_uses_another_through_its_contract(module):
                                                                                for p in PURE_ALLOCATION))))
 def test_allocations_calculation_core_does_no_io(module):
     assert not {i for i in imports(module) if within(i, *IO_MODULES)}
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m != "bus.codec"))
+def test_messagepack_goes_through_the_codec(module):
+    """One place encodes and decodes MessagePack (bus/codec.py: typed decoders, the depth check,
+    errors that name the field); a module calling msgspec.msgpack itself would bypass them."""
+    source = MODULES[module].read_text()
+    assert not [call for call in ("msgspec.msgpack.encode", "msgspec.msgpack.decode", "msgspec.msgpack.Decoder",
+                                  "msgspec.msgpack.Encoder") if call in source]
