@@ -1138,6 +1138,28 @@ def test_apply_workloads_rejects_malformed_workloads(plugin, small_numa_node):
     assert error_of(plugin.apply_workloads, usage, {"a": WORKLOAD_A}, True).field == "workloads_resource"
 
 
+def test_apply_workloads_pins_errors_and_the_total_applied_at_once(plugin):
+    """The shared kit's apply_workloads, pinned: the message when usage would go negative, workloads decoded
+    before the usage, and the workloads' total combined once (so even no workloads rounds and saturates)."""
+    error = error_of(plugin.apply_workloads, {"memory": 5}, [{"memory_request": 6}], False)
+    assert (error.code, error.field, error.message) == (
+        "invalid_memory", "usage.memory", "usage.memory: must not be negative, got -1"
+    )
+    assert error_of(plugin.apply_workloads, "bad", [{"cpu_map": {"x": 1}}], True).field == (
+        "workloads_resource[0].cpu_map"
+    )
+    assert error_of(plugin.apply_workloads, {}, [], 1).field == "incr"
+    after = plugin.apply_workloads({"cpu": 0.1234567891, "memory": MAX_INT + 5}, [], True)
+    assert (after["cpu"], after["memory"]) == (0.123456789, MAX_INT)
+    # saturation happens on the total, not workload by workload
+    there_and_back = [{"memory_request": 10}, {"memory_request": -10}]
+    assert plugin.apply_workloads({"memory": MAX_INT - 1}, there_and_back, True)["memory"] == MAX_INT - 1
+
+
+def test_usage_from_workloads_reads_the_capacity_first(plugin):
+    assert error_of(plugin.usage_from_workloads, "bad", [{"cpu_map": {"x": 1}}]).field == "capacity"
+
+
 # -- diffs, load, metrics ----------------------------------------------------------------------------------
 
 

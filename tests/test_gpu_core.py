@@ -247,6 +247,20 @@ def test_apply_and_release(gpu, busy):
     assert error_of(gpu.apply_workloads, usage, [workload], "yes")[0] == "invalid_argument"
 
 
+def test_apply_workloads_pins_errors_and_leaves_usage_alone_without_workloads(gpu):
+    """The shared kit's apply_workloads, pinned: the message when usage would go negative, workloads decoded
+    before the usage, and no workloads leaving the usage as stored (so a stored 0 is still refused)."""
+    with pytest.raises(BerthError) as caught:
+        gpu.apply_workloads(cards(a=1), [cards(a=2)], False)
+    assert caught.value.message == "usage.prod_count_map.a: must be at least 1, got -1"
+    assert error_of(gpu.apply_workloads, "bad", ["bad"], True)[1] == "workloads_resource[0]"
+    assert error_of(gpu.apply_workloads, cards(a=0), [], True)[1] == "usage.prod_count_map.a"
+
+
+def test_usage_from_workloads_never_reads_the_capacity(gpu):
+    assert gpu.usage_from_workloads("bad", [cards(b=1, a=2)]) == {"prod_count_map": {"a": 2, "b": 1}}
+
+
 def test_diffs(gpu, busy):
     capacity, usage, workload = busy
     assert gpu.diffs(capacity, usage, [workload]) == []

@@ -1,4 +1,5 @@
-"""The shared plugin helpers: decode_each and the MatrixUpdates steps of set-node-resource-capacity/-usage."""
+"""The shared plugin helpers: decode_each and the MatrixUpdates steps of set-node-resource-capacity/-usage,
+apply_workloads and usage_from_workloads."""
 
 from __future__ import annotations
 
@@ -54,6 +55,31 @@ class Counter(MatrixUpdates[int]):
     def _settled_usage(self, capacity, usage):
         return usage
 
+    def _holding(self, raw: object, field: str) -> int:
+        self.steps.append(field)
+        return _count(raw, field)
+
+    def _usage(self, usage: object) -> int:
+        self.steps.append("usage")
+        return _count(usage, "usage")
+
+    def _applied_usage(self, usage: int) -> int:
+        if usage < 0:
+            raise InvalidArgument("usage", "must not be negative")
+        return usage
+
+    def _usage_shape(self, capacity: object):
+        self.steps.append("capacity")
+        return lambda usage: {"capacity": capacity, "usage": usage}
+
+
+class Totalled(Counter):
+    """A plugin that charges the workloads' total at once (as cpumem does)."""
+
+    def _charges(self, holdings: list[int]) -> list[int]:
+        self.steps.append(f"total of {len(holdings)}")
+        return [self._total(holdings)]
+
 
 @pytest.mark.parametrize(
     ("delta", "incr", "capacity"),
@@ -79,3 +105,31 @@ def test_flags_are_checked_first_and_the_settled_result_may_refuse():
     with pytest.raises(InvalidArgument) as caught:
         plugin.set_capacity(10, 2, None, 9, True, False)
     assert caught.value.field == "usage" and plugin.steps == ["record", "sources"]
+
+
+def test_apply_workloads_adds_or_returns_each_holding_after_decoding_them_all():
+    plugin = Counter()
+    assert plugin.apply_workloads(10, [1, 2], True) == 13 and plugin.apply_workloads(10, [1, 2], False) == 7
+    assert plugin.steps == ["workloads_resource[0]", "workloads_resource[1]", "usage"] * 2
+    with pytest.raises(InvalidArgument) as caught:
+        plugin.apply_workloads(2, [1, 2], False)
+    assert caught.value.field == "usage"
+    with pytest.raises(InvalidArgument) as caught:
+        plugin.apply_workloads("bad", [1, "x"], True)
+    assert caught.value.field == "workloads_resource[1]"
+    with pytest.raises(InvalidArgument) as caught:
+        plugin.apply_workloads(10, [1], 1)
+    assert caught.value.field == "incr"
+
+
+def test_a_plugin_may_charge_the_total_at_once():
+    plugin = Totalled()
+    assert plugin.apply_workloads(10, [1, 2], False) == 7 and plugin.apply_workloads(10, [], True) == 10
+    assert plugin.steps[-2:] == ["total of 0", "usage"]
+
+
+def test_usage_from_workloads_shapes_the_total_for_the_capacity_read_first():
+    plugin = Counter()
+    assert plugin.usage_from_workloads(9, [1, 2]) == {"capacity": 9, "usage": 3}
+    assert plugin.usage_from_workloads(9, []) == {"capacity": 9, "usage": 0}
+    assert plugin.steps == ["capacity", "workloads_resource[0]", "workloads_resource[1]", "capacity"]

@@ -7,6 +7,7 @@ import math
 import pytest
 
 from schemas.errors import BerthError
+from schemas.sizes import MAX_INT
 from services.allocation.plugins.interface import EngineInfo
 from services.allocation.plugins.storage import StoragePlugin
 from services.allocation.plugins.storage.plans import disk_for_path
@@ -826,6 +827,31 @@ def test_apply_workloads_then_release_is_exact(plugin, deployed):
     assert field_of(plugin.apply_workloads, usage, [{"storage_request": "1G"}], True) == (
         "workloads_resource[0].storage_request"
     )
+
+
+def error_of(call, *args) -> tuple[str, str | None, str]:
+    with pytest.raises(BerthError) as caught:
+        call(*args)
+    return caught.value.code, caught.value.field, caught.value.message
+
+
+def test_apply_workloads_pins_errors_and_leaves_usage_alone_without_workloads(plugin):
+    """The shared kit's apply_workloads, pinned: the message when usage would go negative, workloads decoded
+    before the usage, and no workloads leaving the usage as stored (disk order kept, duplicates refused)."""
+    assert error_of(plugin.apply_workloads, {"storage": 5}, [{"storage_request": 6}], False) == (
+        "invalid_storage", "usage.storage", f"usage.storage: must be in [0, {MAX_INT}], got -1"
+    )
+    assert error_of(plugin.apply_workloads, "bad", ["bad"], True)[1] == "workloads_resource[0]"
+    assert error_of(plugin.apply_workloads, {}, [], 1)[1] == "incr"
+    after = plugin.apply_workloads({"disks": [{"device": "/b"}, {"device": "/a"}]}, [], True)
+    assert [disk["device"] for disk in after["disks"]] == ["/b", "/a"]
+    assert error_of(plugin.apply_workloads, {"disks": [{"device": "/a"}, {"device": "/a"}]}, [], True) == (
+        "invalid_argument", "usage.disks./a", "usage.disks./a: each disk needs a device name, used once"
+    )
+
+
+def test_usage_from_workloads_reads_the_capacity_first(plugin):
+    assert error_of(plugin.usage_from_workloads, "bad", ["bad"])[1] == "capacity"
 
 
 def test_diffs_in_eru_order(plugin, deployed):

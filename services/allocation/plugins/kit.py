@@ -185,11 +185,14 @@ class MatrixUpdates(Generic[N]):
     """set-node-resource-capacity and -usage, the same steps for every plugin (eru §2.12): the flags
     are booleans, the record is read, one input is chosen by priority (request > resource > workloads),
     the delta/incr matrix runs over the capacity or the usage, and the plugin settles the result.
+    apply_workloads and usage_from_workloads are the same matrix run over the workloads' holdings.
 
     A plugin supplies the steps that know its shape: `_record` (capacity and usage, decoded and
     checked), `_capacity_sources` and `_usage_sources` (the chosen input), `_empty` and `_combine` (for
     `apply_matrix`), and `_settled_capacity` and `_settled_usage` (the new record completed, checked,
-    and encoded).
+    and encoded). For the workload sums: `_holding` (what one workload holds), `_usage` (a usage decoded
+    alone), `_applied_usage` (apply_workloads' result checked and encoded), `_usage_shape` (the explained
+    usage written for a capacity) and, when it charges differently, `_charges`.
     """
 
     _empty: Callable[[], N]
@@ -219,6 +222,39 @@ class MatrixUpdates(Generic[N]):
         sources = self._usage_sources(resource, request, workloads, delta)
         return self._settled_usage(node_capacity, self._matrix(node_usage, sources, delta, incr))
 
+    def apply_workloads(self, usage: Raw, workloads: list[Raw], incr: bool) -> Raw:
+        """Usage plus (incr) or minus the workloads' holdings (commit and release): a delta update whose
+        sources are the workloads, refused by `_applied_usage` if it goes negative or invalid.
+
+        The workloads are decoded before the usage, so a bad workload is the error reported first.
+        """
+        check_flags(incr=incr)
+        charges = self._charges(self._holdings(workloads))
+        return self._applied_usage(self._matrix(self._usage(usage), charges, True, incr))
+
+    def usage_from_workloads(self, capacity: Raw, workloads: list[Raw]) -> Raw:
+        """The usage the workloads explain (fix-node-resource): their total, written for the capacity. It is
+        not checked: it states what the workloads hold, which a repair must be able to write back."""
+        shape = self._usage_shape(capacity)  # the capacity is decoded before the workloads
+        return shape(self._explained(workloads))
+
+    def _holdings(self, workloads: list[Raw]) -> list[N]:
+        """Each workload's holding, in order, decoded under its own path (`workloads_resource[2]...`)."""
+        return decode_each(workloads, self._holding)
+
+    def _explained(self, workloads: list[Raw]) -> N:
+        """The usage the workloads account for: the total of their holdings."""
+        return self._total(self._holdings(workloads))
+
+    def _total(self, holdings: list[N]) -> N:
+        """The holdings added up from the empty resource (an absolute write of them)."""
+        return self._matrix(self._empty(), holdings, False, True)
+
+    def _charges(self, holdings: list[N]) -> list[N]:
+        """What apply_workloads adds to or takes from the usage, in order: each holding by default, so
+        that no workloads leave the usage exactly as decoded."""
+        return holdings
+
     def _matrix(self, origin: N, sources: list[N], delta: bool, incr: bool) -> N:
         empty, combine = self._empty(), self._combine
         return apply_matrix(origin, sources, empty=empty, delta=delta, incr=incr, combine=combine)
@@ -241,6 +277,22 @@ class MatrixUpdates(Generic[N]):
         raise NotImplementedError
 
     def _settled_usage(self, capacity: N, usage: N) -> Raw:
+        raise NotImplementedError
+
+    def _holding(self, raw: object, field: str) -> N:
+        """What one workload resource holds of the node, as a node resource (a realloc delta is one too)."""
+        raise NotImplementedError
+
+    def _usage(self, usage: Raw) -> N:
+        """A stored usage decoded alone (no capacity to check it against), as `usage`."""
+        raise NotImplementedError
+
+    def _applied_usage(self, usage: N) -> Raw:
+        """The usage after apply_workloads, checked on its own (nothing negative or malformed) and encoded."""
+        raise NotImplementedError
+
+    def _usage_shape(self, capacity: Raw) -> Callable[[N], Raw]:
+        """How a sum of holdings is written as the usage of a node with this capacity (decoded here)."""
         raise NotImplementedError
 
 

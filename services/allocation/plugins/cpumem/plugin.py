@@ -6,6 +6,7 @@ returns wire maps. The service layer loads and commits the records.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from schemas.errors import InvalidArgument
@@ -13,9 +14,7 @@ from schemas.sizes import MAX_INT
 from services.allocation.plugins.interface import DeployCapacity, EngineInfo, Raw
 from services.allocation.plugins.kit import (
     MatrixUpdates,
-    check_flags,
     chosen_source,
-    decode_each,
     encode,
     metric,
     metric_description,
@@ -36,7 +35,6 @@ from .resources import (
     placement,
     remove_empty_cores,
     share_pool,
-    total_of,
     validate_record,
     workload_delta,
 )
@@ -216,24 +214,35 @@ class CpuMemPlugin(MatrixUpdates[NodeResource]):
         validate_record(capacity, new_usage)
         return encode(new_usage)
 
-    def apply_workloads(self, usage: Raw, workloads: list[Raw], incr: bool) -> Raw:
-        """Usage plus (incr) or minus the workloads; it may not go below zero."""
-        check_flags(incr=incr)
-        total = total_of(_workloads(workloads))
-        new_usage = combine(decode_node_resource(usage, "usage"), total, 1 if incr else -1)
-        check_not_negative(new_usage)
-        return encode(new_usage)
+    # apply_workloads and usage_from_workloads are MatrixUpdates' too; these are their cpumem steps.
 
-    def usage_from_workloads(self, capacity: Raw, workloads: list[Raw]) -> Raw:
+    def _holding(self, raw: object, field: str) -> NodeResource:
+        return decode_workload_resource(raw, field).as_usage()
+
+    def _usage(self, usage: Raw) -> NodeResource:
+        return decode_node_resource(usage, "usage")
+
+    def _charges(self, holdings: list[NodeResource]) -> list[NodeResource]:
+        """The workloads' total, combined once: memory saturates and the CPU rounds on the total, and
+        even no workloads round and saturate the stored usage."""
+        return [self._total(holdings)]
+
+    def _applied_usage(self, usage: NodeResource) -> Raw:
+        """Usage never goes below zero; it is not checked against a capacity (none is given)."""
+        check_not_negative(usage)
+        return encode(usage)
+
+    def _usage_shape(self, capacity: Raw) -> Callable[[NodeResource], Raw]:
+        """The usage lists every capacity core and NUMA node."""
         node_capacity = decode_node_resource(capacity, "capacity")
-        return encode(complete_usage(node_capacity, total_of(_workloads(workloads))))
+        return lambda usage: encode(complete_usage(node_capacity, usage))
 
     # -- reports -----------------------------------------------------------------------------
 
     def diffs(self, capacity: Raw, usage: Raw, workloads: list[Raw]) -> list[str]:
         """eru's diff lines, in its group order: cpu, cores ascending, NUMA nodes ascending, memory."""
         node_capacity, node_usage = self._record(capacity, usage)
-        total = total_of(_workloads(workloads))
+        total = self._explained(workloads)
         diffs = []
         if round(node_usage.cpu, CPU_DIGITS) != total.cpu:
             diffs.append(f"node.CPUUsed != sum(workload.CPURequest): {node_usage.cpu:.2f} != {total.cpu:.2f}")
@@ -310,9 +319,5 @@ class CpuMemPlugin(MatrixUpdates[NodeResource]):
         elif resource is not None:
             refuse_unknown_fields(resource, NodeResource, "resource")
             given = decode_node_resource(resource, "resource")
-        held = _workloads(workloads or []) if requested is None and given is None else []
-        return chosen_source(requested, given, [workload.as_usage() for workload in held])
-
-
-def _workloads(workloads: list[Raw]) -> list[WorkloadResource]:
-    return decode_each(workloads, decode_workload_resource)
+        held = self._holdings(workloads or []) if requested is None and given is None else []
+        return chosen_source(requested, given, held)

@@ -36,14 +36,6 @@ def combine_maps(base: dict[str, int], other: dict[str, int], sign: int) -> dict
     return result if len(result) == len(base) else sorted_by_id(result)
 
 
-def total_of(workloads: list[WorkloadResource]) -> NodeResource:
-    """The usage a list of workloads accounts for."""
-    total = NodeResource()
-    for workload in workloads:
-        total = combine(total, workload.as_usage(), 1)
-    return total
-
-
 def workload_delta(new: WorkloadResource, old: WorkloadResource) -> WorkloadResource:
     """new - old, field by field; maps keep only the entries that changed. `numa_node` is the new one."""
     return WorkloadResource(

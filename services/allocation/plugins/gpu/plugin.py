@@ -7,7 +7,7 @@ Requests, workload resources, engine params and node capacity and usage all shar
 from __future__ import annotations
 
 import math
-from functools import reduce
+from collections.abc import Callable
 
 import msgspec
 
@@ -17,10 +17,8 @@ from services.allocation.plugins.interface import DeployCapacity, EngineInfo, Ra
 from services.allocation.plugins.kit import (
     MatrixUpdates,
     check_count,
-    check_flags,
     chosen_source,
     decode,
-    decode_each,
     encode,
     insufficient_resource,
     metric,
@@ -118,14 +116,8 @@ class GpuPlugin(MatrixUpdates[Counts]):
     def calculate_remap(self, capacity: Raw, usage: Raw, workloads: dict[str, Raw]) -> dict[str, Raw]:
         return {}  # cards are never remapped (eru)
 
-    def apply_workloads(self, usage: Raw, workloads: list[Raw], incr: bool) -> Raw:
-        check_flags(incr=incr)
-        sign = 1 if incr else -1
-        after = reduce(lambda total, held: _sum(total, held, sign), _holdings(workloads), _usage(usage))
-        _check_counts(after, "usage", minimum=1)
-        return _wire(after)
-
-    # set-node-resource-capacity and -usage (eru §2.12) are MatrixUpdates'; these are their gpu steps.
+    # set-node-resource-capacity and -usage, apply_workloads and usage_from_workloads (eru §2.12) are
+    # MatrixUpdates'; these are their gpu steps.
     _empty = dict
 
     def _combine(self, a: Counts, b: Counts, sign: int) -> Counts:
@@ -150,19 +142,31 @@ class GpuPlugin(MatrixUpdates[Counts]):
         self, resource: Raw | None, request: Raw | None, workloads: list[Raw], delta: bool
     ) -> list[Counts]:
         requested = _node_counts(request, "resource_request", delta)
-        return chosen_source(requested, _node_counts(resource, "resource", delta), _holdings(workloads))
+        return chosen_source(requested, _node_counts(resource, "resource", delta), self._holdings(workloads))
 
     def _settled_usage(self, capacity: Counts, usage: Counts) -> Raw:
         _check_record(capacity, usage)
         return _wire(usage)
 
-    def usage_from_workloads(self, capacity: Raw, workloads: list[Raw]) -> Raw:
-        return _wire(_explained(workloads))
+    def _holding(self, raw: object, field: str) -> Counts:
+        """A workload's cards; a realloc delta (negative counts) is a workload resource too."""
+        return _counts(raw, field, minimum=None)
+
+    def _usage(self, usage: Raw) -> Counts:
+        return _usage(usage)
+
+    def _applied_usage(self, usage: Counts) -> Raw:
+        _check_counts(usage, "usage", minimum=1)
+        return _wire(usage)
+
+    def _usage_shape(self, capacity: Raw) -> Callable[[Counts], Raw]:
+        """Cards used are just their counts: the capacity is not read (nor refused)."""
+        return _wire
 
     def diffs(self, capacity: Raw, usage: Raw, workloads: list[Raw]) -> list[str]:
         """eru's diffs: the card total first, then each product (ascending) the workloads do not explain."""
         _, used = _record(capacity, usage)
-        explained = _explained(workloads)
+        explained = self._explained(workloads)
         diffs = []
         if sum(used.values()) != sum(explained.values()):
             diffs.append(
@@ -269,15 +273,6 @@ def _record(capacity: Raw, usage: Raw) -> tuple[Counts, Counts]:
 
 def _usage(usage: Raw) -> Counts:
     return _counts(usage, "usage", minimum=None)
-
-
-def _holdings(workloads: list[Raw]) -> list[Counts]:
-    """Each workload's cards; a realloc delta (negative counts) is a workload resource too."""
-    return decode_each(workloads, lambda raw, field: _counts(raw, field, minimum=None))
-
-
-def _explained(workloads: list[Raw]) -> Counts:
-    return reduce(lambda total, held: _sum(total, held, 1), _holdings(workloads), {})
 
 
 def _sum(a: Counts, b: Counts, sign: int) -> Counts:

@@ -6,17 +6,15 @@ capacity and realloc rules are eru's; where berth deliberately differs it says s
 
 from __future__ import annotations
 
-from functools import reduce
+from collections.abc import Callable
 
 from schemas.errors import InvalidArgument
 from services.allocation.plugins.interface import DeployCapacity, EngineInfo, Raw
 from services.allocation.plugins.kit import (
     MatrixUpdates,
     check_count,
-    check_flags,
     chosen_source,
     decode,
-    decode_each,
     encode,
     insufficient_resource,
     metric,
@@ -166,16 +164,23 @@ class StoragePlugin(MatrixUpdates[StorageNode]):
 
     # --- node operations -----------------------------------------------------------------------------
 
-    def apply_workloads(self, usage: Raw, workloads: list[Raw], incr: bool) -> Raw:
-        check_flags(incr=incr)
-        sign = 1 if incr else -1
-        after = reduce(lambda node, held: combine(node, held, sign), _holdings(workloads), _usage(usage))
-        check_node(after, "usage")
-        return encode(after)
+    # apply_workloads and usage_from_workloads (MatrixUpdates') need these storage steps.
 
-    def usage_from_workloads(self, capacity: Raw, workloads: list[Raw]) -> Raw:
+    def _holding(self, raw: object, field: str) -> StorageNode:
+        """What a workload holds of the node: its request side."""
+        return decode(raw, StorageWorkload, field).usage()
+
+    def _usage(self, usage: Raw) -> StorageNode:
+        return _usage(usage)
+
+    def _applied_usage(self, usage: StorageNode) -> Raw:
+        check_node(usage, "usage")
+        return encode(usage)
+
+    def _usage_shape(self, capacity: Raw) -> Callable[[StorageNode], Raw]:
+        """The usage lists exactly the capacity's volumes and disks."""
         cap = decode(capacity, StorageNode, "capacity")
-        return encode(normalized_usage(cap, _explained(workloads)))
+        return lambda usage: encode(normalized_usage(cap, usage))
 
     # set-node-resource-capacity and -usage (eru §2.12) are MatrixUpdates'; these are their storage steps.
     _empty = StorageNode
@@ -212,7 +217,7 @@ class StoragePlugin(MatrixUpdates[StorageNode]):
         node_request = parse_node_request(request, "resource_request", delta=delta)
         node_resource = _node_resource(resource)
         requested = node_request.resolve() if node_request is not None else None
-        return chosen_source(requested, node_resource, _holdings(workloads))
+        return chosen_source(requested, node_resource, self._holdings(workloads))
 
     def _settled_usage(self, capacity: StorageNode, usage: StorageNode) -> Raw:
         after = normalized_usage(capacity, usage)
@@ -222,7 +227,7 @@ class StoragePlugin(MatrixUpdates[StorageNode]):
     def diffs(self, capacity: Raw, usage: Raw, workloads: list[Raw]) -> list[str]:
         """eru's diffs in its order (storage, volumes, disks), devices ascending; a missing entry is 0."""
         _, used = _record(capacity, usage)
-        explained = _explained(workloads)
+        explained = self._explained(workloads)
         diffs = []
         if used.storage != explained.storage:
             diffs.append(f"node.Storage != sum(workload.Storage): {used.storage} != {explained.storage}")
@@ -281,16 +286,6 @@ def _node_resource(resource: Raw | None) -> StorageNode | None:
         return None
     refuse_unknown_fields(resource, StorageNode, "resource")
     return decode(resource, StorageNode, "resource")
-
-
-def _holdings(workloads: list[Raw]) -> list[StorageNode]:
-    """What each workload holds of the node (its request side)."""
-    held = decode_each(workloads, lambda raw, field: decode(raw, StorageWorkload, field))
-    return [workload.usage() for workload in held]
-
-
-def _explained(workloads: list[Raw]) -> StorageNode:
-    return reduce(lambda node, held: combine(node, held, 1), _holdings(workloads), StorageNode())
 
 
 def _deploy_request(raw: Raw | None) -> StorageRequest:
