@@ -31,7 +31,7 @@ from services.credentials import Credentials, prepare
 from services.servers import reload_nats, start_nats, start_redis
 from tests.agent_hosts import fake_host
 from tests.broker_helpers import CATALOG
-from tests.conftest import Worker, start_worker, stop_workers
+from tests.worker_helpers import Worker, start_worker, stop_workers
 
 NODE = "acc-node"  # the metrics worker's node
 # Who the tenancy tests speak as, besides the admin: two tenants and a reader.

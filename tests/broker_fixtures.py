@@ -15,7 +15,8 @@ import pytest_asyncio
 from schemas.errors import BusError
 from services.broker.config import BrokerServiceConfig, Timing
 from services.broker.worker import STREAM, make_broker
-from tests.broker_helpers import CATALOG, FAST, eventually, kill_marked
+from tests.broker_helpers import CATALOG, FAST, kill_marked
+from tests.bus_helpers import eventually
 
 
 class Broker:

@@ -5,10 +5,8 @@ The fixtures are in tests/broker_fixtures.py.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
-import time
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -113,18 +111,6 @@ async def tracked_pids(redis, prefix: str) -> list[tuple[str, int]]:
         for index, slot in (await table.load(user, resource_id)).items():
             found.append((f"{prefix}/{user}/{resource_id}/{index}", slot.pid))
     return sorted(found)
-
-
-async def eventually(check, timeout: float = 15.0, interval: float = 0.05):
-    """Await `check()` until it returns a truthy value; that value."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = await check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout} s (last: {result!r})")
-        await asyncio.sleep(interval)
 
 
 async def all_tracked_once(redis, prefix: str) -> list[tuple[str, int]]:

@@ -1,12 +1,13 @@
 """Helpers for tests that must show that something did *not* happen, without waiting for it.
 
-- `EventLog` keeps every event published under a subject pattern, in arrival order. To show that a
-  request published nothing, follow it with a change whose event must come (a sentinel) and take
-  the events before that one: a worker publishes on one connection, so its events arrive in the
-  order it sent them. No "nothing within N seconds" waits.
+- `EventLog` keeps every event published under a subject pattern, in arrival order (it reads the wire
+  with nats-py and msgpack only, so the contract tests use it too). To show that a request published
+  nothing, follow it with a change whose event must come (a sentinel) and take the events before
+  that one: a worker publishes on one connection, so its events arrive in the order it sent them.
+  No "nothing within N seconds" waits.
 - `idempotency_keys` lists the answers stored for request ids in a namespace: a refusal of bad input
   (400) keeps none (bus/idempotency.py), any other refusal is kept under its own id and replayed.
-- `until` polls a condition with a deadline (for state that has no event to wait on).
+- `eventually` polls a condition with a deadline (for state that has no event to wait on).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import msgpack
 
 Event = tuple[str, dict[str, Any]]  # (subject, decoded body)
+Match = Callable[[Event], bool] | str  # a predicate on an event, or the whole subject it must have
 
 
 class EventLog:
@@ -45,31 +47,47 @@ class EventLog:
     def subject(self, suffix: str) -> str:
         return f"{self.prefix}.events.{suffix}"
 
-    async def first(self, match: Callable[[Event], bool], *, after: int = 0, timeout: float = 10.0) -> int:
-        """The index of the first event from index `after` on that `match`es; it must come in time."""
+    async def _changes(self, deadline: float) -> bool:
+        """Wait for another event until `deadline` (monotonic); False once it has passed."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        self._changed.clear()
+        try:
+            await asyncio.wait_for(self._changed.wait(), left)
+        except asyncio.TimeoutError:
+            pass
+        return True
+
+    async def first(self, match: Match, *, after: int = 0, timeout: float = 10.0) -> int:
+        """The index of the first event from index `after` on that `match`es (a predicate on the
+        (subject, body) pair, or the whole subject it must have); it must come in time."""
+        wanted = (lambda event: event[0] == match) if isinstance(match, str) else match
         deadline = time.monotonic() + timeout
         while True:
             for index in range(after, len(self.events)):
-                if match(self.events[index]):
+                if wanted(self.events[index]):
                     return index
-            left = deadline - time.monotonic()
-            if left <= 0:
+            if not await self._changes(deadline):
                 raise AssertionError(f"no matching event within {timeout} s; got {self.events[after:]!r}")
-            self._changed.clear()
-            try:
-                await asyncio.wait_for(self._changed.wait(), left)
-            except asyncio.TimeoutError:
-                pass
 
-    async def before(self, suffix: str, *, after: int = 0, timeout: float = 10.0) -> list[Event]:
-        """The events (from index `after` on) that came before the first one on `<prefix>.events.<suffix>`,
-        which must come (the sentinel)."""
-        subject = self.subject(suffix)
-        index = await self.first(lambda event: event[0] == subject, after=after, timeout=timeout)
-        return self.events[after:index]
+    async def before(self, sentinel: Match, *, after: int = 0, timeout: float = 10.0) -> list[Event]:
+        """The events (from index `after` on) that came before the first one that matches `sentinel`
+        (as in `first`: `log.before(log.subject("resource.n1.added"))`), which must come."""
+        return self.events[after:await self.first(sentinel, after=after, timeout=timeout)]
+
+    async def wait_for(self, count: int, timeout: float = 5.0) -> list[Event]:
+        """Every event so far, once there are at least `count`; they must come within `timeout`."""
+        deadline = time.monotonic() + timeout
+        while len(self.events) < count:
+            if not await self._changes(deadline):
+                raise AssertionError(f"expected {count} events, got {len(self.events)}: {self.events!r}")
+        return self.events
 
     async def close(self) -> None:
-        await self._sub.unsubscribe()
+        if self._sub is not None:
+            sub, self._sub = self._sub, None
+            await sub.unsubscribe()
 
 
 async def idempotency_keys(redis, prefix: str) -> list[str]:
@@ -77,7 +95,9 @@ async def idempotency_keys(redis, prefix: str) -> list[str]:
     return sorted([key.decode() async for key in redis.scan_iter(match=f"{prefix}:idem:*")])
 
 
-async def until(check: Callable[[], Awaitable[Any]], timeout: float = 10.0, interval: float = 0.05) -> Any:
+async def eventually(
+    check: Callable[[], Awaitable[Any]], timeout: float = 15.0, interval: float = 0.05
+) -> Any:
     """Await `check()` until it returns a truthy value (that value); fail after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while True:

@@ -8,9 +8,6 @@ Redis keys; the prefix's keys and events stream are deleted afterwards.
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 import tempfile
 import uuid
 from pathlib import Path
@@ -23,8 +20,7 @@ from bus.connection import connect
 from bus.events import EventBus
 from bus.redis import connect_redis
 from services.servers import start_nats, start_nats_cluster, start_redis, start_redis_cluster
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.worker_helpers import spawning
 
 
 @pytest.fixture(scope="session")
@@ -159,61 +155,9 @@ async def serve_allocation(serve, prefix, redis, events):
         await manager.unwatch()
 
 
-class Worker:
-    """A worker process started with `python -m services.runner`."""
-
-    def __init__(self, proc: subprocess.Popen, ready_line: str) -> None:
-        self.proc = proc
-        self.ready_line = ready_line
-
-    @property
-    def instance_id(self) -> str:
-        return self.ready_line.split()[2]  # "ready <name> <id>", then "metrics=<url>" with --metrics-port
-
-    def signal(self, sig: int) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-
-    def wait(self, timeout: float = 15) -> int:
-        return self.proc.wait(timeout)
-
-
-def start_worker(
-    module: str, nats_url: str, redis_url: str, prefix: str, *args: str, env: dict[str, str] | None = None
-) -> Worker:
-    """Start `python -m services.runner <module>` and wait for its "ready" line."""
-    argv = [
-        sys.executable, "-m", "services.runner", module,
-        "--nats", nats_url, "--redis", redis_url, "--prefix", prefix, "--memory-stream", *args,
-    ]
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
-    line = proc.stdout.readline()
-    if not line.startswith("ready"):
-        proc.kill()
-        raise RuntimeError(f"worker {module} did not start (exit {proc.wait()}): {line!r}")
-    return Worker(proc, line.strip())
-
-
-def stop_workers(workers: list[Worker]) -> None:
-    """SIGTERM (drain) every worker, then wait; one that does not exit in 15 s is killed."""
-    for worker in workers:
-        worker.signal(signal.SIGTERM)
-    for worker in workers:
-        try:
-            worker.wait(15)
-        except subprocess.TimeoutExpired:
-            worker.proc.kill()
-            worker.proc.wait()
-
-
 @pytest.fixture
 def spawn_worker(nats_url, redis_url, prefix):
-    """Start a worker process of a service module in this test's namespace; stopped at the end."""
-    workers: list[Worker] = []
-
-    def spawn(module: str, *args: str, env: dict[str, str] | None = None) -> Worker:
-        workers.append(start_worker(module, nats_url, redis_url, prefix, *args, env=env))
-        return workers[-1]
-
-    yield spawn
-    stop_workers(workers)
+    """Start a worker process of a service module in this test's namespace (`spawn_worker(module,
+    *args, env=...)` -> its `Worker`); stopped at the end."""
+    with spawning(nats_url, redis_url, prefix) as spawn:
+        yield spawn

@@ -9,21 +9,16 @@ import pytest
 from schemas.errors import BusError
 from tests.agent_helpers import TTL, ready, start_request
 from tests.agent_hosts import set_online
-from tests.broker_helpers import eventually
+from tests.allocation_helpers import GiB, requester
+from tests.bus_helpers import eventually
 
 pytest_plugins = ["tests.agent_fixtures", "tests.broker_fixtures"]
-
-GiB = 1 << 30
 
 
 @pytest.fixture
 async def call(serve_allocation, client):
     await serve_allocation(lease_interval=0.05)
-
-    async def call(command: str, payload: dict, **options) -> dict:
-        return await client.request(command, payload, dict, **options)
-
-    return call
+    return requester(client, service=None)  # the whole subject: resource.* and agent.*
 
 
 async def node(call, name: str) -> dict:

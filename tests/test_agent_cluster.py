@@ -10,7 +10,6 @@ import asyncio
 import signal
 import subprocess
 import sys
-
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,8 @@ from schemas.errors import BusError
 from services.agent.cgroups import CgroupRoot
 from services.processes import procfs
 from tests.agent_helpers import TTL, remove_parent_cgroup
-from tests.broker_helpers import FAST_ARGS, ROOT, eventually, marked, param
+from tests.broker_helpers import FAST_ARGS, ROOT, marked, param
+from tests.bus_helpers import eventually
 
 pytest_plugins = ["tests.agent_fixtures", "tests.broker_fixtures"]
 pytestmark = pytest.mark.slow

@@ -29,7 +29,8 @@ from services.processes import procfs
 from services.processes.catalog import Catalog
 from services.processes.ports import free_port
 from tests.agent_helpers import remove_parent_cgroup
-from tests.broker_helpers import CATALOG, ROOT, eventually, kill_marked, marked_pids
+from tests.broker_helpers import CATALOG, ROOT, kill_marked, marked_pids
+from tests.bus_helpers import eventually
 
 NODE = "n1"
 NOBODY_CATALOG = """

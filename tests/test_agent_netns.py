@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
-import sys
 import threading
 import uuid
 from collections.abc import Iterator
@@ -17,9 +16,10 @@ import pytest
 
 from tests.agent_helpers import HEARTBEAT, TTL
 from tests.agent_hosts import fake_host
-from tests.broker_helpers import CATALOG, FAST_ARGS, ROOT, eventually, kill_marked, param
-from tests.conftest import Worker, stop_workers
+from tests.broker_helpers import CATALOG, FAST_ARGS, kill_marked, param
+from tests.bus_helpers import eventually
 from tests.tcp_proxy import TcpProxy
+from tests.worker_helpers import start_worker, stop_workers
 
 pytest_plugins = ["tests.broker_fixtures"]
 pytestmark = pytest.mark.slow
@@ -78,18 +78,6 @@ class Relays:
         self.thread.join(10)
 
 
-def start_in(host: Host, module: str, nats: str, redis: str, prefix: str, *args: str) -> Worker:
-    """`python -m services.runner <module>` inside `host`'s namespace; waits for its "ready" line."""
-    argv = ["ip", "netns", "exec", host.name, sys.executable, "-m", "services.runner", module,
-            "--nats", nats, "--redis", redis, "--prefix", prefix, "--memory-stream", *args]
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    if not line.startswith("ready"):
-        proc.kill()
-        raise RuntimeError(f"{module} in {host.name} did not start (exit {proc.wait()}): {line!r}")
-    return Worker(proc, line.strip())
-
-
 @pytest.fixture
 def hosts(nats_url, redis_url, prefix, tmp_path) -> Iterator[list[tuple[Host, str, str]]]:
     """Two namespaced hosts, each with (its relayed NATS URL, its relayed Redis URL)."""
@@ -120,10 +108,11 @@ async def test_instances_on_namespaced_hosts_are_reached_at_their_hosts_addresse
         for host, nats, redis in hosts:
             root = fake_host(tmp_path / host.name, cpus=1)
             agents.append(await asyncio.to_thread(
-                start_in, host, "services.agent.worker", nats, redis, prefix, "--node", host.name,
+                start_worker, "services.agent.worker", nats, redis, prefix, "--node", host.name,
                 "--root", str(root), "--no-cgroups", "--state", str(tmp_path / f"{host.name}-state"),
                 "--address", host.address, "--catalog", str(CATALOG), "--label", "city=sz",
-                "--label", "platform=linux", "--heartbeat", str(HEARTBEAT), "--ttl", str(TTL)))
+                "--label", "platform=linux", "--heartbeat", str(HEARTBEAT), "--ttl", str(TTL),
+                wrap=["ip", "netns", "exec", host.name]))
         b = broker_call
         await b("init", {"user": U, "resource_id": "spread", "param": param()})
         await b("launch", {"user": U, "resource_id": "spread", "filter": {"least_instance": 2, "request_instance": 2}})

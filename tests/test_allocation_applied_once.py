@@ -16,7 +16,7 @@ from nats.micro.request import ERROR_CODE_HEADER
 
 from bus.codec import encode
 from schemas.errors import BusError
-from tests.bus_helpers import EventLog, stopped, until
+from tests.bus_helpers import EventLog, eventually, stopped
 
 GiB = 1 << 30
 NODE = {"nodename": "d1", "resource": {"cpumem": {"cpu": 8, "memory": "16G"}}}
@@ -116,7 +116,7 @@ async def test_a_run_paused_past_its_lease_writes_nothing_after_its_retry_answer
     payload = {"nodename": "d1", "deploy_count": 1, "workload_resource_request": ONE_CORE, "request_id": "paused"}
     late = await nc.subscribe(nc.new_inbox())
     await nc.publish(client.subject("resource.allocate"), encode(payload), reply=late.subject)
-    await until(lambda: asyncio.sleep(0, stopped(paused.proc.pid)))  # it reached its commit and paused
+    await eventually(lambda: asyncio.sleep(0, stopped(paused.proc.pid)))  # it reached its commit and paused
 
     spawn_worker("services.allocation.worker")
     answer = await retried(client, "resource.allocate", payload)  # a healthy worker takes the claim over

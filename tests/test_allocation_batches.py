@@ -8,9 +8,7 @@ import asyncio
 import pytest
 
 from schemas.errors import BerthError, BusError
-
-GiB = 1 << 30
-ONE_CORE = {"cpumem": {"cpu-bind": True, "cpu-request": 1, "memory-request": GiB}}
+from tests.allocation_helpers import ONE_CORE, add_node, requester
 
 
 @pytest.fixture
@@ -20,14 +18,7 @@ async def manager(serve_allocation):
 
 @pytest.fixture
 def call(client, manager):
-    async def call(command: str, payload: dict) -> dict:
-        return await client.request(f"resource.{command}", payload, dict)
-
-    return call
-
-
-async def add(call, node: str, cpu: int) -> None:
-    await call("add-node", {"nodename": node, "resource": {"cpumem": {"cpu": cpu, "memory": "64G"}}})
+    return requester(client)
 
 
 async def held(call, node: str) -> tuple[float, int]:
@@ -40,7 +31,7 @@ async def held(call, node: str) -> tuple[float, int]:
 
 async def test_concurrent_pack_places_exactly_what_fits(call):
     for node in ("p1", "p2", "p3"):
-        await add(call, node, 4)
+        await add_node(call, node, cpu=4, memory="64G")
 
     async def one() -> str:
         try:
@@ -58,7 +49,7 @@ async def test_concurrent_pack_places_exactly_what_fits(call):
 
 
 async def test_a_deploy_that_names_a_taken_id_fails_alone(call, manager):
-    await add(call, "q1", 8)
+    await add_node(call, "q1", cpu=8, memory="64G")
     first = await call("allocate", {"nodename": "q1", "deploy_count": 1, "workload_resource_request": ONE_CORE,
                                     "workload_ids": ["taken"]})
     assert first["allocations"][0]["workload_id"] == "taken"
@@ -78,7 +69,7 @@ async def test_a_deploy_that_names_a_taken_id_fails_alone(call, manager):
 
 
 async def test_two_deploys_of_one_batch_that_name_the_same_id_place_it_once(call, manager):
-    await add(call, "s1", 8)
+    await add_node(call, "s1", cpu=8, memory="64G")
     requests = {name: ONE_CORE.get(name) for name in manager.plugins}
     leader = asyncio.create_task(manager.deploys.deploy("s1", ["lead"], requests))
     await asyncio.sleep(0)  # the leader's commit is in flight: the next two wait, and go together
@@ -92,7 +83,7 @@ async def test_two_deploys_of_one_batch_that_name_the_same_id_place_it_once(call
 
 
 async def test_a_caller_that_goes_away_while_waiting_leaves_nothing_placed(call, manager):
-    await add(call, "r1", 8)
+    await add_node(call, "r1", cpu=8, memory="64G")
     requests = {name: ONE_CORE.get(name) for name in manager.plugins}
     leader = asyncio.create_task(manager.deploys.deploy("r1", ["lead"], requests))
     await asyncio.sleep(0)  # the leader's commit is in flight: the next deploy waits for it

@@ -8,10 +8,9 @@ import msgpack
 import pytest
 
 from schemas.errors import BusError, NoResponders
+from tests.allocation_helpers import ONE_CORE, GiB, add_node, requester
 from tests.bus_helpers import EventLog, idempotency_keys
 
-GiB = 1 << 30
-BOUND = {"cpumem": {"cpu-bind": True, "cpu-request": 1, "memory-request": GiB}}
 UNBOUND = {"cpumem": {"cpu-request": 0.5, "memory-request": GiB}}
 
 
@@ -22,15 +21,7 @@ async def alloc(serve_allocation):
 
 @pytest.fixture
 def call(client, alloc):
-    async def call(command: str, payload: dict, timeout: float = 5.0) -> dict:
-        return await client.request(f"resource.{command}", payload, dict, timeout=timeout)
-
-    return call
-
-
-async def add(call, node: str, cpu: int = 4, memory: str = "8G", labels: dict | None = None, **extra) -> dict:
-    resource = {"cpumem": {"cpu": cpu, "memory": memory}, **extra}
-    return await call("add-node", {"nodename": node, "resource": resource, "labels": labels or {}})
+    return requester(client)
 
 
 def answer(error: BusError) -> tuple:
@@ -49,7 +40,7 @@ async def error_of(call, command: str, payload: dict) -> BusError:
 
 async def test_add_node_creates_every_plugin_and_publishes(call, events):
     stream = await events.subscribe("resource.n1.>")
-    reply = await add(call, "n1")
+    reply = await add_node(call, "n1", cpu=4)
     assert set(reply["capacity"]) == {"cpumem", "storage", "gpu"}
     cpumem = reply["capacity"]["cpumem"]
     assert cpumem["cpu"] == 4 and cpumem["memory"] == 8 * GiB
@@ -75,7 +66,7 @@ async def test_plugin_level_commands_use_unkeyed_maps(client, alloc):
     assert caught.value.code == "node_not_found" and caught.value.details["plugin"] == "storage"
     deploy = await client.request(
         "resource.cpumem.calculate-deploy",
-        {"nodename": "p1", "deploy_count": 2, "workload_resource_request": BOUND["cpumem"]},
+        {"nodename": "p1", "deploy_count": 2, "workload_resource_request": ONE_CORE["cpumem"]},
         dict,
     )
     assert [e["cpu_map"] for e in deploy["engines_params"]] == [{"0": 100}, {"1": 100}]
@@ -96,7 +87,7 @@ async def test_info_defaults_and_labels(call):
     )
     assert reply["capacity"]["cpumem"]["cpu"] == 2
     assert reply["capacity"]["cpumem"]["memory"] == 8 * GiB  # 80 % of what the engine reports
-    await add(call, "e2", labels={"city": "bj"})
+    await add_node(call, "e2", labels={"city": "bj"}, cpu=4)
     listed = await call("list-nodes", {"labels": {"city": "sz"}})
     assert [n["nodename"] for n in listed["nodes"]] == ["e1"] and listed["total"] == 1
     assert listed["nodes"][0]["labels"] == {"city": "sz", "platform": "linux"}
@@ -107,7 +98,7 @@ async def test_info_defaults_and_labels(call):
 
 async def test_list_nodes_pages_in_name_order(call):
     for i in (3, 1, 2):
-        await add(call, f"ln{i}")
+        await add_node(call, f"ln{i}", cpu=4)
     page = await call("list-nodes", {"limit": 2})
     assert [n["nodename"] for n in page["nodes"]] == ["ln1", "ln2"] and page["total"] == 3
     page = await call("list-nodes", {"limit": 2, "offset": 2})
@@ -119,15 +110,15 @@ async def test_list_nodes_pages_in_name_order(call):
 
 
 async def test_calculations_change_nothing(call):
-    await add(call, "c1")
-    deploy = await call("calculate-deploy", {"nodename": "c1", "deploy_count": 3, "workload_resource_request": BOUND})
+    await add_node(call, "c1", cpu=4)
+    deploy = await call("calculate-deploy", {"nodename": "c1", "deploy_count": 3, "workload_resource_request": ONE_CORE})
     assert len(deploy["engines_params"]) == 3 and len(deploy["workloads_resource"]) == 3
     assert all(set(e) == {"cpumem", "storage", "gpu"} for e in deploy["engines_params"])
     info = await call("get-node-resource-info", {"nodename": "c1"})
     assert info["usage"]["cpumem"]["cpu"] == 0 and info["diffs"] == []
 
     capacity = await call(
-        "get-nodes-deploy-capacity", {"nodenames": ["c1"], "workload_resource_request": BOUND}
+        "get-nodes-deploy-capacity", {"nodenames": ["c1"], "workload_resource_request": ONE_CORE}
     )
     assert capacity["total"] == 4
     assert capacity["nodes_deploy_capacity_map"]["c1"]["capacity"] == 4
@@ -145,9 +136,9 @@ async def test_calculations_change_nothing(call):
 
 
 async def test_most_idle_and_metrics(call):
-    await add(call, "i1")
-    await add(call, "i2")
-    await call("allocate", {"nodename": "i1", "deploy_count": 1, "workload_resource_request": BOUND})
+    await add_node(call, "i1", cpu=4)
+    await add_node(call, "i2", cpu=4)
+    await call("allocate", {"nodename": "i1", "deploy_count": 1, "workload_resource_request": ONE_CORE})
     idle = await call("get-most-idle-node", {"nodenames": ["i1", "i2"]})
     assert idle == {"nodename": "i2", "priority": 100}
 
@@ -164,10 +155,11 @@ async def test_most_idle_and_metrics(call):
 
 
 async def test_allocate_then_release_restores_usage_exactly(call, events):
-    await add(call, "a1")
+    await add_node(call, "a1", cpu=4)
     before = (await call("get-node-resource-info", {"nodename": "a1"}))["usage"]
     stream = await events.subscribe("resource.a1.*")
-    placed = await call("allocate", {"nodename": "a1", "deploy_count": 3, "workload_resource_request": BOUND})
+    placed = await call("allocate", {"nodename": "a1", "deploy_count": 3,
+                                     "workload_resource_request": ONE_CORE})
     ids = [a["workload_id"] for a in placed["allocations"]]
     assert len(set(ids)) == 3 and all(a["nodename"] == "a1" for a in placed["allocations"])
     _, event = await stream.next(timeout=2)
@@ -188,16 +180,16 @@ async def test_allocate_then_release_restores_usage_exactly(call, events):
 
 
 async def test_allocate_is_all_or_nothing(call):
-    await add(call, "f1", cpu=2)
-    await add(call, "f2", cpu=2)
+    await add_node(call, "f1", cpu=2)
+    await add_node(call, "f2", cpu=2)
     err = await error_of(
         call, "allocate",
-        {"nodenames": ["f1", "f2"], "strategy": "spread", "deploy_count": 5, "workload_resource_request": BOUND},
+        {"nodenames": ["f1", "f2"], "strategy": "spread", "deploy_count": 5, "workload_resource_request": ONE_CORE},
     )
     assert err.code == "insufficient_capacity" and err.status == 409
     err = await error_of(
         call, "allocate",
-        {"nodenames": ["f1", "f2"], "strategy": "each", "deploy_count": 3, "workload_resource_request": BOUND},
+        {"nodenames": ["f1", "f2"], "strategy": "each", "deploy_count": 3, "workload_resource_request": ONE_CORE},
     )
     assert err.code == "insufficient_capacity"
     for node in ("f1", "f2"):
@@ -208,8 +200,8 @@ async def test_allocate_is_all_or_nothing(call):
 
 async def test_strategies_spread_pack_each(call):
     for node in ("s1", "s2", "s3"):
-        await add(call, node)
-    await call("allocate", {"nodename": "s2", "deploy_count": 1, "workload_resource_request": BOUND})
+        await add_node(call, node, cpu=4)
+    await call("allocate", {"nodename": "s2", "deploy_count": 1, "workload_resource_request": ONE_CORE})
 
     def count(reply):
         out: dict[str, int] = {}
@@ -218,11 +210,11 @@ async def test_strategies_spread_pack_each(call):
         return out
 
     nodes = ["s1", "s2", "s3"]
-    spread = await call("allocate", {"nodenames": nodes, "strategy": "spread", "deploy_count": 5, "workload_resource_request": BOUND})
+    spread = await call("allocate", {"nodenames": nodes, "strategy": "spread", "deploy_count": 5, "workload_resource_request": ONE_CORE})
     assert count(spread) == {"s1": 2, "s2": 1, "s3": 2}
-    await call("allocate", {"nodename": "s3", "deploy_count": 1, "workload_resource_request": BOUND})
+    await call("allocate", {"nodename": "s3", "deploy_count": 1, "workload_resource_request": ONE_CORE})
     # s3 is now the most used (3 of 4 cores): pack fills it first, then one of the next most used.
-    pack = await call("allocate", {"nodenames": nodes, "strategy": "pack", "deploy_count": 2, "workload_resource_request": BOUND})
+    pack = await call("allocate", {"nodenames": nodes, "strategy": "pack", "deploy_count": 2, "workload_resource_request": ONE_CORE})
     packed = count(pack)
     assert packed.pop("s3") == 1 and list(packed.values()) == [1] and set(packed) <= {"s1", "s2"}
     each = await call("allocate", {"nodenames": ["s1", "s2"], "strategy": "each", "deploy_count": 1, "workload_resource_request": UNBOUND})
@@ -230,8 +222,8 @@ async def test_strategies_spread_pack_each(call):
 
 
 async def test_realloc_by_workload_id(call):
-    await add(call, "r1")
-    [placed] = (await call("allocate", {"nodename": "r1", "deploy_count": 1, "workload_resource_request": BOUND}))["allocations"]
+    await add_node(call, "r1", cpu=4)
+    [placed] = (await call("allocate", {"nodename": "r1", "deploy_count": 1, "workload_resource_request": ONE_CORE}))["allocations"]
     reply = await call(
         "realloc",
         {"workload_id": placed["workload_id"],
@@ -246,8 +238,8 @@ async def test_realloc_by_workload_id(call):
 
 
 async def test_remove_node_refuses_while_workloads_hold_it(call):
-    await add(call, "rm1")
-    placed = await call("allocate", {"nodename": "rm1", "deploy_count": 1, "workload_resource_request": BOUND})
+    await add_node(call, "rm1", cpu=4)
+    placed = await call("allocate", {"nodename": "rm1", "deploy_count": 1, "workload_resource_request": ONE_CORE})
     err = await error_of(call, "remove-node", {"nodename": "rm1"})
     assert (err.code, err.status) == ("node_not_empty", 409)
     await call("release", {"workload_ids": [placed["allocations"][0]["workload_id"]]})
@@ -257,8 +249,8 @@ async def test_remove_node_refuses_while_workloads_hold_it(call):
 
 
 async def test_allocate_with_request_id_happens_once(call):
-    await add(call, "id1")
-    payload = {"nodename": "id1", "deploy_count": 2, "workload_resource_request": BOUND, "request_id": "req-7"}
+    await add_node(call, "id1", cpu=4)
+    payload = {"nodename": "id1", "deploy_count": 2, "workload_resource_request": ONE_CORE, "request_id": "req-7"}
     first, second = await asyncio.gather(call("allocate", payload), call("allocate", payload))
     assert first == second
     assert (await call("get-node-resource-info", {"nodename": "id1"}))["usage"]["cpumem"]["cpu"] == 2
@@ -268,8 +260,8 @@ async def test_allocate_with_request_id_happens_once(call):
 
 
 async def test_fix_node_resource_repairs_usage_from_the_ledger(call):
-    await add(call, "fx1")
-    await call("allocate", {"nodename": "fx1", "deploy_count": 2, "workload_resource_request": BOUND})
+    await add_node(call, "fx1", cpu=4)
+    await call("allocate", {"nodename": "fx1", "deploy_count": 2, "workload_resource_request": ONE_CORE})
     good = (await call("get-node-resource-info", {"nodename": "fx1"}))["usage"]
     await call(
         "set-node-resource-usage",
@@ -283,7 +275,7 @@ async def test_fix_node_resource_repairs_usage_from_the_ledger(call):
 
 
 async def test_capacity_change_and_exact_info_round_trip(call):
-    await add(call, "cap1")
+    await add_node(call, "cap1", cpu=4)
     changed = await call(
         "set-node-resource-capacity",
         {"nodename": "cap1", "resource_request": {"cpumem": {"memory": "2G"}}, "delta": True, "incr": True},
@@ -300,7 +292,7 @@ async def test_capacity_change_and_exact_info_round_trip(call):
 async def test_get_remove_set_round_trip_recreates_the_node(call, events):
     """set-node-resource-info creates records for a node that does not exist (eru), so it can
     restore a removed node exactly: in the index, announced as added, with every plugin's state."""
-    await add(call, "rt1", cpu=3, storage={"volumes": ["/data:10G"], "storage": "20G"})
+    await add_node(call, "rt1", cpu=3, storage={"volumes": ["/data:10G"], "storage": "20G"})
     await call("set-node-resource-usage", {"nodename": "rt1", "resource_request": {"cpumem": {"cpu": "0:30"}}})
     snapshot = await call("get-node-resource-info", {"nodename": "rt1"})
     await call("remove-node", {"nodename": "rt1"})
@@ -320,7 +312,7 @@ async def test_get_remove_set_round_trip_recreates_the_node(call, events):
 async def test_unknown_node_and_plugin(call, client, nc, prefix):
     err = await error_of(call, "calculate-deploy", {"nodename": "ghost", "deploy_count": 1})
     assert (err.code, err.status, err.details["nodename"]) == ("node_not_found", 404, "ghost")
-    await add(call, "k1")
+    await add_node(call, "k1", cpu=4)
     err = await error_of(
         call, "calculate-deploy", {"nodename": "k1", "deploy_count": 1, "workload_resource_request": {"tpu": {}}}
     )
@@ -364,8 +356,8 @@ BAD_INPUT = [
 async def test_bad_input_is_refused_naming_the_field_and_changes_nothing(
     call, nc, redis, prefix, command, payload, field
 ):
-    await add(call, "b0")
-    await call("allocate", {"nodename": "b0", "deploy_count": 1, "workload_resource_request": BOUND})
+    await add_node(call, "b0", cpu=4)
+    await call("allocate", {"nodename": "b0", "deploy_count": 1, "workload_resource_request": ONE_CORE})
 
     async def state():
         return (
@@ -387,7 +379,7 @@ async def test_bad_input_is_refused_naming_the_field_and_changes_nothing(
     assert len(before[1]["allocations"]) == 1 and before[2]["total"] == 1
     assert await idempotency_keys(redis, prefix) == []
     await call("set-node-labels", {"nodename": "b0", "labels": {"sentinel": "1"}})
-    assert await log.before("resource.b0.labels") == []
+    assert await log.before(log.subject("resource.b0.labels")) == []
     await log.close()
 
 

@@ -22,13 +22,11 @@ import time
 import pytest
 
 from schemas.errors import BusError
-from tests.test_allocation_concurrency import check_invariants
+from tests.allocation_helpers import ONE_CORE, check_invariants
 
-GiB = 1 << 30
 NODES = [f"x{i}" for i in range(8)]
 CORES = 4
 CLIENTS = 48
-REQUEST = {"cpumem": {"cpu-bind": True, "cpu-request": 1, "memory-request": GiB}}
 RETRIED = {"timeout", "busy", "unavailable", "no_responders"}  # not answered yet: send it again
 TIMEOUT = 2.0  # the client's patience; a stall (3 s) outlasts it and the claim lease (2 s)
 
@@ -80,8 +78,8 @@ async def one_client(client, index: int, book: Ledger, stop_at: float) -> None:
             held[:] = [w for w in held if w not in ids]
             continue
         payload = {
-            "nodenames": NODES, "strategy": "spread", "deploy_count": 1, "workload_resource_request": REQUEST,
-            "request_id": request_id,
+            "nodenames": NODES, "strategy": "spread", "deploy_count": 1,
+            "workload_resource_request": ONE_CORE, "request_id": request_id,
         }
         reply = await call_until_answered(client, "resource.allocate", payload, book, stop_at)
         if isinstance(reply, str):

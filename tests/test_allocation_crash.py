@@ -10,7 +10,7 @@ import signal
 
 import pytest
 
-from tests.test_allocation_concurrency import allocate_until_answered, check_invariants
+from tests.allocation_helpers import allocate_until_answered, check_invariants
 
 NODES = [f"k{i}" for i in range(8)]
 CORES = 8

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from schemas.errors import BusError
+from tests.allocation_helpers import GiB, requester
 from tests.bus_helpers import EventLog, idempotency_keys
 
-GiB = 1 << 30
 NODE = {
     "cpumem": {"cpu": 2, "memory": "4G"},
     "storage": {"volumes": ["/data:100G"], "storage": "200G"},
@@ -18,10 +18,7 @@ NODE = {
 @pytest.fixture
 async def call(serve_allocation, client):
     await serve_allocation()
-
-    async def call(command: str, payload: dict) -> dict:
-        return await client.request(f"resource.{command}", payload, dict)
-
+    call = requester(client)
     await call("add-node", {"nodename": "e0", "resource": NODE})
     return call
 
@@ -120,7 +117,7 @@ async def test_error_code(call, nc, redis, prefix, code, status, command, payloa
     kept = [key.rsplit(":", 1)[-1] for key in await idempotency_keys(redis, prefix)]
     assert kept == ([request["request_id"]] if status != 400 and command in CHANGES_STATE else [])
     await call("set-node-labels", {"nodename": "e0", "labels": {"sentinel": "1"}})
-    assert await log.before("resource.e0.labels") == []
+    assert await log.before(log.subject("resource.e0.labels")) == []
     await log.close()
 
 

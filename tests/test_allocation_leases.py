@@ -11,10 +11,9 @@ import time
 import pytest
 
 from schemas.errors import BusError
-from tests.broker_helpers import eventually
+from tests.allocation_helpers import ONE_CORE, add_node, requester
+from tests.bus_helpers import eventually
 
-GiB = 1 << 30
-ONE_CORE = {"cpumem": {"cpu-bind": True, "cpu-request": 1, "memory-request": GiB}}
 TTL = 0.4  # seconds: short, so that a test waits little for a lease to lapse
 
 
@@ -22,15 +21,7 @@ TTL = 0.4  # seconds: short, so that a test waits little for a lease to lapse
 async def call(serve_allocation, client):
     await serve_allocation(lease_interval=0.05)
 
-    async def call(command: str, payload: dict) -> dict:
-        return await client.request(f"resource.{command}", payload, dict)
-
-    return call
-
-
-async def add(call, node: str, pool: str = "p", cpu: int = 2) -> None:
-    await call("add-node", {"nodename": node, "labels": {"pool": pool},
-                            "resource": {"cpumem": {"cpu": cpu, "memory": "8G"}}})
+    return requester(client)
 
 
 async def beat(call, node: str, ttl: float = TTL, **extra) -> dict:
@@ -59,14 +50,14 @@ async def test_a_heartbeat_for_an_unknown_node_is_node_not_found(call):
 
 @pytest.mark.parametrize("ttl", [0, -1, 0.05, 3601, float("nan"), "5"])
 async def test_a_ttl_out_of_bounds_is_invalid_and_changes_nothing(call, ttl):
-    await add(call, "n1")
+    await add_node(call, "n1", pool="p")
     error = await refused(call, "node-heartbeat", {"nodename": "n1", "ttl_seconds": ttl})
     assert (error.code, error.details["field"]) == ("invalid_argument", "ttl_seconds")
     assert (await node(call, "n1"))["lease"] is None
 
 
 async def test_heartbeats_keep_a_node_up_without_changing_its_version(call, events):
-    await add(call, "n1")
+    await add_node(call, "n1", pool="p")
     stream = await events.subscribe("resource.n1.*")
     try:
         before = time.time()
@@ -88,7 +79,7 @@ async def test_heartbeats_keep_a_node_up_without_changing_its_version(call, even
 
 async def test_a_lapsed_lease_takes_the_node_out_of_every_selection_and_a_heartbeat_brings_it_back(call, events):
     for name in ("a1", "a2"):
-        await add(call, name, cpu=4)
+        await add_node(call, name, pool="p", cpu=4)
     held = await allocate(call, 1, nodename="a1")
     assert held == ["a1"]
     stream = await events.subscribe("resource.a1.*")
@@ -119,8 +110,8 @@ async def test_a_lapsed_lease_takes_the_node_out_of_every_selection_and_a_heartb
 
 
 async def test_a_draining_node_takes_no_new_workloads_until_it_resumes(call, events):
-    await add(call, "d1")
-    await add(call, "d2")
+    await add_node(call, "d1", pool="p")
+    await add_node(call, "d2", pool="p")
     stream = await events.subscribe("resource.d1.*")
     try:
         assert (await beat(call, "d1", ttl=30, draining=True))["status"] == "draining"
@@ -140,7 +131,7 @@ async def test_a_draining_node_takes_no_new_workloads_until_it_resumes(call, eve
 
 
 async def test_a_removed_node_leaves_no_lease_behind(call, redis, prefix):
-    await add(call, "r1")
+    await add_node(call, "r1", pool="p")
     await beat(call, "r1", ttl=30)
     await call("remove-node", {"nodename": "r1"})
     leases = [key async for key in redis.scan_iter(match=f"{prefix}:allocation:*lease*")]
@@ -184,7 +175,7 @@ async def test_several_allocation_workers_mark_a_lapsed_node_down_once(spawn_wor
 async def test_a_node_goes_down_within_its_ttl_and_the_sweep_interval(call, events):
     """What the agent docs promise: down no later than TTL + lease interval (+ a round trip) after
     the last heartbeat; asserted loosely (no timing threshold), the figure is measured in bench."""
-    await add(call, "t1")
+    await add_node(call, "t1", pool="p")
     stream = await events.subscribe("resource.t1.down")
     try:
         last = await beat(call, "t1")

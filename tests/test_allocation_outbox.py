@@ -9,7 +9,7 @@ import signal
 import pytest
 
 from schemas.errors import BusError
-from tests.bus_helpers import stream_events, until
+from tests.bus_helpers import eventually, stream_events
 
 NODE = {"nodename": "o1", "resource": {"cpumem": {"cpu": 4, "memory": "8G"}}}
 ONE_CORE = {"cpumem": {"cpu-request": 1, "memory-request": 1 << 30}}
@@ -43,4 +43,4 @@ async def test_an_event_committed_by_a_worker_that_died_before_publishing_reache
     async def no_gap() -> bool:
         return sorted(set(await stream_versions(nc, prefix, "o1"))) == [1, 2, 3]
 
-    await until(no_gap, timeout=30)  # the sweep published version 2 from the dead worker's outbox
+    await eventually(no_gap, timeout=30)  # the sweep published version 2 from the dead worker's outbox

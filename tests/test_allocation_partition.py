@@ -26,10 +26,10 @@ import pytest
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
-from tests.bus_helpers import until
-from tests.conftest import start_worker, stop_workers
+from tests.allocation_helpers import allocate_until_answered, check_invariants
+from tests.bus_helpers import eventually
 from tests.tcp_proxy import MODES, TcpProxy
-from tests.test_allocation_concurrency import allocate_until_answered, check_invariants
+from tests.worker_helpers import start_worker, stop_workers
 
 NODES = [f"p{i}" for i in range(8)]
 CORES = 16  # 128 placements fit: commits go on through the cut, and the nodes fill up after it
@@ -105,7 +105,7 @@ class Load:
             assert self.wrong() == [], self.wrong()
             return condition()
 
-        await until(check, timeout=30)
+        await eventually(check, timeout=30)
 
     async def stop(self) -> None:
         """Let every client finish the request it is on (retrying until answered), then stop."""
@@ -142,7 +142,7 @@ async def check_answers_hold(client, answers: dict[str, dict | str]) -> None:
         return held if {w for ids in held.values() for w in ids} <= answered_ids else None
 
     try:
-        held = await until(no_orphans, timeout=20)
+        held = await eventually(no_orphans, timeout=20)
     except AssertionError:
         held = await ledgers(client)
     all_held = [w for ids in held.values() for w in ids]
@@ -235,16 +235,16 @@ async def test_worker_cut_from_nats_reconnects_and_others_serve_meanwhile(
 
     assert proxy.cut(mode) == 1  # the worker's one NATS connection was closed
     # The cut hit: the worker is gone from the bus; the load goes on through the other worker.
-    await until(lambda: _none(srv(nc, "PING", name, instance)), timeout=30)
+    await eventually(lambda: _none(srv(nc, "PING", name, instance)), timeout=30)
     await load.answered(40)
     await load.until(lambda: proxy.refused + proxy.held > 0)  # it tried to reconnect
     accepted = proxy.accepted
     proxy.restore()
 
     # It reconnected through the healed link, answers its own ping, and takes requests again.
-    before = allocate_requests(await until(lambda: srv(nc, "STATS", name, instance), timeout=30))
+    before = allocate_requests(await eventually(lambda: srv(nc, "STATS", name, instance), timeout=30))
     assert proxy.accepted > accepted
-    await until(lambda: _more(srv(nc, "STATS", name, instance), before), timeout=30)
+    await eventually(lambda: _more(srv(nc, "STATS", name, instance), before), timeout=30)
     await load.stop()
     await check_answers_hold(client, load.answers)
 

@@ -7,10 +7,8 @@ import time
 import pytest
 
 from services.allocation.records import Intent
-from tests.bus_helpers import until
-
-GiB = 1 << 30
-BOUND = {"cpumem": {"cpu-bind": True, "cpu-request": 1, "memory-request": GiB}}
+from tests.allocation_helpers import ONE_CORE, add_node, requester
+from tests.bus_helpers import eventually
 
 
 @pytest.fixture
@@ -20,10 +18,7 @@ async def manager(serve_allocation):
 
 @pytest.fixture
 def call(client, manager):
-    async def call(command: str, payload: dict) -> dict:
-        return await client.request(f"resource.{command}", payload, dict)
-
-    return call
+    return requester(client)
 
 
 async def used_cpus(call, node: str) -> float:
@@ -32,10 +27,10 @@ async def used_cpus(call, node: str) -> float:
 
 async def test_half_done_multi_node_allocation_is_released_by_the_reaper(call, manager):
     for node in ("h1", "h2"):
-        await call("add-node", {"nodename": node, "resource": {"cpumem": {"cpu": 4, "memory": "8G"}}})
+        await add_node(call, node, cpu=4)
     # What a worker that died between its two node commits leaves: one node committed, the
     # intent naming all ids still there, its deadline passed.
-    await call("allocate", {"nodename": "h1", "deploy_count": 1, "workload_resource_request": BOUND,
+    await call("allocate", {"nodename": "h1", "deploy_count": 1, "workload_resource_request": ONE_CORE,
                             "workload_ids": ["w1"]})
     await manager.store.begin_intent("dead-worker", Intent(time.time() - 1, ["w1", "w2"], None))
     assert await used_cpus(call, "h1") == 1
@@ -43,23 +38,23 @@ async def test_half_done_multi_node_allocation_is_released_by_the_reaper(call, m
     async def reaped():
         return await used_cpus(call, "h1") == 0
 
-    await until(reaped)
+    await eventually(reaped)
     assert await manager.store.expired_intents(time.time() + 3600) == {}
     assert (await call("get-allocations", {"nodename": "h1"}))["allocations"] == []
 
 
 async def test_finished_multi_node_allocation_leaves_no_intent(call, manager):
     for node in ("m1", "m2"):
-        await call("add-node", {"nodename": node, "resource": {"cpumem": {"cpu": 1, "memory": "8G"}}})
+        await add_node(call, node, cpu=1)
     placed = await call("allocate", {"nodenames": ["m1", "m2"], "strategy": "spread", "deploy_count": 2,
-                                     "workload_resource_request": BOUND})
+                                     "workload_resource_request": ONE_CORE})
     assert sorted(a["nodename"] for a in placed["allocations"]) == ["m1", "m2"]
     assert await manager.store.expired_intents(time.time() + 3600) == {}
 
 
 async def test_retry_of_an_unanswered_allocate_places_once(call, redis, prefix):
-    await call("add-node", {"nodename": "u1", "resource": {"cpumem": {"cpu": 4, "memory": "8G"}}})
-    request = {"nodename": "u1", "deploy_count": 2, "workload_resource_request": BOUND, "request_id": "job-9"}
+    await add_node(call, "u1", cpu=4)
+    request = {"nodename": "u1", "deploy_count": 2, "workload_resource_request": ONE_CORE, "request_id": "job-9"}
     first = await call("allocate", request)
     # The worker died after committing but before it could keep its answer: its claim is left
     # without an answer, and its lease runs out.
@@ -87,9 +82,9 @@ async def test_a_retry_whose_claim_was_lost_gives_back_its_own_placement_on_a_fu
     # node's ledger, in another slot, keeps the placement. The retry then runs as the first run
     # again, and the only room left is the room that very run took.
     for node in ("f1", "f2"):
-        await call("add-node", {"nodename": node, "resource": {"cpumem": {"cpu": 1, "memory": "8G"}}})
-    await call("allocate", {"nodename": "f2", "deploy_count": 1, "workload_resource_request": BOUND})  # f2 full
-    request = {**selection, "deploy_count": 1, "workload_resource_request": BOUND, "request_id": "lost-1"}
+        await add_node(call, node, cpu=1)
+    await call("allocate", {"nodename": "f2", "deploy_count": 1, "workload_resource_request": ONE_CORE})  # f2 full
+    request = {**selection, "deploy_count": 1, "workload_resource_request": ONE_CORE, "request_id": "lost-1"}
     first = await call("allocate", request)
     [claim] = [k async for k in redis.scan_iter(match=f"{prefix}:idem:*")]
     await redis.delete(claim)

@@ -9,23 +9,13 @@ import asyncio
 import pytest
 
 from schemas.errors import BusError
-
-GiB = 1 << 30
-ONE_CORE = {"cpumem": {"cpu-bind": True, "cpu-request": 1, "memory-request": GiB}}
+from tests.allocation_helpers import ONE_CORE, add_node, requester
 
 
 @pytest.fixture
 async def call(serve_allocation, client):
     await serve_allocation()
-
-    async def call(command: str, payload: dict) -> dict:
-        return await client.request(f"resource.{command}", payload, dict)
-
-    return call
-
-
-async def add(call, node: str, labels: dict, cpu: int = 2) -> None:
-    await call("add-node", {"nodename": node, "labels": labels, "resource": {"cpumem": {"cpu": cpu, "memory": "8G"}}})
+    return requester(client)
 
 
 def nodes_of(reply: dict) -> list[str]:
@@ -37,9 +27,9 @@ async def allocate(call, count: int, **selection) -> dict:
 
 
 async def test_allocate_by_labels_places_only_on_matching_nodes(call):
-    await add(call, "a1", {"pool": "a", "zone": "x"})
-    await add(call, "a2", {"pool": "a", "zone": "y"})
-    await add(call, "b1", {"pool": "b", "zone": "x"})
+    await add_node(call, "a1", labels={"pool": "a", "zone": "x"})
+    await add_node(call, "a2", labels={"pool": "a", "zone": "y"})
+    await add_node(call, "b1", labels={"pool": "b", "zone": "x"})
     placed = await allocate(call, 4, labels={"pool": "a"}, strategy="spread")
     assert nodes_of(placed) == ["a1", "a1", "a2", "a2"]
     # Every key must match.
@@ -51,7 +41,7 @@ async def test_allocate_by_labels_places_only_on_matching_nodes(call):
 
 async def test_neither_nodenames_nor_labels_means_every_node(call):
     for node in ("e1", "e2", "e3"):
-        await add(call, node, {"n": node})
+        await add_node(call, node, labels={"n": node})
     assert nodes_of(await allocate(call, 6, strategy="spread")) == ["e1", "e1", "e2", "e2", "e3", "e3"]
     capacity = await call("get-nodes-deploy-capacity", {"workload_resource_request": ONE_CORE})
     assert capacity["total"] == 0 and sorted(capacity["nodes_deploy_capacity_map"]) == []
@@ -60,26 +50,26 @@ async def test_neither_nodenames_nor_labels_means_every_node(call):
 
 
 async def test_each_places_on_every_matching_node(call):
-    await add(call, "c1", {"rack": "r1"})
-    await add(call, "c2", {"rack": "r1"})
-    await add(call, "c3", {"rack": "r2"})
+    await add_node(call, "c1", labels={"rack": "r1"})
+    await add_node(call, "c2", labels={"rack": "r1"})
+    await add_node(call, "c3", labels={"rack": "r2"})
     placed = await allocate(call, 1, labels={"rack": "r1"}, strategy="each")
     assert nodes_of(placed) == ["c1", "c2"]
 
 
 async def test_nodenames_and_labels_together_select_the_listed_nodes_that_match(call):
-    await add(call, "d1", {"pool": "a"})
-    await add(call, "d2", {"pool": "a"})
-    await add(call, "d3", {"pool": "b"})
+    await add_node(call, "d1", labels={"pool": "a"})
+    await add_node(call, "d2", labels={"pool": "a"})
+    await add_node(call, "d3", labels={"pool": "b"})
     capacity = await call("get-nodes-deploy-capacity", {
         "nodenames": ["d2", "d3"], "labels": {"pool": "a"}, "workload_resource_request": ONE_CORE})
     assert capacity["nodes_deploy_capacity_map"].keys() == {"d2"} and capacity["total"] == 2
 
 
 async def test_views_follow_nodes_added_removed_and_relabelled(call):
-    await add(call, "f1", {"pool": "a"})
+    await add_node(call, "f1", labels={"pool": "a"})
     assert nodes_of(await allocate(call, 2, labels={"pool": "a"})) == ["f1", "f1"]  # f1 is full now
-    await add(call, "f2", {"pool": "a"})  # joins the selection the worker already holds
+    await add_node(call, "f2", labels={"pool": "a"})  # joins the selection the worker already holds
     assert nodes_of(await allocate(call, 1, labels={"pool": "a"})) == ["f2"]
     await call("set-node-labels", {"nodename": "f2", "labels": {"pool": "b"}})  # leaves it
     err = await call_error(call, "allocate", {"deploy_count": 1, "labels": {"pool": "a"}, "workload_resource_request": ONE_CORE})
@@ -91,9 +81,9 @@ async def test_views_follow_nodes_added_removed_and_relabelled(call):
 
 
 async def test_most_idle_by_labels(call):
-    await add(call, "g1", {"pool": "a"}, cpu=4)
-    await add(call, "g2", {"pool": "a"}, cpu=4)
-    await add(call, "g3", {"pool": "b"}, cpu=4)
+    await add_node(call, "g1", labels={"pool": "a"}, cpu=4)
+    await add_node(call, "g2", labels={"pool": "a"}, cpu=4)
+    await add_node(call, "g3", labels={"pool": "b"}, cpu=4)
     await allocate(call, 1, nodename="g1")
     assert (await call("get-most-idle-node", {"labels": {"pool": "a"}}))["nodename"] == "g2"
     assert (await call("get-most-idle-node", {}))["nodename"] == "g2"  # g2 and g3 tie: the smaller name
@@ -102,8 +92,8 @@ async def test_most_idle_by_labels(call):
 
 
 async def test_a_node_missing_a_plugin_is_left_out_of_a_label_selection(call, client):
-    await add(call, "h1", {"pool": "a"})
-    await add(call, "h2", {"pool": "a"})
+    await add_node(call, "h1", labels={"pool": "a"})
+    await add_node(call, "h2", labels={"pool": "a"})
     await client.request("resource.gpu.remove-node", {"nodename": "h2"}, dict)
     capacity = await call("get-nodes-deploy-capacity", {"labels": {"pool": "a"}, "workload_resource_request": ONE_CORE})
     assert capacity["nodes_deploy_capacity_map"].keys() == {"h1"}
@@ -114,7 +104,7 @@ async def test_a_node_missing_a_plugin_is_left_out_of_a_label_selection(call, cl
 
 async def test_list_nodes_pages_by_labels_and_in_full(call):
     for i in range(7):
-        await add(call, f"l{i}", {"odd": str(i % 2)})
+        await add_node(call, f"l{i}", labels={"odd": str(i % 2)})
     page = await call("list-nodes", {"labels": {"odd": "1"}, "limit": 2})
     assert [n["nodename"] for n in page["nodes"]] == ["l1", "l3"] and page["total"] == 3
     page = await call("list-nodes", {"labels": {"odd": "1"}, "offset": 2, "limit": 2})
@@ -125,7 +115,7 @@ async def test_list_nodes_pages_by_labels_and_in_full(call):
 
 
 async def test_nodename_with_labels_or_nodenames_is_invalid(call):
-    await add(call, "i1", {"pool": "a"})
+    await add_node(call, "i1", labels={"pool": "a"})
     for extra in ({"labels": {"pool": "a"}}, {"nodenames": ["i1"]}):
         err = await call_error(call, "allocate", {"nodename": "i1", "deploy_count": 1, **extra})
         assert (err.code, err.status, err.details["field"]) == ("invalid_argument", 400, "nodename")
@@ -135,11 +125,9 @@ async def test_label_changes_made_through_one_worker_reach_the_others(spawn_work
     spawn_worker("services.allocation.worker")
     spawn_worker("services.allocation.worker")
 
-    async def call(command: str, payload: dict) -> dict:
-        return await client.request(f"resource.{command}", payload, dict)
-
-    await add(call, "w1", {"pool": "a"}, cpu=64)
-    await add(call, "w2", {"pool": "b"}, cpu=64)
+    call = requester(client)
+    await add_node(call, "w1", labels={"pool": "a"}, cpu=64)
+    await add_node(call, "w2", labels={"pool": "b"}, cpu=64)
     for _ in range(8):  # both workers hold a view of pool a (a queue group spreads the requests)
         assert nodes_of(await allocate(call, 1, labels={"pool": "a"})) == ["w1"]
     await call("set-node-labels", {"nodename": "w1", "labels": {"pool": "b"}})
@@ -166,11 +154,9 @@ async def test_a_capacity_query_over_more_nodes_than_a_reply_can_carry_names_the
 ):
     await serve_allocation(watch=False, max_payload=16 * 1024)
 
-    async def call(command: str, payload: dict) -> dict:
-        return await client.request(f"resource.{command}", payload, dict)
-
+    call = requester(client)
     for i in range(400):  # about 40 bytes each in the answer: 16 KiB holds fewer
-        await add(call, f"n{i:03d}", {"pool": "a"}, cpu=4)
+        await add_node(call, f"n{i:03d}", labels={"pool": "a"}, cpu=4)
     query = {"workload_resource_request": ONE_CORE}
     error = await call_error(call, "get-nodes-deploy-capacity", {**query, "labels": {"pool": "a"}})
     assert (error.code, error.field) == ("invalid_argument", "labels") and "400 nodes" in str(error)
@@ -182,13 +168,13 @@ async def test_a_view_read_a_chunk_at_a_time_counts_every_node_and_names_a_missi
     monkeypatch.setattr("services.allocation.fleet.REFRESH_CHUNK", 3)
     names = [f"c{i:02d}" for i in range(10)]
     for name in names:
-        await add(call, name, {}, cpu=4)
+        await add_node(call, name, labels={}, cpu=4)
     query = {"workload_resource_request": ONE_CORE}
     assert (await call("get-nodes-deploy-capacity", {**query, "nodenames": names}))["total"] == 40
     with_missing = {**query, "nodenames": names[:7] + ["nope"] + names[7:]}
     missing = await call_error(call, "get-nodes-deploy-capacity", with_missing)
     assert missing.code == "node_not_found" and "nope" in str(missing)
-    await add(call, "nope", {}, cpu=4)
+    await add_node(call, "nope", labels={}, cpu=4)
     again = await call("get-nodes-deploy-capacity", with_missing)
     assert again["total"] == 44  # the chunks after the missing node were read this time
 

@@ -11,7 +11,8 @@ from bus.idempotency import IdempotencyStore
 from services.allocation.manager import AllocationManager
 from services.allocation.store import NodeStore
 from services.allocation.worker import STREAM, make_plugins, make_service
-from tests.broker_helpers import eventually, marked, param
+from tests.broker_helpers import marked, param
+from tests.bus_helpers import eventually
 
 pytest_plugins = ["tests.broker_fixtures", "tests.agent_fixtures"]
 

@@ -17,8 +17,8 @@ from nats.micro.request import ERROR_CODE_HEADER
 
 from bus.codec import encode
 from schemas.errors import BusError
-from tests.broker_helpers import FAST_ARGS, all_tracked_once, const_broker, eventually, marked_pids, param
-from tests.bus_helpers import stopped, stream_events
+from tests.broker_helpers import FAST_ARGS, all_tracked_once, const_broker, marked_pids, param
+from tests.bus_helpers import eventually, stopped, stream_events
 
 pytest_plugins = ["tests.broker_fixtures"]
 

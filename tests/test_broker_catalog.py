@@ -18,12 +18,12 @@ from tests.broker_helpers import (
     ROOT,
     SERVER,
     const_broker,
-    eventually,
     marked,
     param,
     server,
     tracked_pids,
 )
+from tests.bus_helpers import eventually
 
 pytest_plugins = ["tests.broker_fixtures"]
 

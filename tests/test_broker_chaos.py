@@ -41,11 +41,11 @@ from tests.broker_helpers import (
     FAST_ARGS,
     all_tracked_once,
     const_broker,
-    eventually,
     marked,
     marked_pids,
     param,
 )
+from tests.bus_helpers import eventually
 
 pytest_plugins = ["tests.broker_fixtures"]
 

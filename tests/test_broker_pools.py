@@ -12,8 +12,8 @@ import urllib.request
 import pytest
 
 from schemas.errors import BusError
-from tests.broker_helpers import FAST, FAST_ARGS, SERVER, const_broker, eventually, marked, param, server
-from tests.bus_helpers import EventLog
+from tests.broker_helpers import FAST, FAST_ARGS, SERVER, const_broker, marked, param, server
+from tests.bus_helpers import EventLog, eventually
 
 pytest_plugins = ["tests.broker_fixtures"]
 

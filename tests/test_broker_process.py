@@ -16,7 +16,8 @@ from services.broker.operators.process import ProcessOperator, ProcessTable, Slo
 from services.processes import procfs
 from services.processes.catalog import Catalog
 from services.processes.ports import free_port
-from tests.broker_helpers import CATALOG, HTTP, ROOT, SERVER, eventually, marked
+from tests.broker_helpers import CATALOG, HTTP, ROOT, SERVER, marked
+from tests.bus_helpers import eventually
 
 pytest_plugins = ["tests.broker_fixtures"]
 

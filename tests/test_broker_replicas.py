@@ -12,11 +12,11 @@ from tests.broker_helpers import (
     SERVER,
     all_tracked_once,
     const_broker,
-    eventually,
     marked_pids,
     param,
     server,
 )
+from tests.bus_helpers import eventually
 
 pytest_plugins = ["tests.broker_fixtures"]
 

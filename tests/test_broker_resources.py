@@ -10,8 +10,8 @@ import msgpack
 import pytest
 
 from services.broker.model import ready_enough
-from tests.broker_helpers import HTTP, SERVER, eventually, marked, param, server, tracked_pids
-from tests.bus_helpers import EventLog, idempotency_keys
+from tests.broker_helpers import HTTP, SERVER, marked, param, server, tracked_pids
+from tests.bus_helpers import EventLog, eventually, idempotency_keys
 
 pytest_plugins = ["tests.broker_fixtures"]
 
@@ -469,7 +469,7 @@ async def test_bad_input_is_invalid_argument_naming_the_field(
     assert await b("list-brokers", {}) == {"brokers": []}
     assert await idempotency_keys(redis, prefix) == []
     await b("init", {**ref("sentinel"), "param": param()})  # an event that must come
-    assert await log.before(f"broker.resource.{U}.sentinel.init") == []
+    assert await log.before(log.subject(f"broker.resource.{U}.sentinel.init")) == []
     await log.close()
 
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import pytest
 import pytest_asyncio
 
 from tests.accounts_helpers import deployed, refused
-from tests.broker_helpers import FAST_ARGS, const_broker, eventually, kill_marked, param
+from tests.broker_helpers import FAST_ARGS, const_broker, kill_marked, param
+from tests.bus_helpers import eventually
 
 ONE = {"least_instance": 1, "request_instance": 1}
 NODE = "placed"  # the one node the allocation operator places on (city and platform of `param()`), and its agent

@@ -15,7 +15,7 @@ from bus.events import StreamSpec
 from schemas.common import Event
 from schemas.errors import BusError
 from tests import echo_service
-from tests.bus_helpers import until
+from tests.bus_helpers import eventually
 from tests.echo_service import Served
 
 
@@ -35,7 +35,7 @@ async def test_two_worker_processes_share_load_and_both_are_discovered(spawn_wor
     async def both_found():
         return {p.id for p in await discovery.ping(nc, name)} == ids
 
-    await until(both_found)
+    await eventually(both_found)
 
     replies = await asyncio.gather(*(client.request("echo.sleep", {"seconds": 0.05}, Served) for _ in range(60)))
     served_by = Counter(r.instance for r in replies)
@@ -129,4 +129,4 @@ async def test_services_add_their_subjects_to_a_shared_stream_and_limits_hold(ev
     async def three_kept() -> bool:
         return (await js.stream_info(events.stream_name(samples))).state.messages == 3
 
-    await until(three_kept)
+    await eventually(three_kept)

@@ -13,7 +13,7 @@ from bus.events import StreamSpec
 from bus.outbox import Journal, journal
 from bus.redis import Pipelined
 from schemas.common import Event
-from tests.broker_helpers import eventually
+from tests.bus_helpers import eventually
 
 SPEC = StreamSpec("events", ("outbox.>",), max_age=60, max_bytes=1 << 20)
 

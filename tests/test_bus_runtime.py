@@ -13,7 +13,7 @@ import pytest
 from bus.codec import decode, encode
 from schemas.errors import BusError, InvalidArgument, NoResponders, RequestTimeout
 from tests import echo_service
-from tests.bus_helpers import until
+from tests.bus_helpers import eventually
 from tests.echo_service import Counted, Served, Typed
 
 
@@ -178,7 +178,7 @@ async def test_in_flight_requests_complete_on_sigterm(spawn_worker, client, redi
             return True
         return False
 
-    await until(draining)
+    await eventually(draining)
     assert not any(call.done() for call in calls)  # ... while the ten are still in flight
     await redis.rpush(f"{gate}:open", *["go"] * 10)
     replies = await asyncio.gather(*calls)

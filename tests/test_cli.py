@@ -6,13 +6,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import signal
 import socket
 import ssl
 import stat
 import subprocess
-import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,9 +23,17 @@ import yaml
 from services.cli import parser
 from services.redis_functions import every_library
 from services.registry import SERVICES, available
-
-ROOT = Path(__file__).resolve().parent.parent
-BERTH = [sys.executable, "-m", "services.cli"]
+from tests.cli_helpers import (
+    BERTH,
+    ROOT,
+    client_options,
+    memory_policy,
+    nats_call,
+    printed_variables,
+    processes_mentioning,
+    read_until,
+    redis_admin,
+)
 
 
 def test_every_compose_service_command_exists_in_the_cli():
@@ -50,67 +56,6 @@ def test_every_compose_service_command_exists_in_the_cli():
     assert sum(name.startswith("redis-") and name[-1].isdigit() for name in compose["services"]) == 6
 
 
-def _processes_mentioning(text: str) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if text in cmdline and int(entry.name) != os.getpid():
-                found.append(int(entry.name))
-    return found
-
-
-def _read_until(proc: subprocess.Popen, marker: str, timeout: float = 60) -> list[str]:
-    lines, deadline = [], time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line.rstrip())
-        if marker in line:
-            return lines
-    raise AssertionError(f"{marker!r} not seen; got {lines}")
-
-
-def _printed(lines: list[str]) -> dict[str, str]:
-    """The VARIABLE=value lines `berth up` prints: URLs, the admin's creds file, the CA."""
-    return dict(line.split("=", 1) for line in lines if re.match(r"^[A-Z_]+=", line))
-
-
-def _redis_admin(state: Path, address: str, *, tls: bool = True):
-    """A redis-server `berth up` started, as its administrator (over TLS with the state's CA)."""
-    import redis
-
-    password = json.loads((state / "credentials" / "credentials.json").read_text())["redis"]["default"]
-    host, port = address.split("://")[-1].split("/")[0].rsplit(":", 1)
-    options = {"ssl": True, "ssl_ca_certs": str(state / "tls" / "ca.pem")} if tls else {}
-    return redis.Redis(host=host, port=int(port), username="default", password=password, **options)
-
-
-def _memory_policy(state: Path, address: str) -> tuple[int, str]:
-    """(maxmemory, maxmemory-policy) of a redis-server `berth up` started, asked as its administrator."""
-    with _redis_admin(state, address) as admin:
-        config = admin.config_get("maxmemory*")
-    return int(config["maxmemory"]), config["maxmemory-policy"]
-
-
-def _client_options(printed: dict[str, str]) -> dict:
-    """nats.connect options for the admin identity `berth up` printed: its creds file and CA."""
-    import ssl
-
-    from services.credentials import read_creds_file
-
-    options = {"servers": printed["NATS_URL"].split(",")}
-    if "BERTH_NATS_CREDS" in printed:
-        options["user"], options["password"] = read_creds_file(printed["BERTH_NATS_CREDS"])
-    if "BERTH_TLS_CA" in printed:
-        options["tls"] = ssl.create_default_context(cafile=printed["BERTH_TLS_CA"])
-    return options
-
-
 def test_up_starts_everything_status_lists_it_and_ctrl_c_leaves_nothing(tmp_path):
     state = tmp_path / "state"
     env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "REDIS_URL", "BERTH_REDIS_MAXMEMORY")}
@@ -119,8 +64,8 @@ def test_up_starts_everything_status_lists_it_and_ctrl_c_leaves_nothing(tmp_path
         start_new_session=True,
     )
     try:
-        lines = _read_until(up, "berth is up")
-        urls = _printed(lines)
+        lines = read_until(up, "berth is up")
+        urls = printed_variables(lines)
         # credentials and TLS by default: the admin identity's creds file and the CA, never a password
         assert urls["NATS_URL"].startswith("tls://127.0.0.1:") and urls["REDIS_URL"].startswith("rediss://127.0.0.1:")
         assert urls["BERTH_NATS_CREDS"] == str(state / "credentials" / "admin.nats")
@@ -130,8 +75,8 @@ def test_up_starts_everything_status_lists_it_and_ctrl_c_leaves_nothing(tmp_path
                      *(identity["password"] for identity in stored["identities"].values())]
         printed = "\n".join(lines)
         assert len(passwords) == 11 and not any(p in printed for p in passwords)
-        assert _memory_policy(state, urls["REDIS_URL"]) == (1 << 30, "noeviction")  # full: refuse, never evict
-        assert _processes_mentioning(str(state))  # the embedded servers run from the state folder
+        assert memory_policy(state, urls["REDIS_URL"]) == (1 << 30, "noeviction")  # full: refuse, never evict
+        assert processes_mentioning(str(state))  # the embedded servers run from the state folder
         expected = {f"berth-{name}" for name in SERVICES if (ROOT / "services" / name / "worker.py").exists()}
         deadline = time.monotonic() + 30
         while True:
@@ -151,8 +96,8 @@ def test_up_starts_everything_status_lists_it_and_ctrl_c_leaves_nothing(tmp_path
         assert up.wait(60) == 0
     assert "berth stopped" in up.stdout.read()
     nats_port = urls["NATS_URL"].rsplit(":", 1)[1]
-    assert _processes_mentioning(str(state)) == []
-    assert _processes_mentioning(f"nats://127.0.0.1:{nats_port}") == []
+    assert processes_mentioning(str(state)) == []
+    assert processes_mentioning(f"nats://127.0.0.1:{nats_port}") == []
 
 
 def test_schema_groups_messages_by_subject(tmp_path):
@@ -217,8 +162,8 @@ def test_ctrl_c_on_up_stops_the_processes_the_broker_launched(tmp_path):
             await nc.close()
 
     try:
-        urls = _printed(_read_until(up, "berth is up"))
-        asyncio.run(launch(_client_options(urls)))
+        urls = printed_variables(read_until(up, "berth is up"))
+        asyncio.run(launch(client_options(urls)))
         launched = set(marked_processes(f"berth/{user}/r1/").values())
         assert len(launched) == 2 and all("http_server.py" in _cmdline(pid) for pid in launched)
         started = {pid: start_time(pid) for pid in launched}
@@ -234,23 +179,6 @@ def _cmdline(pid: int) -> str:
     return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
 
 
-async def _call(nc, subject: str, payload: dict) -> dict:
-    msg = await _answered(nc, subject, payload)
-    assert not (msg.headers or {}).get("Nats-Service-Error-Code"), msgpack.unpackb(msg.data)
-    return msgpack.unpackb(msg.data)
-
-
-async def _answered(nc, subject: str, payload: dict, wait: float = 60.0):
-    """The reply, once a worker serves the subject (workers start once JetStream has a leader)."""
-    deadline = asyncio.get_running_loop().time() + wait
-    while True:
-        try:
-            return await nc.request(subject, msgpack.packb(payload), timeout=5)
-        except nats.errors.NoRespondersError:
-            assert asyncio.get_running_loop().time() < deadline, f"nobody served {subject}"
-            await asyncio.sleep(0.2)
-
-
 # -- transport security (issue 17 item 6) -----------------------------------------------------------
 
 
@@ -261,8 +189,8 @@ def _up(state: Path, *flags: str, env: dict[str, str] | None = None):
     up = subprocess.Popen([*BERTH, "up", "--no-dashboard", "--no-metrics", "--state", str(state), *flags], cwd=ROOT,
                           stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
     try:
-        lines = _read_until(up, "berth is up")
-        yield _printed(lines), "\n".join(lines)
+        lines = read_until(up, "berth is up")
+        yield printed_variables(lines), "\n".join(lines)
     finally:
         os.killpg(up.pid, signal.SIGINT)
         assert up.wait(60) == 0
@@ -298,8 +226,8 @@ async def _allocates(options: dict) -> list[str]:
     nc = await nats.connect(**options)
     try:
         node = {"nodename": "t1", "resource": {"cpumem": {"cpu": 4, "memory": "8G"}}}
-        await _call(nc, "berth.resource.add-node", node)
-        placed = await _call(nc, "berth.resource.allocate", {
+        await nats_call(nc, "berth.resource.add-node", node)
+        placed = await nats_call(nc, "berth.resource.allocate", {
             "nodename": "t1", "deploy_count": 2, "request_id": f"tls-{os.getpid()}",
             "workload_resource_request": {"cpumem": {"cpu-bind": True, "cpu-request": 1}}})
         return [a["nodename"] for a in placed["allocations"]]
@@ -318,26 +246,26 @@ async def test_up_serves_over_tls_only_with_its_own_ca(tmp_path):
             name: 0o600 for name in ("ca.pem", "ca.key", "server.pem", "server.key")}
         # in clear: NATS does not answer (it wants TLS first), Redis closes the connection
         assert not _nats_answers_in_clear(printed["NATS_URL"], printed["BERTH_NATS_CREDS"])
-        with _redis_admin(state, printed["REDIS_URL"], tls=False) as plain, pytest.raises(redis.ConnectionError):
+        with redis_admin(state, printed["REDIS_URL"], tls=False) as plain, pytest.raises(redis.ConnectionError):
             plain.ping()
         # over TLS with the CA: both answer, and the workers (on TLS themselves) serve
-        with _redis_admin(state, printed["REDIS_URL"]) as admin:
+        with redis_admin(state, printed["REDIS_URL"]) as admin:
             assert admin.ping()
-        assert await _allocates(_client_options(printed)) == ["t1", "t1"]
-        with _redis_admin(state, printed["REDIS_URL"]) as admin:  # berth's scripts ran as Functions
+        assert await _allocates(client_options(printed)) == ["t1", "t1"]
+        with redis_admin(state, printed["REDIS_URL"]) as admin:  # berth's scripts ran as Functions
             assert all(admin.function_list(library.name) for library in every_library())
             stats = admin.info("commandstats")
             assert "cmdstat_fcall" in stats and "cmdstat_evalsha" not in stats
         # over TLS without the CA: the server's certificate is not trusted
         with pytest.raises((ssl.SSLCertVerificationError, nats.errors.NoServersError)):
-            await nats.connect(**{**_client_options(printed), "tls": ssl.create_default_context()},
+            await nats.connect(**{**client_options(printed), "tls": ssl.create_default_context()},
                                max_reconnect_attempts=0, allow_reconnect=False)
         ca_made = Path(ca).read_bytes()
     with _up(state) as (printed, _):  # the CA is made once: clients handed it keep trusting the deployment
         assert Path(printed["BERTH_TLS_CA"]).read_bytes() == ca_made
-        nc = await nats.connect(**_client_options(printed))
+        nc = await nats.connect(**client_options(printed))
         try:
-            held = await _call(nc, "berth.resource.get-allocations", {"nodename": "t1"})
+            held = await nats_call(nc, "berth.resource.get-allocations", {"nodename": "t1"})
         finally:
             await nc.close()
         assert len(held["allocations"]) == 2
@@ -351,9 +279,9 @@ async def test_up_without_tls_serves_in_clear(tmp_path, off):
         assert printed["NATS_URL"].startswith("nats://") and printed["REDIS_URL"].startswith("redis://")
         assert "BERTH_TLS_CA" not in printed and not (state / "tls").exists()
         assert _nats_answers_in_clear(printed["NATS_URL"], printed["BERTH_NATS_CREDS"])
-        with _redis_admin(state, printed["REDIS_URL"], tls=False) as plain:
+        with redis_admin(state, printed["REDIS_URL"], tls=False) as plain:
             assert plain.ping()
-        assert await _allocates(_client_options(printed)) == ["t1", "t1"]
+        assert await _allocates(client_options(printed)) == ["t1", "t1"]
 
 
 def test_redis_functions_loads_every_library_and_prints_rules_a_service_user_works_with(tmp_path):

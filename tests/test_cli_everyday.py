@@ -21,7 +21,8 @@ from schemas.common import Event
 from services.credentials import prepare
 from services.processes.ports import free_port
 from services.servers import start_nats, start_redis
-from tests.conftest import new_prefix, start_worker, stop_workers
+from tests.conftest import new_prefix
+from tests.worker_helpers import start_worker, stop_workers
 
 ROOT = Path(__file__).resolve().parent.parent
 BERTH = [sys.executable, "-m", "services.cli"]

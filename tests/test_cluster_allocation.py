@@ -8,7 +8,8 @@ import pytest
 from bus.client import BusClient
 from bus.redis import connect_redis
 from schemas.errors import BusError
-from tests.conftest import new_prefix, start_worker, stop_workers
+from tests.conftest import new_prefix
+from tests.worker_helpers import start_worker, stop_workers
 
 BOUND = {"cpumem": {"cpu-bind": True, "cpu-request": 1}}
 

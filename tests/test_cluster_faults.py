@@ -18,9 +18,10 @@ from bus import discovery
 from bus.client import BusClient
 from bus.connection import connect
 from services.servers import start_nats_cluster, start_redis_cluster
+from tests.allocation_helpers import allocate_until_answered, check_invariants
 from tests.cluster_helpers import ask, replica_of, restart, role, slot_owner, wait_until
-from tests.conftest import clean_namespace, new_prefix, start_worker, stop_workers
-from tests.test_allocation_concurrency import allocate_until_answered, check_invariants
+from tests.conftest import clean_namespace, new_prefix
+from tests.worker_helpers import start_worker, stop_workers
 
 NODES = [f"f{i}" for i in range(8)]
 CORES = 8

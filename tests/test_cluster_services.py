@@ -32,9 +32,10 @@ from services.broker.layout import key_base
 from services.metrics.notifier import node_base
 from services.servers import ServerCluster, ServerProcess, start_redis_cluster
 from tests.broker_fixtures import Broker
-from tests.broker_helpers import FAST_ARGS, const_broker, eventually, kill_marked, marked, param
-from tests.bus_helpers import EventLog
-from tests.conftest import Worker, clean_namespace, new_prefix, start_worker, stop_workers
+from tests.broker_helpers import FAST_ARGS, const_broker, kill_marked, marked, param
+from tests.bus_helpers import EventLog, eventually
+from tests.conftest import clean_namespace, new_prefix
+from tests.worker_helpers import Worker, start_worker, stop_workers
 
 BROKER = "services.broker.worker"
 METRICS = "services.metrics.worker"
@@ -373,7 +374,7 @@ async def test_metrics_notifier_registers_publishes_renews_and_deregisters_on_a_
     start = len(log.events)
     await call("put", {"scope": "node", "metric": "ext.load", "value": 2.5})
     await call("put", {"scope": "node", "metric": "ext.sentinel", "value": 1.0})
-    before = await log.before(f"metrics.{node}.node.ext.sentinel", after=start)
+    before = await log.before(log.subject(f"metrics.{node}.node.ext.sentinel"), after=start)
     assert [e for e in before if e[1]["metric"] == "ext.load"] == []
     assert await ns.redis.smembers(f"{base}:notifiers") == {sentinel["key"].encode()}
     assert not await ns.redis.exists(f"{base}:notifier:{lease['key']}")

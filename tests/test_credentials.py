@@ -14,7 +14,6 @@ import socket
 import stat
 
 import pytest
-import pytest_asyncio
 import redis as sync_redis
 from nats.errors import Error as NatsError
 from redis.backoff import NoBackoff
@@ -31,7 +30,7 @@ from services.credentials import REDIS_ADMIN, load, prepare
 from services.servers import start_redis_cluster
 from tests.accounts_helpers import NODE, Deployment
 from tests.broker_helpers import HTTP, SERVER
-from tests.bus_helpers import until
+from tests.bus_helpers import eventually
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +196,8 @@ async def test_a_redis_cluster_gets_the_same_users_and_a_promoted_replica_the_fu
             replica = sync_redis.Redis(port=int(cluster.members[1].url.rsplit(":", 1)[1].split("/")[0]),
                                        username=user, password=password)
             replica.execute_command("CLUSTER FAILOVER")
-            await until(lambda: asyncio.to_thread(lambda: replica.execute_command("ROLE")[0] == b"master"))
+            await eventually(
+                lambda: asyncio.to_thread(lambda: replica.execute_command("ROLE")[0] == b"master"))
             assert all(replica.function_list(library.name) for library in redis_functions.libraries("allocation"))
             assert await Pipelined(client).script(lease, ["tc:allocation:{n1}:lease"], ["me", 60_000]) == 1
             replica.close()

@@ -22,7 +22,8 @@ import pytest
 from services.dashboard.live import Live
 from tests.accounts_helpers import NODE as AGENT
 from tests.accounts_helpers import Deployment
-from tests.broker_helpers import FAST_ARGS, const_broker, eventually, marked, param
+from tests.broker_helpers import FAST_ARGS, const_broker, marked, param
+from tests.bus_helpers import eventually
 
 pytest_plugins = ["tests.broker_fixtures"]
 

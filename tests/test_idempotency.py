@@ -13,7 +13,7 @@ import pytest
 
 from bus.idempotency import IdempotencyStore, Reply, current_claim
 from schemas.errors import BerthError
-from tests.conftest import ROOT
+from tests.worker_helpers import ROOT
 
 OK = Reply(b"\x81\xa2ok\xc3")
 MALFORMED = Reply(b"{}", {"Nats-Service-Error-Code": "400", "Nats-Service-Error": "bad"})

@@ -21,7 +21,7 @@ from services.metrics.config import MetricsServiceConfig
 from services.metrics.entities import PodRef
 from services.metrics.provisioners import Provisioner
 from services.metrics.worker import MetricsWorker
-from tests.bus_helpers import idempotency_keys, until
+from tests.bus_helpers import eventually, idempotency_keys
 
 NODE = "n1"
 
@@ -62,7 +62,7 @@ async def wait_synced(metrics: MetricsClient, timeout: float = 10.0):
         answer = await metrics.has_synced()
         return answer if answer.synced else None
 
-    return await until(synced, timeout=timeout)
+    return await eventually(synced, timeout=timeout)
 
 
 async def error_of(call) -> BusError:
@@ -125,7 +125,7 @@ async def test_get_reads_node_metrics_from_the_kernel(start_agent, metrics):
             assert error.code == "metric_not_found"
             return None
 
-    assert 0 <= (await until(usage, timeout=10, interval=0.2)).value <= 1
+    assert 0 <= (await eventually(usage, timeout=10, interval=0.2)).value <= 1
 
 
 # -- put, get, list -------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from schemas.errors import BusError
 from services.metrics.client import MetricsClient
 from services.metrics.config import MetricsServiceConfig
 from services.metrics.worker import MetricsWorker
-from tests.bus_helpers import EventLog, until
+from tests.bus_helpers import EventLog, eventually
 
 NODE = "n1"
 INTERVAL = 1.0
@@ -87,7 +87,7 @@ async def publishing(worker: MetricsWorker) -> None:
     async def ready():
         return worker.notifier.publisher and worker.agent.synced
 
-    await until(ready)
+    await eventually(ready)
 
 
 def rounds_of(worker: MetricsWorker, scope: str, metric_name: str, ids: tuple = ()) -> list[float]:
@@ -216,7 +216,7 @@ async def test_no_event_after_the_lease_expires(agent, metrics, event_log, redis
     async def gone():
         return not await redis.exists(registration)
 
-    await until(gone, timeout=10)
+    await eventually(gone, timeout=10)
     ended = time.time()
     # A round that started after Redis dropped the registration: its pass would have published the
     # leased metric before the sentinel.
@@ -320,7 +320,7 @@ async def test_one_agent_of_a_node_publishes_and_another_takes_over(start_agent,
     async def taken_over():
         return standby.notifier.publisher
 
-    await until(taken_over, timeout=10)
+    await eventually(taken_over, timeout=10)
     await metrics.put("node", "ext.count", 3, time=200.0)
     # The new publisher continues from the record of the old one: sample 199 is not sent again.
     new = await log.first(lambda e: e[1]["value"] == 3.0, after=sentinel + 1)

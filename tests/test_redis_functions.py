@@ -20,7 +20,7 @@ from bus.redis import Pipelined, connect_redis
 from bus.scripts import FunctionMissing, Library
 from services import redis_functions
 from services.servers import start_redis
-from tests.bus_helpers import until
+from tests.bus_helpers import eventually
 from tests.cluster_helpers import ask, role
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -117,7 +117,7 @@ async def test_on_a_cluster_a_library_reaches_every_primary_and_replica(redis_cl
         batch = Pipelined(client)
         assert await asyncio.gather(*(batch.script(script, [key], []) for key in keys)) == [1] * 12
         members = redis_cluster.members
-        await until(lambda: asyncio.to_thread(  # replicas included
+        await eventually(lambda: asyncio.to_thread(  # replicas included
             lambda: all(ask(member, "FUNCTION", "LIST", "LIBRARYNAME", TESTS.name) for member in members)))
         primary = next(member for member in members if member.proc.poll() is None and role(member) == "master")
         ask(primary, "FUNCTION", "DELETE", TESTS.name)  # a primary without it: a new client uses EVALSHA

@@ -15,8 +15,8 @@ from bus.client import BusClient
 from schemas.errors import BusError
 from services.redis_functions import every_library
 from services.servers import memory_limit, start_redis
-from tests.conftest import start_worker, stop_workers
-from tests.test_allocation_concurrency import REQUEST, check_invariants
+from tests.allocation_helpers import ONE_CORE, check_invariants
+from tests.worker_helpers import start_worker, stop_workers
 
 LIMIT = 16 << 20
 
@@ -62,7 +62,7 @@ async def test_a_full_redis_answers_unavailable_writes_nothing_and_the_retry_lan
         workers.append(start_worker("services.allocation.worker", nats_url, server.url, prefix))
         client = BusClient(nc, prefix=prefix, timeout=5.0)
         await client.request("resource.add-node", node("n1"))
-        allocate = {"nodename": "n1", "deploy_count": 2, "workload_resource_request": REQUEST}
+        allocate = {"nodename": "n1", "deploy_count": 2, "workload_resource_request": ONE_CORE}
         retried = {**allocate, "request_id": "oom-1"}
         junk = await fill(store)
         # add-node: a record script; allocate with no request_id: index entries then the commit

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from bus import discovery
 from schemas.errors import NoResponders
-from tests.bus_helpers import until
+from tests.bus_helpers import eventually
 from tests.echo_service import Served
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,7 +35,7 @@ async def _instances(nc, name: str, ready, timeout: float = 20) -> set[str]:
         found = {p.id for p in await discovery.ping(nc, name)}
         return ready(found)
 
-    await until(check, timeout=timeout, interval=0.2)
+    await eventually(check, timeout=timeout, interval=0.2)
     return found
 
 
@@ -78,7 +78,7 @@ async def test_crashed_worker_is_restarted_and_sigterm_stops_all(
                 return True
             return False
 
-        await until(draining, timeout=20)
+        await eventually(draining, timeout=20)
         assert not any(call.done() for call in in_flight)
         await redis.rpush(f"{gate}:open", *["go"] * 4)
         assert len(await asyncio.gather(*in_flight)) == 4  # drained, not dropped

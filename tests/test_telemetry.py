@@ -25,7 +25,8 @@ from schemas.errors import BusError
 from services.cli import _metrics_args
 from services.metrics.client import MetricsClient
 from services.metrics.provisioners import PROVISIONER_NAMES
-from tests.broker_helpers import FAST_ARGS, const_broker, eventually, marked, param
+from tests.broker_helpers import FAST_ARGS, const_broker, marked, param
+from tests.bus_helpers import eventually
 
 pytest_plugins = ["tests.broker_fixtures"]
 

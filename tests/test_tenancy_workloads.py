@@ -17,7 +17,7 @@ import pytest_asyncio
 from bus.callers import Role
 from schemas.errors import BusError
 from tests.accounts_helpers import IDENTITIES, Deployment, refused
-from tests.test_allocation_concurrency import check_invariants
+from tests.allocation_helpers import check_invariants
 
 NODE_8 = {"cpumem": {"cpu": 8, "memory": "16G"}}
 ONE_CPU = {"cpumem": {"cpu-request": 1}}

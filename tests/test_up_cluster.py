@@ -16,17 +16,17 @@ import pytest
 from bus.events import EventBus, StreamSpec
 from services.redis_functions import every_library
 from services.servers import start_nats_cluster
-from tests.bus_helpers import until
-from tests.test_cli import (
+from tests.bus_helpers import eventually
+from tests.cli_helpers import (
     BERTH,
     ROOT,
-    _call,
-    _client_options,
-    _memory_policy,
-    _printed,
-    _processes_mentioning,
-    _read_until,
-    _redis_admin,
+    client_options,
+    memory_policy,
+    nats_call,
+    printed_variables,
+    processes_mentioning,
+    read_until,
+    redis_admin,
 )
 
 
@@ -36,15 +36,15 @@ async def test_up_cluster_serves_an_allocation_ctrl_c_stops_every_server_and_a_r
     with _up_cluster(state) as (urls, redis_nodes):
         # TLS by default, routes and the Redis cluster bus included (the cluster forms over it)
         assert urls["NATS_URL"].count("tls://") == 3 and urls["REDIS_URL"].startswith("rediss+cluster://")
-        assert len(redis_nodes) == 6 and all(_processes_mentioning(node) for node in redis_nodes)
-        assert {_memory_policy(state, node) for node in redis_nodes} == {(1 << 30, "noeviction")}
-        nc = await nats.connect(**_client_options(urls))
+        assert len(redis_nodes) == 6 and all(processes_mentioning(node) for node in redis_nodes)
+        assert {memory_policy(state, node) for node in redis_nodes} == {(1 << 30, "noeviction")}
+        nc = await nats.connect(**client_options(urls))
         try:
             add = {"nodename": "c1", "resource": {"cpumem": {"cpu": 4, "memory": "8G"}}}
             allocate = {"nodename": "c1", "deploy_count": 2, "request_id": "up-cluster-1",
                         "workload_resource_request": {"cpumem": {"cpu-bind": True, "cpu-request": 1}}}
-            await _call(nc, "berth.resource.add-node", add)
-            placed = (await _call(nc, "berth.resource.allocate", allocate))["allocations"]
+            await nats_call(nc, "berth.resource.add-node", add)
+            placed = (await nats_call(nc, "berth.resource.allocate", allocate))["allocations"]
             assert [a["nodename"] for a in placed] == ["c1", "c1"]
             info = await nc.jetstream(domain=urls["BERTH_JS_DOMAIN"]).stream_info("berth-events")
             assert info.config.num_replicas == 3
@@ -55,16 +55,16 @@ async def test_up_cluster_serves_an_allocation_ctrl_c_stops_every_server_and_a_r
     # Redis Cluster, with what it held.
     with _up_cluster(state) as (urls, again):
         assert sorted(again) == sorted(redis_nodes)
-        nc = await nats.connect(**_client_options(urls))
+        nc = await nats.connect(**client_options(urls))
         try:
-            held = (await _call(nc, "berth.resource.get-allocations", {"nodename": "c1"}))["allocations"]
+            held = (await nats_call(nc, "berth.resource.get-allocations", {"nodename": "c1"}))["allocations"]
             assert sorted(a["workload_id"] for a in held) == sorted(a["workload_id"] for a in placed)
         finally:
             await nc.close()
 
 
 def _holds_every_library(state, node: str) -> bool:
-    with _redis_admin(state, node) as admin:
+    with redis_admin(state, node) as admin:
         return all(admin.function_list(library.name) for library in every_library())
 
 
@@ -78,15 +78,15 @@ def _up_cluster(state):
         text=True, env=env, start_new_session=True,
     )
     try:
-        lines = _read_until(up, "berth is up")
-        urls = _printed(lines)
+        lines = read_until(up, "berth is up")
+        urls = printed_variables(lines)
         redis_nodes = urls["REDIS_URL"].split("://", 1)[1].split(",")
         yield urls, redis_nodes
     finally:
         os.killpg(up.pid, signal.SIGINT)
         assert up.wait(60) == 0
-    assert _processes_mentioning(str(state)) == []
-    assert not any(_processes_mentioning(node) for node in redis_nodes)
+    assert processes_mentioning(str(state)) == []
+    assert not any(processes_mentioning(node) for node in redis_nodes)
 
 
 async def test_the_events_stream_waits_for_a_cluster_whose_jetstream_does_not_answer(tmp_path, caplog):
@@ -101,7 +101,7 @@ async def test_the_events_stream_waits_for_a_cluster_whose_jetstream_does_not_an
         said = [i for i, log in enumerate(logs) if "Self is new JetStream cluster metadata leader" in log.read_text()]
         return said[0] + 1 if len(said) == 1 else None  # + 1: index 0 is a leader too
 
-    paused = cluster.members[await until(leader, timeout=30) - 1]
+    paused = cluster.members[await eventually(leader, timeout=30) - 1]
     others = [m.url for m in cluster.members if m is not paused]
     nc = await nats.connect(others + [paused.url], dont_randomize=True)  # on another server, knowing all three
     try:
@@ -115,7 +115,7 @@ async def test_the_events_stream_waits_for_a_cluster_whose_jetstream_does_not_an
             async def timed_out() -> bool:
                 return creating.done() or "JetStream did not answer the stream" in caplog.text
 
-            await until(timed_out, timeout=45)
+            await eventually(timed_out, timeout=45)
             assert not creating.done(), creating.exception()  # the fault hit, and the worker did not give up
         finally:
             paused.proc.send_signal(signal.SIGCONT)

@@ -15,14 +15,16 @@ import itertools
 import json
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 import pytest
 import pytest_asyncio
 
-from tests.conftest import clean_namespace, new_prefix, start_worker, stop_workers
+from tests.bus_helpers import EventLog
+from tests.conftest import clean_namespace, new_prefix
+from tests.worker_helpers import spawning
 
 ERROR_CODE_HEADER = "Nats-Service-Error-Code"
 ERROR_HEADER = "Nats-Service-Error"
@@ -88,64 +90,9 @@ class Wire:
     async def ok(self, suffix: str, payload: Any = None, *, timeout: float = 10.0) -> Any:
         return (await self.request(suffix, payload, timeout=timeout)).expect_ok()
 
-    async def capture(self, pattern: str) -> "Capture":
+    async def capture(self, pattern: str) -> EventLog:
         """Collect the events on `<prefix>.events.<pattern>` from now on."""
-        capture = Capture()
-        capture.sub = await self.nc.subscribe(self.subject(f"events.{pattern}"), cb=capture.add)
-        await self.nc.flush()
-        return capture
-
-
-@dataclass
-class Capture:
-    """Events received on a subscription: (subject, unpacked body), in arrival order."""
-
-    events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
-    sub: Any = None
-    _arrived: asyncio.Event = field(default_factory=asyncio.Event)
-
-    async def add(self, msg) -> None:
-        self.events.append((msg.subject, msgpack.unpackb(msg.data, strict_map_key=False)))
-        self._arrived.set()
-
-    async def wait_for(self, count: int, timeout: float = 5.0) -> list[tuple[str, dict[str, Any]]]:
-        """At least `count` events; fails the test if they do not come within `timeout`."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while len(self.events) < count:
-            self._arrived.clear()
-            left = deadline - loop.time()
-            if left <= 0:
-                raise AssertionError(f"expected {count} events, got {len(self.events)}: {self.events!r}")
-            try:
-                await asyncio.wait_for(self._arrived.wait(), left)
-            except asyncio.TimeoutError:
-                pass
-        return self.events
-
-    async def first(self, subject: str, start: int = 0, timeout: float = 15.0) -> tuple[int, dict[str, Any]]:
-        """The first event on `subject` at index `start` or later, and its index (waits for it)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while True:
-            for index in range(start, len(self.events)):
-                if self.events[index][0] == subject:
-                    return index, self.events[index][1]
-            await self.wait_for(len(self.events) + 1, max(0.0, deadline - loop.time()))
-
-    async def before(self, subject: str, timeout: float = 5.0) -> list[tuple[str, dict[str, Any]]]:
-        """The events that arrived before the first one on `subject` (which must come).
-
-        To show that a request published nothing, follow it with a change that publishes a known
-        event (a sentinel) and take the events before it: one worker publishes on one connection,
-        so its events arrive in the order it sent them. No "nothing happened within N s" waits."""
-        index, _ = await self.first(subject, timeout=timeout)
-        return self.events[:index]
-
-    async def close(self) -> None:
-        if self.sub is not None:
-            sub, self.sub = self.sub, None
-            await sub.unsubscribe()
+        return await EventLog.open(self.nc, self.prefix, pattern)
 
 
 CLIENT_PROCESS = """
@@ -195,14 +142,8 @@ async def namespace(nc, redis):
 @pytest.fixture(scope="module")
 def module_workers(nats_url, redis_url, namespace):
     """Start worker processes in the module's namespace; all are stopped after the module."""
-    workers = []
-
-    def spawn(module: str, *args: str, env: dict[str, str] | None = None):
-        workers.append(start_worker(module, nats_url, redis_url, namespace, *args, env=env))
-        return workers[-1]
-
-    yield spawn
-    stop_workers(workers)
+    with spawning(nats_url, redis_url, namespace) as spawn:
+        yield spawn
 
 
 @pytest.fixture(scope="module")

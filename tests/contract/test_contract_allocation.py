@@ -13,7 +13,6 @@ import asyncio
 import json
 import math
 import time
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Awaitable, Callable
@@ -22,44 +21,35 @@ import msgpack
 import pytest
 from nats.js.api import DeliverPolicy
 
+from tests.contract.allocation_wire import (
+    ANY,
+    GPU,
+    INVALID,
+    PLUGIN_RESOURCE,
+    PLUGINS,
+    WRR,
+    assert_error,
+    changes_nothing,
+    full_resource,
+    new_node,
+    until_sentinel,
+)
 from tests.contract.conftest import (
     ERROR_CODE_HEADER,
     ERROR_HEADER,
-    Capture,
     Wire,
-    WireReply,
     send_from_processes,
     unique,
 )
 
 GiB = 1 << 30
 MAX_INT = 2**63 - 1
-PLUGINS = ("cpumem", "storage", "gpu")
-GPU = "nv-a"
 GHOST = "ghost-never-added"  # no test creates a node of this name
-WRR = "workload_resource_request"
-INVALID = "invalid_argument"
-ANY = object()  # "do not check details.field": the error names no field (insufficient_*, internal)
 
-# §8 "HTTP-like statuses": every code an allocation command can answer, with its status.
-STATUS = {
-    "invalid_argument": 400, "invalid_cpu": 400, "invalid_memory": 400, "invalid_cpu_map": 400,
-    "invalid_numa_cpu": 400, "invalid_numa_memory": 400, "invalid_volume": 400, "invalid_storage": 400,
-    "node_not_found": 404, "plugin_not_found": 404, "workload_not_found": 404,
-    "node_exists": 409, "workload_exists": 409, "node_not_empty": 409, "node_down": 409, "node_draining": 409,
-    "insufficient_capacity": 409, "insufficient_resource": 409,
-    "internal": 500,
-}
 # §8 "Event body fields: `nodename`, and where they apply `plugin`, `before`, `after`, `workload_ids`"
 # (and, README, `version`).
 EVENT_FIELDS = {"type", "time", "nodename", "version", "plugin", "before", "after", "workload_ids"}
 
-# One node request per plugin: 2 cores and 4 GiB; a 100 GiB volume plus a 200 GiB budget; 2 cards.
-PLUGIN_RESOURCE = {
-    "cpumem": {"cpu": 2, "memory": "4G"},
-    "storage": {"volumes": ["/data:100G"], "storage": "200G"},
-    "gpu": {"prod_count_map": {GPU: 2}},
-}
 # What the standard held workload takes: one bound core and 1 GiB, a 10 GiB volume, one card.
 HELD_REQUEST = {
     "cpumem": {"cpu-bind": True, "cpu-request": 1, "memory-request": GiB},
@@ -77,17 +67,6 @@ def allocation_worker(module_workers):
 
 
 # -- helpers ---------------------------------------------------------------------------------------
-
-
-def full_resource(cpu: int = 2) -> dict:
-    return {**PLUGIN_RESOURCE, "cpumem": {**PLUGIN_RESOURCE["cpumem"], "cpu": cpu}}
-
-
-async def new_node(wire: Wire, stem: str = "n", resource: dict | None = None, **extra: Any) -> str:
-    node = unique(stem)
-    resource = full_resource() if resource is None else resource
-    await wire.ok("resource.add-node", {"nodename": node, "resource": resource, **extra})
-    return node
 
 
 def deploy(node: str, request: dict | None, count: Any = 1) -> dict:
@@ -126,37 +105,6 @@ async def held_node(wire: Wire) -> Held:
     return Held(node, workload)
 
 
-async def node_state(wire: Wire, node: str) -> list:
-    """Everything a client can read about a node: each plugin's record, the ledger and its listing."""
-    state = [
-        (await wire.request(f"resource.{plugin}.get-node-resource-info", {"nodename": node})).body
-        for plugin in PLUGINS
-    ]
-    state.append((await wire.request("resource.get-allocations", {"nodename": node})).body)
-    state.append(await wire.ok("resource.list-nodes", {"nodenames": [node]}))
-    return state
-
-
-async def until_sentinel(wire: Wire, capture: Capture) -> list[tuple[str, dict]]:
-    """The events `capture` got before a sentinel change made now; one worker publishes in order."""
-    sentinel = unique("sentinel")
-    await wire.ok("resource.gpu.add-node", {"nodename": sentinel, "resource": {}})
-    return await capture.before(wire.subject(f"events.resource.{sentinel}.added"))
-
-
-@asynccontextmanager
-async def changes_nothing(wire: Wire, *nodes: str):
-    """The block changes no node's state and publishes no event."""
-    capture = await wire.capture("resource.>")
-    try:
-        before = [await node_state(wire, node) for node in nodes]
-        yield
-        assert [await node_state(wire, node) for node in nodes] == before
-        assert await until_sentinel(wire, capture) == []
-    finally:
-        await capture.close()
-
-
 async def events_of(wire: Wire, action: Callable[[], Awaitable[Any]]) -> tuple[Any, list, float, float]:
     """(what `action` returned, exactly the events it published in order, time before, time after)."""
     capture = await wire.capture("resource.>")
@@ -192,19 +140,6 @@ async def stored_replies(redis, prefix: str, request_id: str) -> list[dict]:
 
 def is_success(stored: dict) -> bool:
     return ERROR_CODE_HEADER not in (stored.get("headers") or {})
-
-
-def assert_error(reply: WireReply, code: str, field: Any = ANY) -> None:
-    """§2: header `Nats-Service-Error-Code` (§8 status of the code) and `Nats-Service-Error` (the
-    message); body `{"error": {"code", "message", "details"}}`; `details.field` names the field."""
-    assert not reply.ok, f"expected {code}, got a success: {reply.body!r}"
-    assert (reply.status, reply.code) == (STATUS[code], code), reply.body
-    assert set(reply.body) == {"error"} and set(reply.error) == {"code", "message", "details"}, reply.body
-    assert isinstance(reply.error["message"], str) and reply.error["message"]
-    assert reply.headers[ERROR_HEADER] == reply.error["message"]
-    assert isinstance(reply.details, dict)
-    if field is not ANY:
-        assert reply.details.get("field") == field, reply.body
 
 
 def check_event(wire: Wire, subject: str, body: dict, node: str, kind: str, t0: float, t1: float) -> None:
@@ -1767,7 +1702,6 @@ async def test_absent_workload_resource_request_means_empty_request(wire):
     assert merged["nodes_deploy_capacity_map"][node]["capacity"] == 10000
 
 
-
 # -- node liveness (README "Agents": the lease and what "down" means) ------------------------------
 
 
@@ -1787,13 +1721,13 @@ async def test_a_heartbeat_renews_a_lease_and_a_lapsed_one_takes_the_node_out_un
     listed = (await wire.ok("resource.list-nodes", {"nodenames": [node]}))["nodes"][0]
     assert listed["status"] == "up" and set(listed["lease"]) == {"expires", "last_heartbeat", "ttl_seconds", "agent"}
     assert listed["lease"]["agent"]["address"] == "10.9.8.7"
-    _, down = await capture.first(wire.subject(f"events.resource.{node}.down"))
+    down = capture.events[await capture.first(wire.subject(f"events.resource.{node}.down"), timeout=15)][1]
     check_event(wire, wire.subject(f"events.resource.{node}.down"), down, node, "down", t0, time.time())
     assert (down["before"], down["after"]) == ({"status": "up"}, {"status": "down"})
     assert_error(await wire.request("resource.allocate", deploy(node, BOUND_ONE)), "node_down", "nodename")
     back = await wire.ok("resource.node-heartbeat", {"nodename": node, "ttl_seconds": 600})
     assert (back["status"], back["was"]) == ("up", "down")
-    await capture.first(wire.subject(f"events.resource.{node}.up"))
+    await capture.first(wire.subject(f"events.resource.{node}.up"), timeout=15)
     assert (await wire.ok("resource.list-nodes", {"nodenames": [node]}))["nodes"][0]["status"] == "up"
 
 

@@ -14,8 +14,8 @@ import msgpack
 import pytest
 import pytest_asyncio
 
+from tests.contract.allocation_wire import INVALID, WRR, assert_error, changes_nothing, new_node
 from tests.contract.conftest import Wire, unique
-from tests.contract.test_contract_allocation import INVALID, WRR, assert_error, changes_nothing, new_node
 
 MAX_DEPLOY_COUNT = 10_000  # the worker's default --max-deploy-count
 MAX_NOTIFIERS = 3  # the agent's --max-notifiers here

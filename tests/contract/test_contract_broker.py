@@ -22,7 +22,8 @@ import pytest
 import pytest_asyncio
 
 from tests.broker_helpers import FAST_ARGS, SERVER, const_broker, marked, param, server
-from tests.contract.conftest import ERROR_HEADER, Capture, Wire, WireReply, send_from_processes, unique
+from tests.bus_helpers import EventLog
+from tests.contract.conftest import ERROR_HEADER, Wire, WireReply, send_from_processes, unique
 
 MAX_INSTANCES = 6
 ONE = {"least_instance": 1, "request_instance": 1}
@@ -76,7 +77,7 @@ class Ctx:
     redis: Any
     ns: str
     user: str
-    cap: Capture
+    cap: EventLog
 
     def ref(self, resource_id: str) -> dict[str, str]:
         return {"user": self.user, "resource_id": resource_id}
@@ -108,7 +109,8 @@ class Ctx:
 
     async def event(self, subject: str, start: int = 0, timeout: float = 30.0) -> tuple[int, dict]:
         """The first event on `subject` at index `start` or later (waits for it)."""
-        return await self.cap.first(subject, start, timeout)
+        index = await self.cap.first(subject, after=start, timeout=timeout)
+        return index, self.cap.events[index][1]
 
     async def running(self, resource_id: str, instances: int = 1, image: str = SERVER, **fields: Any) -> None:
         """Init and launch cold; back once its `running` event was published."""
@@ -151,7 +153,7 @@ class Ctx:
         return found
 
     async def sentinel(self) -> str:
-        """Publish a known event (init of a fresh id); its subject, for `Capture.before`."""
+        """Publish a known event (init of a fresh id); its subject, for `EventLog.before`."""
         resource_id = unique("sentinel")
         await self.init(resource_id)
         return self.status_subject(resource_id, "init")

@@ -19,7 +19,8 @@ import msgpack
 import pytest
 import pytest_asyncio
 
-from tests.contract.conftest import ERROR_HEADER, Capture, Wire, WireReply, send_from_processes, unique
+from tests.bus_helpers import EventLog
+from tests.contract.conftest import ERROR_HEADER, Wire, WireReply, send_from_processes, unique
 
 INSURANCE_SECONDS = 60
 
@@ -57,7 +58,7 @@ class Ctx:
     ns: str
     node: str
     instance_id: str
-    cap: Capture
+    cap: EventLog
 
     async def call(self, command: str, payload: Any) -> WireReply:
         return await self.m.request(f"metrics.{self.node}.{command}", payload)
@@ -76,10 +77,11 @@ class Ctx:
 
     async def event(self, subject: str, start: int = 0, timeout: float = 15.0) -> tuple[int, dict]:
         """The first event on `subject` at index `start` or later (waits for it)."""
-        return await self.cap.first(subject, start, timeout)
+        index = await self.cap.first(subject, after=start, timeout=timeout)
+        return index, self.cap.events[index][1]
 
     async def sentinel(self) -> str:
-        """A fresh metric, registered and then put: its event's subject, for `Capture.before`."""
+        """A fresh metric, registered and then put: its event's subject, for `EventLog.before`."""
         metric = f"sentinel.{unique('s')}"
         await self.register("node", metric)
         await self.put("node", metric, 1.0)
