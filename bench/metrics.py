@@ -34,9 +34,9 @@ import msgspec  # noqa: E402
 from bench.stats import percentile  # noqa: E402
 from bus.codec import encode  # noqa: E402
 from bus.connection import connect  # noqa: E402
+from schemas.metrics import MAX_LIST_LIMIT, MetricEvent  # noqa: E402
 from services.metrics.cgroups import detect_layout  # noqa: E402
 from services.metrics.client import MetricsClient  # noqa: E402
-from services.metrics.messages import MAX_LIST_LIMIT, MetricEvent  # noqa: E402
 from services.metrics.provisioners import PROVISIONERS, CgroupProvisioner  # noqa: E402
 from services.servers import start_nats, start_redis  # noqa: E402
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from schemas.agent import InstanceInfo
 from services.agent.cgroups import CgroupRoot
-from services.agent.messages import InstanceInfo
 
 HEARTBEAT = 0.2  # seconds: agents in tests beat often, so that a lapse is seen soon
 TTL = 0.8

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
+from schemas.agent import InstanceInfo, InstanceParam, Owner, StartInstance
 from schemas.errors import BerthError, InvalidArgument
 from services.agent.cgroups import CgroupRoot
 from services.agent.instances import Instances, StateLocked
-from services.agent.messages import InstanceInfo, InstanceParam, Owner, StartInstance
 from services.agent.state import Record, StateDir
 from services.processes import procfs
 from services.processes.catalog import Catalog

@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 
-from services.broker.messages import ResourceParam
+from schemas.broker import ResourceParam
 from services.broker.operators.base import LaunchSpec
 from services.broker.operators.process import ProcessOperator, ProcessTable, Slot
 from services.processes import procfs

@@ -3,9 +3,7 @@
 
 from __future__ import annotations
 
-from services.broker import transitions, views
-from services.broker.layout import Changes, Keys
-from services.broker.messages import (
+from schemas.broker import (
     AddBroker,
     BlockDetail,
     ConstStrategy,
@@ -13,6 +11,8 @@ from services.broker.messages import (
     ResourceParam,
     ResourceView,
 )
+from services.broker import transitions, views
+from services.broker.layout import Changes, Keys
 from services.broker.model import (
     DELETING,
     DEPLOYING,

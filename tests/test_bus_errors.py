@@ -13,7 +13,7 @@ from schemas.errors import (
     Unavailable,
     status_of,
 )
-from services.metrics.entities import MetricValue
+from schemas.metric_scopes import MetricValue
 from services.metrics.errors import MetricExpired, MetricNotFound
 
 # Every code DESIGN.md §2 lists, the services' other codes, and the bus's own, with §8's status.

@@ -159,7 +159,7 @@ def test_keyed_field_puts_the_plugin_after_the_keyed_key(field, keyed):
     ],
 )
 def test_a_pattern_is_said_in_words_not_as_its_regex(payload, field, reason):
-    from services.allocation.messages import Allocate
+    from schemas.allocation import Allocate
 
     with pytest.raises(InvalidArgument) as caught:
         decode(msgpack.packb(payload), Allocate)

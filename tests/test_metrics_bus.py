@@ -16,9 +16,9 @@ import msgpack
 import pytest
 
 from schemas.errors import BusError
+from schemas.metric_scopes import PodRef
 from services.metrics.client import MetricsClient
 from services.metrics.config import MetricsServiceConfig
-from services.metrics.entities import PodRef
 from services.metrics.provisioners import Provisioner
 from services.metrics.worker import MetricsWorker
 from tests.bus_helpers import eventually, idempotency_keys

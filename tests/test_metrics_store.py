@@ -8,7 +8,7 @@ import math
 import pytest
 
 from schemas.errors import BerthError, InvalidArgument
-from services.metrics.entities import MetricValue, PodRef
+from schemas.metric_scopes import MetricValue, PodRef
 from services.metrics.errors import MetricExpired, MetricNotFound
 from services.metrics.provisioners import Sample
 from services.metrics.store import Store

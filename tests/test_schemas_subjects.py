@@ -30,7 +30,7 @@ def test_name_types_keep_their_length_limits(kind, longest):
 def test_every_service_uses_the_one_definition():
     from schemas import asyncapi
     from services import settings
-    from services.allocation import messages as allocation
+    from schemas import allocation
     from services.broker import messages as broker
     from services.broker import model
 
@@ -41,7 +41,7 @@ def test_every_service_uses_the_one_definition():
 
 
 def test_metric_names_are_names_joined_by_dots():
-    from services.metrics.messages import Metric
+    from schemas.metrics import Metric
 
     decode = msgspec.msgpack.Decoder(Metric).decode
     assert decode(msgspec.msgpack.encode("cpu.usage.ratio.cpu")) == "cpu.usage.ratio.cpu"

@@ -9,8 +9,7 @@ from __future__ import annotations
 from bus.callers import Role
 from bus.events import StreamSpec
 from bus.service import Command
-from schemas.common import Empty
-from services.agent.messages import (
+from schemas.agent import (
     AgentEvent,
     AgentInfo,
     Drain,
@@ -24,6 +23,7 @@ from services.agent.messages import (
     StartInstance,
     Stopped,
 )
+from schemas.common import Empty
 
 def commands(node: str) -> list[Command]:
     """The commands of one host's agent (`node` is "<node>" in the exported schema)."""

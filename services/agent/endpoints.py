@@ -7,9 +7,7 @@ as one); reading what runs is a reader's.
 
 from __future__ import annotations
 
-from schemas.common import Empty
-from services.agent.host_agent import HostAgent
-from services.agent.messages import (
+from schemas.agent import (
     AgentInfo,
     Drain,
     InstanceInfo,
@@ -21,6 +19,8 @@ from services.agent.messages import (
     StartInstance,
     Stopped,
 )
+from schemas.common import Empty
+from services.agent.host_agent import HostAgent
 
 
 

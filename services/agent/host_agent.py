@@ -24,11 +24,11 @@ from pathlib import Path
 from bus.client import BusClient
 from bus.events import EventBus
 from bus.tasks import cancel_and_wait, every
+from schemas.agent import AgentEvent, AgentInfo, InstanceEvent, InstanceInfo, StartInstance
 from schemas.errors import BerthError, BusError, answered_nothing
 from services.agent.config import AgentServiceConfig
 from services.agent.host import describe, node_resource, read_host
 from services.agent.instances import Instances
-from services.agent.messages import AgentEvent, AgentInfo, InstanceEvent, InstanceInfo, StartInstance
 from services.metrics.cgroups import PodCgroups
 
 log = logging.getLogger("berth.agent")

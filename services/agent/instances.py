@@ -30,9 +30,9 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 
 from bus.tasks import cancel_and_wait
+from schemas.agent import InstanceInfo, InstanceStateName, StartInstance
 from schemas.errors import BerthError, InvalidArgument
 from services.agent.cgroups import CgroupRoot, Confinement, affinity_confinement
-from services.agent.messages import InstanceInfo, InstanceStateName, StartInstance
 from services.agent.state import Record, StateDir, StateLocked
 from services.processes import procfs
 from services.processes.catalog import Catalog, check_command

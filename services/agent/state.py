@@ -19,7 +19,7 @@ from pathlib import Path
 
 import msgspec
 
-from services.agent.messages import InstanceStateName, StartInstance
+from schemas.agent import InstanceStateName, StartInstance
 
 log = logging.getLogger(__name__)
 

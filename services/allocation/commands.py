@@ -9,8 +9,7 @@ from __future__ import annotations
 from bus.callers import Role
 from bus.events import StreamSpec
 from bus.service import Command
-from schemas.common import Empty
-from services.allocation.messages import (
+from schemas.allocation import (
     AddNode,
     Allocate,
     AllocateReply,
@@ -51,6 +50,7 @@ from services.allocation.messages import (
     SetNodeResourceInfo,
     SetNodeResourceUsage,
 )
+from schemas.common import Empty
 
 PLUGIN_NAMES = ("cpumem", "storage", "gpu")
 
@@ -72,7 +72,7 @@ PLUGIN_COMMANDS = [
     ("get-metrics", GetMetrics, MetricsReply, "get_metrics", False),
 ]
 
-# Requests whose node list the service keeps raw (see messages.py).
+# Requests whose node list the service keeps raw (see schemas/allocation.py).
 WIRE_TYPES = {GetNodesDeployCapacity: GetNodesDeployCapacityWire}
 
 MANAGER_ONLY_COMMANDS = [

@@ -23,11 +23,11 @@ from bus.codec import encode
 from bus.failpoints import failpoint
 from bus.idempotency import Claim, own_claim, taken_over
 from bus.outbox import VersionedOutboxes, journal
+from schemas.allocation import Allocation, node_event
 from schemas.errors import BerthError
 from services.allocation import telemetry
 from services.allocation.errors import node_busy, node_not_found, not_schedulable, workload_exists
 from services.allocation.fleet import Fleet
-from services.allocation.messages import Allocation, node_event
 from services.allocation.plugins.plugin_set import Keyed, PluginSet
 from services.allocation.records import Change, LeaseExpired, LedgerConflict, NodeRecord, StaleVersion
 from services.allocation.store import NodeStore

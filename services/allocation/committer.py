@@ -23,13 +23,13 @@ from bus.callers import current_caller
 from bus.codec import decode_stored, encode
 from bus.idempotency import Claim, own_claim, taken_over
 from bus.outbox import VersionedOutboxes, journal
+from schemas.allocation import Allocation, node_event
 from schemas.common import Event
 from schemas.errors import BerthError
 from services.allocation import telemetry
 from services.allocation.commits import Attempt, DeployBatches, NodeCommits
 from services.allocation.errors import not_placeable_now
 from services.allocation.fleet import Fleet
-from services.allocation.messages import Allocation, node_event
 from services.allocation.plugins.plugin_set import Keyed, PluginSet
 from services.allocation.records import (
     AlreadyApplied,

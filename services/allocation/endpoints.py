@@ -18,12 +18,7 @@ import msgspec
 from bus.callers import current_caller
 from bus.codec import decode_stored, encode
 from bus.service import REPLY_HEADROOM
-from schemas.common import Empty
-from schemas.errors import BerthError, InvalidArgument
-from services.allocation.commands import PLUGIN_NAMES
-from services.allocation.errors import reply_too_large
-from services.allocation.manager import AllocationManager
-from services.allocation.messages import (
+from schemas.allocation import (
     NULL,
     AddNode,
     AgentReport,
@@ -67,6 +62,11 @@ from services.allocation.messages import (
     SetNodeResourceUsage,
     WorkloadAllocation,
 )
+from schemas.common import Empty
+from schemas.errors import BerthError, InvalidArgument
+from services.allocation.commands import PLUGIN_NAMES
+from services.allocation.errors import reply_too_large
+from services.allocation.manager import AllocationManager
 from services.allocation.placement import total_capacity
 from services.allocation.plugins.interface import EngineInfo, keyed_field
 from services.allocation.plugins.plugin_set import Keyed, PluginSet, States, capacities, usages

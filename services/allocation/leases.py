@@ -23,10 +23,10 @@ import logging
 
 import msgspec
 
+from schemas.allocation import NodeEvent
 from services.allocation import telemetry
 from services.allocation.committer import Committer
 from services.allocation.errors import node_not_found
-from services.allocation.messages import NodeEvent
 from services.allocation.records import DOWN, DRAINING, UP, Change, LedgerConflict
 from services.allocation.store import NodeStore
 

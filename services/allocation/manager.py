@@ -20,6 +20,7 @@ from bus.events import EventBus
 from bus.idempotency import current_claim
 from bus.outbox import VersionedOutboxes
 from bus.tasks import cancel_and_wait, every
+from schemas.allocation import Allocation, node_event
 from schemas.errors import BerthError
 from services.allocation.committer import Committer, NodeFilledUp, workload_ids
 from services.allocation.errors import (
@@ -32,7 +33,6 @@ from services.allocation.errors import (
 )
 from services.allocation.fleet import Fleet
 from services.allocation.leases import Heartbeat, Leases
-from services.allocation.messages import Allocation, node_event
 from services.allocation.plugins.interface import DeployCapacity, EngineInfo, ResourcePlugin
 from services.allocation.plugins.plugin_set import (
     Deployment,

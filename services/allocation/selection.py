@@ -8,7 +8,7 @@ from functools import cached_property
 import msgspec
 
 from bus.codec import decode_as, encode
-from services.allocation.messages import NodeName
+from schemas.allocation import NodeName
 
 
 class NodeSet:

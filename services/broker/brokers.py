@@ -14,9 +14,9 @@ import secrets
 import msgspec
 
 from bus.outbox import journal
+from schemas.broker import InstanceFilter
 from schemas.errors import BerthError
 from services.broker import errors, model, telemetry, transitions
-from services.broker.messages import InstanceFilter
 from services.broker.model import BrokerConfig, Resource, now
 from services.broker.publisher import Publisher, pool_event, status_event
 from services.broker.store import BrokerStore

@@ -9,8 +9,7 @@ from __future__ import annotations
 from bus.callers import Role
 from bus.events import StreamSpec
 from bus.service import Command
-from schemas.common import Empty
-from services.broker.messages import (
+from schemas.broker import (
     AddBroker,
     Apply,
     ApplyReply,
@@ -39,6 +38,7 @@ from services.broker.messages import (
     Scale,
     ServiceInfo,
 )
+from schemas.common import Empty
 
 COMMANDS = [
     Command("broker.init", Init, Empty, "init", idempotent=True, role=Role.TENANT),

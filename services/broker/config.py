@@ -8,8 +8,8 @@ from dataclasses import dataclass, field, fields
 
 import msgspec
 
+from schemas.broker import InstanceType
 from schemas.sizes import parse_size
-from services.broker.messages import InstanceType
 from services.settings import Env, own_fields
 
 

@@ -20,11 +20,7 @@ from msgspec import UNSET, UnsetType
 
 from bus.callers import Role, current_caller
 from bus.service import Command
-from schemas.common import Empty
-from schemas.errors import PermissionDenied
-from services.broker.commands import COMMANDS
-from services.broker.config import InstanceTypes
-from services.broker.messages import (
+from schemas.broker import (
     AddBroker,
     Apply,
     ApplyReply,
@@ -51,6 +47,10 @@ from services.broker.messages import (
     Scale,
     ServiceInfo,
 )
+from schemas.common import Empty
+from schemas.errors import PermissionDenied
+from services.broker.commands import COMMANDS
+from services.broker.config import InstanceTypes
 from services.broker.pools import PoolKeeper
 from services.broker.resources import BrokerResources
 

@@ -18,11 +18,11 @@ import msgspec
 
 from bus.idempotency import own_claim
 from bus.tasks import cancel_and_wait
+from schemas.broker import InstanceFilter, ResourceParam
 from schemas.errors import BerthError
 from services.broker import errors, model, telemetry, transitions
 from services.broker.brokers import BrokerRegistry
 from services.broker.context import RETRIES, Context, Part
-from services.broker.messages import InstanceFilter, ResourceParam
 from services.broker.model import DEPLOYING, INIT, RELEASED, RUNNING, BrokerConfig, Resource, now
 from services.broker.operators.base import LaunchSpec, OperatorError
 from services.broker.publisher import pool_event, status_event

@@ -45,7 +45,7 @@ import msgspec
 
 from bus import cas
 from bus.codec import decode_stored, encode
-from services.broker.messages import ResourceParam
+from schemas.broker import ResourceParam
 from services.broker.model import RUNNING, Resource
 
 # An index change or guard that goes with a record write: `bus.cas`'s steps sadd, srem, zadd, zrem,

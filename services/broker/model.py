@@ -13,10 +13,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from schemas.errors import InvalidArgument
-from schemas.subjects import NAME_PATTERN as TOKEN
-from services.broker import errors
-from services.broker.messages import (
+from schemas.broker import (
     AddBroker,
     BrokerConfig,
     InstanceFilter,
@@ -24,6 +21,9 @@ from services.broker.messages import (
     ResourceView,
     ServiceInfo,
 )
+from schemas.errors import InvalidArgument
+from schemas.subjects import NAME_PATTERN as TOKEN
+from services.broker import errors
 
 INIT, DEPLOYING, RUNNING, RELEASED, DELETING = "init", "deploying", "running", "released", "deleting"
 # The statuses a resource can be used in; released and deleting ones answer resource_not_found.

@@ -23,9 +23,9 @@ import msgspec
 
 from bus.codec import decode_stored, encode
 from bus.idempotency import own_claim
+from schemas.broker import AddBroker, BrokerView
 from schemas.errors import BerthError
 from services.broker import errors, model, strategies
-from services.broker.messages import AddBroker, BrokerView
 from services.broker.model import INIT, RUNNING, BrokerConfig, BrokerState, Resource, now
 from services.broker.publisher import pool_event
 from services.broker.queries import Visible

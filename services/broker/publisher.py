@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from bus.events import EventBus
+from schemas.broker import BrokerEvent, ResourceEvent
 from schemas.subjects import escape_token
-from services.broker.messages import BrokerEvent, ResourceEvent
 from services.broker.model import Resource
 
 

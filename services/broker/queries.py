@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from services.broker import errors, views
-from services.broker.context import Context, Part
-from services.broker.messages import (
+from schemas.broker import (
     ListResources,
     ResourceDetailReply,
     ResourceList,
     ServiceInfo,
 )
+from services.broker import errors, views
+from services.broker.context import Context, Part
 from services.broker.model import INIT, RELEASED, Resource
 from services.broker.tracking import Tracking
 

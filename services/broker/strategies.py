@@ -8,8 +8,8 @@ not throw away warm servers that the next burst needs.
 
 from __future__ import annotations
 
+from schemas.broker import ConstStrategy, ReactiveStrategy, Strategy
 from schemas.errors import InvalidArgument
-from services.broker.messages import ConstStrategy, ReactiveStrategy, Strategy
 
 # How far back demand is kept for brokers whose strategy does not look at it (list-brokers, events).
 DEFAULT_WINDOW = 60.0

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import logging
 
+from schemas.broker import ServiceInfo
 from services.broker import model, transitions
 from services.broker.context import Context, Part
-from services.broker.messages import ServiceInfo
 from services.broker.model import DEPLOYING, Resource, now
 from services.broker.publisher import status_event
 from services.broker.releasing import Releasing

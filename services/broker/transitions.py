@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import msgspec
 
-from services.broker.messages import ResourceParam
+from schemas.broker import ResourceParam
 from services.broker.model import DELETING, DEPLOYING, RELEASED, RUNNING, BrokerConfig, Resource, new_record
 
 replace = msgspec.structs.replace

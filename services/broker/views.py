@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from msgspec import UNSET, structs
 
-from services.broker.messages import BlockDetail, ListResources, ResourceDetail
+from schemas.broker import BlockDetail, ListResources, ResourceDetail
 from services.broker.model import Resource
 
 

@@ -15,22 +15,25 @@ A service loop looks like:
 import importlib
 
 # Names are imported when first used (PEP 562), so that importing any module of the package (the
-# wire module, messages.py, above all) does not load the kernel reader with it.
-_HOMES = {
-    "METRICS": "metrics_list", "SCOPES": "entities", "MetricInfo": "metrics_list",
-    "PROVISIONERS": "provisioners", "CgroupProvisioner": "provisioners", "CpuProvisioner": "provisioners",
-    "DiskProvisioner": "provisioners", "MemoryProvisioner": "provisioners", "NetworkProvisioner": "provisioners",
-    "PressureProvisioner": "provisioners", "Provisioner": "provisioners", "Roots": "provisioners",
-    "Sample": "samples",
-    "MetricExpired": "errors", "MetricNotFound": "errors",
-    "MetricValue": "entities", "PodRef": "entities", "Store": "store", "StoredMetric": "store",
-}  # fmt: skip
+# wire module, schemas/metrics.py, above all) does not load the kernel reader with it.
+_MODULES = {
+    "services.metrics.metrics_list": ("METRICS", "MetricInfo"),
+    "services.metrics.provisioners": (
+        "PROVISIONERS", "CgroupProvisioner", "CpuProvisioner", "DiskProvisioner", "MemoryProvisioner",
+        "NetworkProvisioner", "PressureProvisioner", "Provisioner", "Roots",
+    ),
+    "services.metrics.samples": ("Sample",),
+    "services.metrics.errors": ("MetricExpired", "MetricNotFound"),
+    "services.metrics.store": ("Store", "StoredMetric"),
+    "schemas.metric_scopes": ("SCOPES", "MetricValue", "PodRef"),
+}
+_HOMES = {name: module for module, names in _MODULES.items() for name in names}
 
 
 def __getattr__(name: str):
     if name not in _HOMES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
+    return getattr(importlib.import_module(_HOMES[name]), name)
 
 
 __all__ = [

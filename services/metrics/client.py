@@ -10,7 +10,7 @@
 `watch` subscribes before it registers (so the first event cannot be missed), renews the lease in
 the background at a third of its length, registers again if the lease was lost (the agent's Redis
 forgot it, or renewals failed for longer than the lease), and deregisters on exit. Other languages
-do the same with the subjects and messages in messages.py.
+do the same with the subjects and messages in schemas/metrics.py.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from bus.client import BusClient
 from bus.codec import decoder
 from bus.tasks import cancel_and_wait
 from schemas.errors import BusError
-from services.metrics.entities import MetricValue, PodRef
-from services.metrics.messages import (
+from schemas.metric_scopes import MetricValue, PodRef
+from schemas.metrics import (
     Deregistered,
     Entries,
     Lease,

@@ -10,8 +10,8 @@ from bus.callers import Role
 from bus.events import StreamSpec
 from bus.service import Command
 from schemas.common import Empty
-from services.metrics.entities import MetricValue
-from services.metrics.messages import (
+from schemas.metric_scopes import MetricValue
+from schemas.metrics import (
     Aggregate,
     Deregistered,
     EVENT_PATTERN,

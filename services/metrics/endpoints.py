@@ -11,8 +11,7 @@ from msgspec import UNSET
 
 from bus.failpoints import failpoint
 from schemas.common import Empty
-from services.metrics.agent import Agent
-from services.metrics.messages import (
+from schemas.metrics import (
     Aggregate,
     Deregistered,
     Entries,
@@ -25,6 +24,7 @@ from services.metrics.messages import (
     RegisterNotifier,
     Synced,
 )
+from services.metrics.agent import Agent
 from services.metrics.notifier import Notifier
 from services.metrics.put_times import PutTimes
 from services.metrics.store import MetricValue, Store

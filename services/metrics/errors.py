@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from schemas.errors import BerthError
 
 if TYPE_CHECKING:
-    from services.metrics.entities import MetricValue
+    from schemas.metric_scopes import MetricValue
 
 
 class MetricNotFound(BerthError):

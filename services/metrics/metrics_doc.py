@@ -6,7 +6,7 @@ against; paste the output into the README again whenever that list changes.
 
 from __future__ import annotations
 
-from services.metrics.entities import SCOPES
+from schemas.metric_scopes import SCOPES
 from services.metrics.metrics_list import METRICS
 
 

@@ -45,8 +45,8 @@ from bus.failpoints import failpoint
 from bus.idempotency import current_claim
 from bus.lease import Leases
 from schemas.errors import BerthError, InvalidArgument
+from schemas.metrics import Lease, MetricEvent, MetricRef, checked_subject
 from services.metrics import telemetry
-from services.metrics.messages import Lease, MetricEvent, MetricRef, checked_subject
 from services.metrics.store import Store
 
 log = logging.getLogger("berth.metrics.notifier")

@@ -1,6 +1,6 @@
 """What a provisioner produces: a `Sample` of one metric of one entity, named by its `Ids`.
 
-Small on purpose: the wire module (messages.py) and the store use these types without importing
+Small on purpose: the wire module (schemas/metrics.py) and the store use these types without importing
 anything that reads the kernel.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
-from services.metrics.entities import Ids
+from schemas.metric_scopes import Ids
 
 
 class Sample(msgspec.Struct, frozen=True, gc=False):

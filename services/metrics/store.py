@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 
 from schemas.errors import InvalidArgument
-from services.metrics.entities import (
+from schemas.metric_scopes import (
     AGGREGATORS,
     KINDS,
     MAX_CPU_ID,

@@ -32,8 +32,7 @@ from redis.asyncio import Redis
 
 from bus.client import BusClient
 from bus.codec import decode_stored, encode
-from schemas.errors import BusError
-from services.agent.messages import (
+from schemas.agent import (
     InstanceInfo,
     InstanceParam,
     InstancesReply,
@@ -42,10 +41,11 @@ from services.agent.messages import (
     Stopped,
     Volume,
 )
-from services.allocation.messages import AllocateReply, ListNodesReply, NodeSummary
+from schemas.allocation import AllocateReply, ListNodesReply, NodeSummary
+from schemas.broker import BlockDetail, Endpoint, ResourceParam, ServiceInfo
+from schemas.errors import BusError
 from services.broker.config import InstanceTypes
 from services.broker.layout import key_base
-from services.broker.messages import BlockDetail, Endpoint, ResourceParam, ServiceInfo
 from services.broker.operators.base import LaunchSpec, OperatorError, service_info
 from services.broker.views import unreserved
 from services.processes.catalog import Catalog, check_command

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from services.broker.messages import BlockDetail, Endpoint, ResourceParam, ServiceInfo
+from schemas.broker import BlockDetail, Endpoint, ResourceParam, ServiceInfo
 
 
 def service_info(endpoints: list[Endpoint], instances: int, starting: int, dead: int, why_dead: str) -> ServiceInfo:

@@ -32,8 +32,8 @@ from redis.asyncio import Redis
 
 from bus import scripts
 from bus.codec import decode_stored, encode
+from schemas.broker import BlockDetail, Endpoint, ResourceParam, ServiceInfo
 from services.broker.layout import key_base
-from services.broker.messages import BlockDetail, Endpoint, ResourceParam, ServiceInfo
 from services.broker.operators.base import LaunchSpec, OperatorError, service_info
 from services.broker.views import unreserved
 from services.processes import procfs

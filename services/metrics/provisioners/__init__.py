@@ -17,7 +17,7 @@ types a sample is made of live in `services.metrics.samples`, which reads nothin
 
 from __future__ import annotations
 
-from services.metrics.entities import Ids
+from schemas.metric_scopes import Ids
 from services.metrics.provisioners.base import HOST, Provisioner, Roots, numa_cpus, read_int, read_text
 from services.metrics.provisioners.cgroup import CgroupProvisioner, CgroupReader, CgroupStats
 from services.metrics.provisioners.devices import (

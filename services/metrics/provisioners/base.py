@@ -11,7 +11,7 @@ from typing import ClassVar
 
 import msgspec
 
-from services.metrics.entities import Ids
+from schemas.metric_scopes import Ids
 from services.metrics.parsers import parse_cpulist, parse_int
 from services.metrics.rates import Counters
 from services.metrics.samples import Sample

@@ -12,8 +12,8 @@ from collections.abc import Mapping, Sequence
 
 import msgspec
 
+from schemas.metric_scopes import Ids
 from services.metrics.cgroups import CgroupLayout, Discovery, PodCgroups, detect_layout, discover
-from services.metrics.entities import Ids
 from services.metrics.metrics_list import MEMORY_COUNTERS, METRICS, PSI_RESOURCES, cgroup_name
 from services.metrics.parsers import (
     parse_blkio,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.metrics.entities import Ids
+from schemas.metric_scopes import Ids
 from services.metrics.metrics_list import PSI_FIELDS, PSI_RESOURCES, psi_name
 from services.metrics.parsers import (
     ProcStat,

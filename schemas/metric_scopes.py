@@ -1,5 +1,5 @@
 """The metrics contract's vocabulary (DESIGN.md §5): scopes and the ids that name an entity in each,
-aggregation kinds, and the value a read answers. The wire Structs (messages.py), the store and the
+aggregation kinds, and the value a read answers. The wire Structs (schemas/metrics.py), the store and the
 provisioners share it; it reads no kernel file, so a client or the schema export can import it alone.
 """
 

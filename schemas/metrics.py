@@ -1,12 +1,12 @@
 """Requests, replies and events of the metrics service (DESIGN.md §5 and §8, "Metrics").
 
 Every command answers on `<prefix>.metrics.<node>.<command>`. An entity is named by the id keys its
-scope needs (`SCOPES` in entities.py: `pod_uid` and `container` for the container scope, ...);
+scope needs (`SCOPES` in metric_scopes.py: `pod_uid` and `container` for the container scope, ...);
 ids a scope does not need are ignored. Types are strict: msgspec rejects a string where a number
 belongs, a null, a negative id, an unknown scope, kind or aggregator, and names the field. Finite
 numbers (no NaN, no infinity) are checked by the store, which names the field too. `MetricValue`
 (the reply of `get`, `aggregate` and `put`) and `PodRef` (a pod in `aggregate`) are defined in
-entities.py, beside the scopes, as the store returns and takes them.
+metric_scopes.py, beside the scopes, as the store returns and takes them.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import Annotated, Any, Literal
 from msgspec import UNSET, Meta, Struct, UnsetType, field
 
 from schemas.errors import InvalidArgument
+from schemas.metric_scopes import AGGREGATORS, KINDS, MAX_CPU_ID, SCOPES, Ids, PodRef, entity_key
 from schemas.patterns import END, matching
 from schemas.subjects import DOTTED_NAME_REGEX, MAX_SUBJECT_BYTES, escape_token
-from services.metrics.entities import AGGREGATORS, KINDS, MAX_CPU_ID, SCOPES, Ids, PodRef, entity_key
 
 Scope = Literal[
     "node", "numa", "cpu", "device", "network", "container", "container-numa", "pod-volume", "cgroup",
