@@ -18,6 +18,7 @@ from pathlib import Path
 
 from services.commands.connection import read_up_env, resolve_server, write_up_env
 from services.servers import start_nats
+from tests.cli_helpers import read_until
 
 ROOT = Path(__file__).resolve().parent.parent
 BERTH = [sys.executable, "-m", "services.cli"]
@@ -120,18 +121,6 @@ def test_nothing_answers_names_the_server_and_prefix(tmp_path):
         nats.stop()
 
 
-def _read_until(proc: subprocess.Popen, marker: str, timeout: float = 60) -> list[str]:
-    lines, deadline = [], time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line.rstrip())
-        if marker in line:
-            return lines
-    raise AssertionError(f"{marker!r} not seen; got {lines}")
-
-
 def test_up_writes_the_file_status_reads_it_and_a_stop_removes_it(tmp_path):
     """`berth up` in a folder, `berth status` in the same folder with nothing set: it asks the
     servers `berth up` started (over TLS, as the admin identity) and says so on its first line."""
@@ -142,7 +131,7 @@ def test_up_writes_the_file_status_reads_it_and_a_stop_removes_it(tmp_path):
                               env={**CLEAN, "PYTHONPATH": str(ROOT)})
     path = tmp_path / ".berth" / "up.env"
     try:
-        lines = _read_until(up, "berth is up")
+        lines = read_until(up, "berth is up")
         values = read_up_env(path)
         printed = dict(line.split("=", 1) for line in lines if "=" in line and line.split("=")[0].isupper())
         assert values is not None and {k: values[k] for k in printed} == printed

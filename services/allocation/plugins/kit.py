@@ -192,11 +192,29 @@ class MatrixUpdates(Generic[N]):
     `apply_matrix`), and `_settled_capacity` and `_settled_usage` (the new record completed, checked,
     and encoded). For the workload sums: `_holding` (what one workload holds), `_usage` (a usage decoded
     alone), `_applied_usage` (apply_workloads' result checked and encoded), `_usage_shape` (the explained
-    usage written for a capacity) and, when it charges differently, `_charges`.
+    usage written for a capacity) and, when it charges differently, `_charges`. For what a client sends
+    in a stored shape: `_record_shape` and `_workload_shape` (the Structs whose keys are accepted)
+    and, when `_record` does not check while decoding, `_validate`.
     """
 
     _empty: Callable[[], N]
     _combine: Callable[[N, N, int], N]
+    _record_shape: type  # a capacity or usage as the plugin stores it
+    _workload_shape: type  # a workload resource as the plugin stores it
+
+    def check_workload_keys(self, workload: Raw | None, field: str) -> None:
+        """Refuse a key a client's workload resource has that this plugin does not read (a ledger's
+        resources stay lenient: they are never checked here)."""
+        refuse_unknown_fields(workload, self._workload_shape, field)
+
+    def validate_record(self, capacity: Raw, usage: Raw) -> None:
+        """A record a client gives to be stored as is: unknown keys are refused too."""
+        refuse_unknown_fields(capacity, self._record_shape, "capacity")
+        refuse_unknown_fields(usage, self._record_shape, "usage")
+        self._validate(*self._record(capacity, usage))
+
+    def _validate(self, capacity: N, usage: N) -> None:
+        """Check a decoded record beyond what `_record` checks (nothing, unless a plugin says so)."""
 
     def set_capacity(
         self, capacity: Raw, usage: Raw, resource: Raw | None, request: Raw | None, delta: bool, incr: bool

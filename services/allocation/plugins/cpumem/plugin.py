@@ -56,6 +56,7 @@ UNBOUND_WEIGHT = 1.0
 class CpuMemPlugin(MatrixUpdates[NodeResource]):
     name = "cpumem"
     priority = 100
+    _record_shape, _workload_shape = NodeResource, WorkloadResource
 
     def __init__(self, share_base: int = 100, max_share: int = -1, max_deploy_count: int = 10000) -> None:
         if share_base < 1:
@@ -75,16 +76,8 @@ class CpuMemPlugin(MatrixUpdates[NodeResource]):
         capacity, usage = new_node(resource, info, self.share_base)
         return encode(capacity), encode(usage)
 
-    def check_workload_keys(self, workload: Raw | None, field: str) -> None:
-        """Refuse a key a client's workload resource has that this plugin does not read (a ledger's
-        resources stay lenient: they are never checked here)."""
-        refuse_unknown_fields(workload, WorkloadResource, field)
-
-    def validate_record(self, capacity: Raw, usage: Raw) -> None:
-        """A record a client gives to be stored as is: unknown keys are refused too."""
-        refuse_unknown_fields(capacity, NodeResource, "capacity")
-        refuse_unknown_fields(usage, NodeResource, "usage")
-        validate_record(*self._record(capacity, usage))
+    def _validate(self, capacity: NodeResource, usage: NodeResource) -> None:
+        validate_record(capacity, usage)  # decoding a cpumem record checks nothing by itself
 
     # -- calculations ------------------------------------------------------------------------
 

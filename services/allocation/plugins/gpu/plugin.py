@@ -41,6 +41,7 @@ class GpuResource(msgspec.Struct, forbid_unknown_fields=False):
 class GpuPlugin(MatrixUpdates[Counts]):
     name = "gpu"
     priority = 100
+    _record_shape = _workload_shape = GpuResource
 
     def add_node(self, resource: Raw | None, info: EngineInfo | None) -> tuple[Raw, Raw]:
         """The requested cards; without any, the cards the engine reports (eru)."""
@@ -49,17 +50,6 @@ class GpuPlugin(MatrixUpdates[Counts]):
             capacity = _node_counts(info.resources["gpu"], "info.resources.gpu", delta=False) or {}
         _check_record(capacity, {})
         return _wire(capacity), _wire({})
-
-    def check_workload_keys(self, workload: Raw | None, field: str) -> None:
-        """Refuse a key a client's workload resource has that this plugin does not read (a ledger's
-        resources stay lenient: they are never checked here)."""
-        refuse_unknown_fields(workload, GpuResource, field)
-
-    def validate_record(self, capacity: Raw, usage: Raw) -> None:
-        """A record a client gives to be stored as is: unknown keys are refused too."""
-        refuse_unknown_fields(capacity, GpuResource, "capacity")
-        refuse_unknown_fields(usage, GpuResource, "usage")
-        _record(capacity, usage)
 
     def calculate_deploy(
         self, capacity: Raw, usage: Raw, deploy_count: int, request: Raw | None

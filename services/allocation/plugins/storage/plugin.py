@@ -60,6 +60,7 @@ ENGINE_STORAGE_SHARE = (8, 10)
 class StoragePlugin(MatrixUpdates[StorageNode]):
     name = "storage"
     priority = 1  # eru's storage never decides the most idle node against cpumem/gpu (100)
+    _record_shape, _workload_shape = StorageNode, StorageWorkload
 
     def __init__(self, max_deploy_count: int = 10000) -> None:
         # The most plans one calculation offers: eru's cap for requests that need no volume, applied here
@@ -76,17 +77,6 @@ class StoragePlugin(MatrixUpdates[StorageNode]):
         usage = normalized_usage(capacity, StorageNode())
         check_record(capacity, usage)
         return encode(capacity), encode(usage)
-
-    def check_workload_keys(self, workload: Raw | None, field: str) -> None:
-        """Refuse a key a client's workload resource has that this plugin does not read (a ledger's
-        resources stay lenient: they are never checked here)."""
-        refuse_unknown_fields(workload, StorageWorkload, field)
-
-    def validate_record(self, capacity: Raw, usage: Raw) -> None:
-        """A record a client gives to be stored as is: unknown keys are refused too."""
-        refuse_unknown_fields(capacity, StorageNode, "capacity")
-        refuse_unknown_fields(usage, StorageNode, "usage")
-        _record(capacity, usage)
 
     # --- calculations --------------------------------------------------------------------------------
 
