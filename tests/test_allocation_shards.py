@@ -7,12 +7,13 @@ from __future__ import annotations
 import asyncio
 
 from services.allocation.shards import Shards
+from services.allocation.store import NodeStore
 
 NODES = [f"node{i:04d}" for i in range(600)]
 
 
 async def test_each_node_has_exactly_one_owner_and_the_shares_are_even(redis, prefix):
-    workers = [Shards(redis, prefix, worker=f"w{i}") for i in range(3)]
+    workers = [Shards(NodeStore(redis, prefix), worker=f"w{i}") for i in range(3)]
     for shards in workers + workers:  # twice: the first ones saw only those before them
         await shards.renew()
     assert all(shards.workers == ("w0", "w1", "w2") for shards in workers)
@@ -23,7 +24,7 @@ async def test_each_node_has_exactly_one_owner_and_the_shares_are_even(redis, pr
 
 
 async def test_a_worker_that_leaves_or_lapses_hands_only_its_own_nodes_to_the_others(redis, prefix):
-    first, second, third = (Shards(redis, prefix, worker=name) for name in ("a", "b", "c"))
+    first, second, third = (Shards(NodeStore(redis, prefix), worker=name) for name in ("a", "b", "c"))
     for shards in (first, second, third, first, second):
         await shards.renew()
     before = {node for node in NODES if first.mine(node)}
@@ -32,14 +33,14 @@ async def test_a_worker_that_leaves_or_lapses_hands_only_its_own_nodes_to_the_ot
     after = {node for node in NODES if first.mine(node)}
     assert before < after  # it keeps its own and takes some of the leaver's
     # A worker whose membership ends without a renewal (it died) leaves the split too.
-    await redis.zadd(first.key, {"b": 0})
+    await redis.zadd(first.store.workers_key, {"b": 0})
     assert await first.renew() and first.workers == ("a",)
     assert all(first.mine(node) for node in NODES)
     assert not await first.renew()  # nothing changed since
 
 
 async def test_a_lone_worker_owns_every_node(redis, prefix):
-    alone = Shards(redis, prefix)
+    alone = Shards(NodeStore(redis, prefix))
     await alone.renew()
     assert all(alone.mine(node) for node in NODES)
     await asyncio.sleep(0)

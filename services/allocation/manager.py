@@ -80,7 +80,7 @@ class AllocationManager:
         self.store = store
         self.plugins = PluginSet(plugins)
         self.events = events
-        self.shards = Shards(store.redis, store.prefix)
+        self.shards = Shards(store)
         self.fleet = Fleet(store, self.plugins, self.shards)
         self.committer = Committer(
             store, self.plugins, self.fleet, VersionedOutboxes(events, store.batch, store.pending_key, store.outbox_key),

@@ -21,16 +21,17 @@ from __future__ import annotations
 
 import hashlib
 import uuid
+from typing import TYPE_CHECKING
 
-from redis.asyncio import Redis
+if TYPE_CHECKING:
+    from services.allocation.store import NodeStore
 
 MEMBERSHIP_MS = 3000
 
 
 class Shards:
-    def __init__(self, redis: Redis, prefix: str, worker: str | None = None) -> None:
-        self.redis = redis
-        self.key = f"{prefix}:allocation:workers"
+    def __init__(self, store: NodeStore, worker: str | None = None) -> None:
+        self.store = store
         self.worker = worker or uuid.uuid4().hex
         self.workers: tuple[str, ...] = (self.worker,)
         self._others: tuple[bytes, ...] = ()
@@ -49,14 +50,7 @@ class Shards:
 
     async def renew(self) -> bool:
         """Renew this worker's membership and read the others'; whether the workers changed."""
-        seconds, micros = await self.redis.time()
-        now = seconds * 1000 + micros // 1000
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.zadd(self.key, {self.worker: now + MEMBERSHIP_MS})
-            pipe.zremrangebyscore(self.key, "-inf", now)
-            pipe.zrange(self.key, 0, -1)
-            *_, members = await pipe.execute()
-        workers = tuple(sorted(member.decode() for member in members))
+        workers = tuple(await self.store.renew_worker(self.worker, MEMBERSHIP_MS))
         if workers == self.workers:
             return False
         self.workers = workers
@@ -65,7 +59,7 @@ class Shards:
         return True
 
     async def leave(self) -> None:
-        await self.redis.zrem(self.key, self.worker)
+        await self.store.leave_workers(self.worker)
 
 
 def _weight(node: bytes, worker: bytes) -> bytes:

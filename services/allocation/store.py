@@ -105,6 +105,7 @@ class NodeStore:
         self.nodes_key = f"{self.base}:nodes"
         self.workloads_key = f"{self.base}:workloads"
         self.intents_key = f"{self.base}:intents"
+        self.workers_key = f"{self.base}:workers"  # the live allocation workers (shards.py)
         self.pending_key = f"{self.base}:outboxes"  # nodes whose outbox may hold events (bus/outbox.py)
         self.leases_key = f"{self.base}:leases"  # node -> its lease's end (ms): the sweeper's list
         self.batch = Pipelined.of(redis)
@@ -113,6 +114,37 @@ class NodeStore:
         self._renew_lease = scripts.register(redis, "services.allocation", "renew_lease")
         self._forget_lease = scripts.register(redis, "services.allocation", "forget_lease")
         self._unindex = scripts.register(redis, "services.allocation", "unindex")
+
+    # -- what other modules would otherwise read themselves ------------------------------------
+
+    async def renew_worker(self, worker: str, membership_ms: int) -> list[str]:
+        """Renew `worker`'s membership of the allocation workers (shards.py) for `membership_ms`,
+        on the Redis server's clock, drop lapsed ones; the live workers."""
+        seconds, micros = await self.redis.time()
+        now = seconds * 1000 + micros // 1000
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zadd(self.workers_key, {worker: now + membership_ms})
+            pipe.zremrangebyscore(self.workers_key, "-inf", now)
+            pipe.zrange(self.workers_key, 0, -1)
+            *_, members = await pipe.execute()
+        return sorted(member.decode() for member in members)
+
+    async def leave_workers(self, worker: str) -> None:
+        await self.redis.zrem(self.workers_key, worker)
+
+    async def plugin_states(
+        self, nodes: list[str], plugins: list[str]
+    ) -> list[tuple[int, list[bytes | None]] | None]:
+        """Each node's version and the stored states of `plugins` (None for a node without a record),
+        without labels or anything else, in the shared pipeline."""
+        fields = ["v", "gone"] + [PLUGIN_FIELD + name for name in plugins]
+        reads = (self.batch.execute_command("HMGET", self.record_key(n), *fields) for n in nodes)
+        found = await asyncio.gather(*reads)
+        return [None if version is None or gone is not None else (int(version), states)
+                for version, gone, *states in found]
+
+    async def workload_count(self) -> int:
+        return await self.redis.hlen(self.workloads_key)
 
     def record_key(self, node: str) -> str:
         return f"{self.base}:{{node:{node}}}:node"

@@ -26,14 +26,11 @@ costs little when few nodes changed (README "Measurements behind the code").
 
 from __future__ import annotations
 
-import asyncio
-
 import msgspec
 from prometheus_client import Counter, Histogram
 
 from bus.codec import decoder
 from bus.telemetry import GaugeTable
-from services.allocation.store import PLUGIN_FIELD
 
 COMMIT_RETRIES = Counter(
     "berth_allocation_commit_retries",
@@ -137,15 +134,13 @@ class NodeTotals:
         if len(self._memo) > 50_000:
             self._memo.clear()
         plugins = [name for name in manager.plugins if name in SUMMARIES]
-        fields = ["v", "gone"] + [PLUGIN_FIELD + name for name in plugins]
         for start in range(0, len(todo), SLICE):
             part = todo[start:start + SLICE]
-            # The version and the plugin states only (no labels), in the worker's shared pipeline.
-            found = await asyncio.gather(*(store.batch.execute_command("HMGET", store.record_key(n), *fields) for n in part))
-            for node, (version, gone, *states) in zip(part, found):
-                if version is None or gone is not None:  # no record, or a removed node's tombstone
+            for node, found in zip(part, await store.plugin_states(part, plugins)):
+                if found is None:  # no record, or a removed node's tombstone
                     self._nodes.pop(node, None)
                     continue
+                version, states = found
                 parts = []
                 for plugin, raw in zip(plugins, states):
                     if raw is not None:
@@ -166,7 +161,7 @@ class NodeTotals:
                 key = (plugin, resource)
                 capacity[key] = capacity.get(key, 0.0) + cap
                 usage[key] = usage.get(key, 0.0) + use
-        workloads = await store.redis.hlen(store.workloads_key)
+        workloads = await store.workload_count()
         NODES.set(len(self._nodes))
         WORKLOADS.set(workloads)
         CAPACITY.replace(capacity)
