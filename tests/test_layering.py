@@ -135,3 +135,9 @@ def test_messagepack_goes_through_the_codec(module):
     source = MODULES[module].read_text()
     assert not [call for call in ("msgspec.msgpack.encode", "msgspec.msgpack.decode", "msgspec.msgpack.Decoder",
                                   "msgspec.msgpack.Encoder") if call in source]
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if service_of(m) == "allocation"
+                                          and m != "services.allocation.store"))
+def test_only_allocations_store_talks_to_redis(module):
+    assert not {i for i in imports(module) if within(i, "redis", "bus.redis", "bus.cas", "bus.scripts")}
