@@ -25,8 +25,9 @@ from bus.client import BusClient
 from bus.events import EventBus
 from bus.tasks import cancel_and_wait, every
 from schemas.agent import AgentEvent, AgentInfo, InstanceEvent, InstanceInfo, StartInstance
-from schemas.errors import BerthError, BusError, answered_nothing
+from schemas.errors import BusError, answered_nothing
 from services.agent.config import AgentServiceConfig
+from services.agent.errors import already_registered, node_draining, not_registered
 from services.agent.host import describe, node_resource, read_host
 from services.agent.instances import Instances
 from services.metrics.cgroups import PodCgroups
@@ -97,7 +98,7 @@ class HostAgent:
                 "nodename": self.node, "resource": capacity, "labels": self.config.labels}, dict)
             kind = "registered"
         except BusError as error:
-            if error.code != "node_exists":
+            if not already_registered(error):
                 raise
             await self.allocation.request("resource.set-node-resource-capacity", {
                 "nodename": self.node, "resource_request": capacity, "delta": False}, dict)
@@ -118,7 +119,7 @@ class HostAgent:
                 "nodename": self.node, "ttl_seconds": self.config.ttl, "draining": self.draining,
                 "agent": report}, dict, timeout=self.config.heartbeat)
         except BusError as error:
-            if error.code != "node_not_found":
+            if not not_registered(error):
                 raise
             log.warning("node %s was removed: registering it again", self.node)
             self.capacity = {}
@@ -150,8 +151,7 @@ class HostAgent:
     async def start(self, spec: StartInstance) -> InstanceInfo:
         found, _ = self.instances.get([spec.instance])
         if self.draining and not found:
-            raise BerthError(f"node {self.node} is draining: it starts no new instance", code="node_draining",
-                             field="instance", details={"nodename": self.node})
+            raise node_draining(self.node)
         return await self.instances.start(spec)
 
     async def reconcile(self) -> list[str]:

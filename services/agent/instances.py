@@ -31,8 +31,8 @@ from pathlib import Path
 
 from bus.tasks import cancel_and_wait
 from schemas.agent import InstanceInfo, InstanceStateName, StartInstance
-from schemas.errors import BerthError, InvalidArgument
 from services.agent.cgroups import CgroupRoot, Confinement, affinity_confinement
+from services.agent.errors import instance_exists, instance_start_failed
 from services.agent.state import Record, StateDir, StateLocked
 from services.processes import procfs
 from services.processes.catalog import Catalog, check_command
@@ -149,10 +149,7 @@ class Instances:
             record = self._records.get(spec.instance)
             if record is not None:
                 if record.spec != spec:
-                    raise InvalidArgument(
-                        "instance", f"{spec.instance!r} runs already, with another spec (stop it first)",
-                        code="instance_exists",
-                    )
+                    raise instance_exists(spec.instance)
                 return self._info(record)
             check_command(spec.param, self.catalog)
             return await self._start(spec)
@@ -170,7 +167,7 @@ class Instances:
                 process = await asyncio.to_thread(self._spawn, record, confinement)
         except SpawnError as error:
             await self._forget(record)
-            raise BerthError(str(error), code="instance_start_failed", field="param.image") from None
+            raise instance_start_failed(str(error)) from None
         self._children[spec.instance] = process
         record.pid, record.start_time = process.pid, procfs.start_time(process.pid) or 0
         if not spec.param.ports:
