@@ -279,6 +279,17 @@ async def test_node_name_is_a_subject_token_else_invalid_argument(wire, subject,
         assert_error(await wire.request(subject, payload(name)), INVALID, "nodename")
 
 
+async def test_a_bad_name_is_refused_in_words_not_with_a_regex(wire):
+    """A refusal says what a name may hold, not the pattern that checks it (issue 20, item 8)."""
+    for name in ("a.b", "a b", "ü", "a\n"):
+        reply = await wire.request("resource.get-node-resource-info", {"nodename": name})
+        assert_error(reply, INVALID, "nodename")
+        assert reply.error["message"] == "nodename: must be letters, digits, '_' and '-' only"
+    reply = await wire.request("resource.allocate", {"nodenames": ["a", "b"], "deploy_count": 1, "strategy": "fill"})
+    assert_error(reply, INVALID, "strategy")
+    assert reply.error["message"] == "strategy: must be spread, pack or each"
+
+
 async def test_allocate_nodenames_entries_are_subject_tokens(wire):
     """§8: node names match `[A-Za-z0-9_-]+`, "anything else is `invalid_argument`": the entries of
     allocate's `nodenames` become event subject tokens too."""
