@@ -78,10 +78,6 @@ class Attempt(Generic[T]):
     version: int = 0
 
 
-async def _give_up(error: BaseException, attempt: Attempt) -> Attempt | None:
-    raise error
-
-
 class NodeCommits:
     """The one optimistic loop every change to a node goes through: compute it on the record as it
     is, commit it with that record's version, and compute again when another writer changed the
@@ -98,7 +94,7 @@ class NodeCommits:
         self,
         node: str,
         compute: Callable[[], Awaitable[Attempt[T]]],
-        conflict: Callable[[BaseException, Attempt[T]], Awaitable[Attempt[T] | None]] = _give_up,
+        conflict: Callable[[BaseException, Attempt[T]], Awaitable[Attempt[T] | None]],
     ) -> Attempt[T]:
         for attempt in range(self.attempts):
             step = await compute()
