@@ -112,3 +112,26 @@ def test_views_keep_only_the_newest_records():
     assert views.take_record("n1-0") is None and views.take_record("n3-0") is None
     assert views.take_record("n2-0").version == 2 and views.take_record("n4-0") is not None
     assert views.known_version("n1-0") == 1  # versions are kept for every node
+
+
+def test_a_view_under_a_steady_allocate_release_loop_keeps_its_heaps_bounded():
+    # Each commit re-pushes its node; under spread an item of a node that got busier sinks for good
+    # and was never popped: the heap (and the worker) grew by an item per change (issue 31).
+    names = [f"n{i}-0" for i in range(50)]
+    busy: dict[str, int] = {name: 0 for name in names}
+
+    def capacity(record: NodeRecord) -> DeployCapacity:
+        return DeployCapacity(100 - busy[record.name], busy[record.name] / 100, 0.01, 1.0)
+
+    view = CapacityView(list(names), capacity)
+    view.update(record(name) for name in names)
+    for step in range(5_000):
+        plan, reservation = view.plan("spread", 1)
+        [node] = plan
+        busy[node] += 1
+        view.update([record(node, version=step + 2)])
+        reservation.settle_all()
+        busy[node] -= 1  # released again
+        view.update([record(node, version=step + 3)])
+    for heap in view._heaps.values():
+        assert len(heap) <= 2 * len(view.entries) + 64

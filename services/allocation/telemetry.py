@@ -29,6 +29,7 @@ from __future__ import annotations
 import msgspec
 from prometheus_client import Counter, Histogram
 
+from bus.caches import Memo
 from bus.codec import decoder
 from bus.telemetry import GaugeTable
 
@@ -109,6 +110,7 @@ _GPU = decoder(tuple[_Gpu, _Gpu])
 SUMMARIES = {"cpumem": _cpumem, "storage": _storage, "gpu": _gpu}
 
 SLICE = 500  # records read per round trip
+SUMMARY_MEMO_BYTES = 8 << 20
 
 
 class NodeTotals:
@@ -122,7 +124,10 @@ class NodeTotals:
     def __init__(self, manager) -> None:
         self.manager = manager
         self._nodes: dict[str, tuple[int, list[tuple[str, str, float, float]]]] = {}  # node -> (version, parts)
-        self._memo: dict[tuple[str, bytes], list[tuple[str, str, float, float]]] = {}
+        # A state's summary, by its bytes: equal nodes are summed without decoding each.
+        self._memo: Memo[tuple[str, bytes], list[tuple[str, str, float, float]]] = Memo(
+            "allocation totals memo", SUMMARY_MEMO_BYTES, lambda key, parts: 200 + len(key[1]) + 100 * len(parts)
+        )
 
     async def refresh(self) -> None:
         manager, store, fleet = self.manager, self.manager.store, self.manager.fleet
@@ -131,8 +136,6 @@ class NodeTotals:
         names = await fleet.all_nodes()
         known = fleet.directory.versions if fleet.watching else {}
         todo = [n for n in names if n not in self._nodes or self._nodes[n][0] < known.get(n, 1 << 62)]
-        if len(self._memo) > 50_000:
-            self._memo.clear()
         plugins = [name for name in manager.plugins if name in SUMMARIES]
         for start in range(0, len(todo), SLICE):
             part = todo[start:start + SLICE]
@@ -146,7 +149,7 @@ class NodeTotals:
                     if raw is not None:
                         summary = self._memo.get((plugin, raw))
                         if summary is None:
-                            summary = self._memo[plugin, raw] = [(plugin, *p) for p in SUMMARIES[plugin](raw)]
+                            summary = self._memo.put((plugin, raw), [(plugin, *p) for p in SUMMARIES[plugin](raw)])
                         parts += summary
                 self._nodes[node] = (int(version), parts)
         for node in self._nodes.keys() - set(names):  # removed

@@ -16,11 +16,13 @@ import asyncio
 import heapq
 import os
 import time
+import weakref
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
+from bus.caches import CACHES
 from services.allocation.placement import each, insufficient
 from services.allocation.plugins.interface import DeployCapacity
 from services.allocation.records import NodeRecord
@@ -223,9 +225,20 @@ class CapacityView:
         if entry.capacity.capacity > 0:
             for strategy, heap in self._heaps.items():
                 heapq.heappush(heap, self._item(strategy, node, entry))
+                if len(heap) > 2 * len(self.entries) + HEAP_SLACK:
+                    self._rebuild(strategy, heap)
+
+    def _rebuild(self, strategy: str, heap: list[tuple]) -> None:
+        """Drop a heap's outdated items. A node's old item is skipped only when it reaches the top,
+        and under spread a node that got busier sinks for good: without this, a steady
+        allocate/release loop grew the heap (and the worker) by an item per change."""
+        heap[:] = [self._item(strategy, node, e) for node, e in self.entries.items() if e.capacity.capacity > 0]
+        heapq.heapify(heap)
 
 
 _SALT = int.from_bytes(os.urandom(4), "big")
+CONTENDED_KEPT = 4096  # nodes remembered as contended before the expired ones are dropped
+HEAP_SLACK = 64  # outdated heap items a view tolerates beyond twice its nodes before it rebuilds
 
 
 def _score(strategy: str, cap: DeployCapacity) -> float:
@@ -255,7 +268,20 @@ class Views:
         # The records views were last computed from; a commit may start from one (its version
         # check catches a stale one) instead of reading the node again.
         self._records: dict[str, NodeRecord] = {}
-        self._known: dict[str, int] = {}  # the newest version of each node the views reflect
+        self._known: dict[str, int] = {}  # the newest version of each node the views reflect (a node each)
+        ref = weakref.ref(self)
+        CACHES.watch("allocation views", lambda: len(v._views) if (v := ref()) else 0, limit=limit)
+        CACHES.watch("allocation view heap items", lambda: v.heap_items() if (v := ref()) else 0,
+                     limit=lambda: v.heap_bound() if (v := ref()) else 0)
+        CACHES.watch("allocation records", lambda: len(v._records) if (v := ref()) else 0, limit=records_kept)
+
+    def heap_items(self) -> int:
+        return sum(len(heap) for view in self._views.values() for heap in view._heaps.values())
+
+    def heap_bound(self) -> int:
+        """What `heap_items` stays within: per strategy of each view, twice its nodes with room and
+        the slack (`CapacityView._rebuild`)."""
+        return sum((2 * len(view.entries) + HEAP_SLACK) * len(view._heaps) for view in self._views.values())
 
     def remember(self, records: Iterable[NodeRecord]) -> None:
         for record in records:
@@ -274,7 +300,10 @@ class Views:
 
     def contend(self, node: str) -> None:
         """Another worker committed to `node` while we meant to: prefer other nodes for a moment."""
-        self._contended[node] = time.monotonic() + self.contention_seconds
+        now = time.monotonic()
+        if len(self._contended) >= CONTENDED_KEPT:  # forget those whose moment passed
+            self._contended = {n: until for n, until in self._contended.items() if until >= now}
+        self._contended[node] = now + self.contention_seconds
 
     def resharded(self) -> None:
         for view in self._views.values():

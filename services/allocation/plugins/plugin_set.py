@@ -7,7 +7,9 @@ plugins' stored states of one node (plugin name -> `PluginState`), and on per-pl
 too; the transport (endpoints.py) turns them into the wire shape of either level.
 
 Two memo caches live here, keyed by a plugin's stored bytes: nodes in the same state (a fleet of
-identical machines) are planned once. Their results are never mutated.
+identical machines) are planned once. Their results are never mutated. Each holds at most
+`MEMO_BYTES` (`bus.caches.Memo`, the oldest first out): under a steady load every commit makes
+states never seen before, and a memo without a bound in bytes grew a worker by hundreds of MB.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 from msgspec import Struct
 
+from bus.caches import Memo
 from services.allocation import placement
 from services.allocation.errors import node_not_found
 from services.allocation.plugins.interface import DeployCapacity, EngineInfo, NamingPlugin, ResourcePlugin
@@ -25,8 +28,8 @@ Raw = dict[str, Any]
 Keyed = dict[str, Raw | None]  # plugin name -> that plugin's part of a request or resource
 States = dict[str, PluginState]  # plugin name -> one node's stored state for it
 
-CAPACITY_MEMO_SIZE = 200_000
-DEPLOY_MEMO_SIZE = 50_000
+MEMO_BYTES = 16 << 20  # each memo's bound (README "What a worker keeps")
+_ENTRY = 200  # a memo entry's own bytes beside the state it is keyed by: tuples, a Struct, dict slots
 
 
 class Deployment(Struct):
@@ -63,8 +66,12 @@ class PluginSet:
 
     def __init__(self, plugins: dict[str, ResourcePlugin]) -> None:
         self.plugins = {name: NamingPlugin(plugin) for name, plugin in plugins.items()}
-        self._capacity_memo: dict[tuple[str, bytes, bytes], DeployCapacity] = {}
-        self._deploy_memo: dict[tuple[str, bytes, bytes, int], tuple[list[Raw], list[Raw], bytes]] = {}
+        self._capacity_memo: Memo[tuple[str, bytes, bytes], DeployCapacity] = Memo(
+            "allocation capacity memo", MEMO_BYTES, lambda key, _: _ENTRY + len(key[1]) + len(key[2])
+        )
+        self._deploy_memo: Memo[tuple[str, bytes, bytes, int], tuple[list[Raw], list[Raw], bytes]] = Memo(
+            "allocation deploy memo", MEMO_BYTES, _deploy_entry_size
+        )
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.plugins)
@@ -121,13 +128,11 @@ class PluginSet:
         key = (name, raw, request_key, count)
         done = self._deploy_memo.get(key)
         if done is None:
-            if len(self._deploy_memo) > DEPLOY_MEMO_SIZE:
-                self._deploy_memo.clear()
             current = decode_state(raw)
             plugin = self.plugins[name]
             params, resources = plugin.calculate_deploy(current.capacity, current.usage, count, request)
             usage = plugin.apply_workloads(current.usage, resources, True)
-            done = self._deploy_memo[key] = (params, resources, encode_state(PluginState(current.capacity, usage)))
+            done = self._deploy_memo.put(key, (params, resources, encode_state(PluginState(current.capacity, usage))))
         return done
 
     def realloc(self, states: States, workload: Keyed, requests: Keyed) -> Reallocation:
@@ -147,6 +152,10 @@ class PluginSet:
             after[name] = PluginState(state.capacity, plugin.apply_workloads(returned, [resource[name]], True))
         return after
 
+    def engine_params(self, workload: Raw) -> Raw:
+        """The engine params (keyed by plugin) an instance holding `workload` was deployed with."""
+        return {name: plugin.engine_params(workload.get(name) or {}) for name, plugin in self.plugins.items()}
+
     def remap(self, states: States, workloads: dict[str, Keyed]) -> dict[str, Raw]:
         """Workload id -> new engine params (keyed by plugin) of the workloads whose binding changes."""
         remapped: dict[str, Raw] = {}
@@ -163,8 +172,6 @@ class PluginSet:
         stored bytes. A node without a record for one of the plugins is an error for a listed node
         (`strict`), else it has no room."""
         memo = self._capacity_memo
-        if len(memo) > CAPACITY_MEMO_SIZE:
-            memo.clear()
 
         def compute(record: NodeRecord) -> DeployCapacity | None:
             entries = []
@@ -178,7 +185,8 @@ class PluginSet:
                 capacity = memo.get(key)
                 if capacity is None:
                     state = record.plugins[name]
-                    capacity = memo[key] = self.plugins[name].deploy_capacity(state.capacity, state.usage, requests[name])
+                    capacity = memo.put(key, self.plugins[name].deploy_capacity(state.capacity, state.usage,
+                                                                                requests[name]))
                 if capacity.capacity <= 0:
                     return None
                 entries.append(capacity)
@@ -283,3 +291,9 @@ def capacities(states: States) -> Raw:
 
 def usages(states: States) -> Raw:
     return {name: state.usage for name, state in states.items()}
+
+
+def _deploy_entry_size(key: tuple[str, bytes, bytes, int], done: tuple[list[Raw], list[Raw], bytes]) -> int:
+    """A deploy memo entry's bytes: the state before and after, and about what an instance's
+    params and resource take (encoded, a bound instance of every plugin is under 1 KiB)."""
+    return _ENTRY + len(key[1]) + len(key[2]) + len(done[2]) + 1024 * len(done[0])
