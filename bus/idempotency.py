@@ -1,7 +1,15 @@
 """Replaying the first answer for a repeated `request_id` (DESIGN.md §2).
 
-The first request with an id claims it in Redis, runs, and keeps its answer for `ttl` seconds (24 h).
-A retry that arrives meanwhile, on any replica, waits for that answer instead of running again.
+The first request with an id claims it in Redis, runs, and keeps its answer for `window` seconds
+(the idempotency window, `--idempotency-window`). A retry that arrives meanwhile, on any replica,
+waits for that answer instead of running again. Everything else a store keeps under a request id
+(an applied marker beside a record, a fixed sample time) lives as long: `Claim.window`.
+
+What is kept is small. An answer that can be rebuilt from the store (an `allocate`'s placements are
+in the ledger under ids derived from the request) is kept as a `recipe` of a few bytes that its
+endpoint turns back into the answer (`recall`); any other answer is kept whole. A kept hash whose
+values all stay under Redis's `hash-max-listpack-value` (64 bytes) is stored compactly, at about a
+third of the memory of one that does not.
 
 A claim is a short lease (`lease`, 2 s) that its holder renews while it works, so a claim whose
 worker died is free again within about `lease` seconds: the next retry takes it over and runs
@@ -15,7 +23,7 @@ safe), sent in the worker's shared pipeline (`bus.redis.Pipelined`); the scripts
 `idempotency_*.lua` files beside this module.
 
 The claim is a lease, but not a `bus.lease` one, on purpose: it lives inside the hash that keeps
-the answer for 24 h (a `bus.lease` lease ends with its key's TTL, which would take the kept answer
+the answer for the window (a `bus.lease` lease ends with its key's TTL, which would take the kept answer
 with it), its end is a field timed by the server's clock, and the same step checks the payload's
 digest and counts the runs. Expressing that with the generic lease would take a second key per
 request and a second script call per step.
@@ -35,7 +43,7 @@ import msgspec
 from redis.asyncio import Redis
 
 from bus import scripts
-from bus.codec import decode_stored, encode
+from bus.codec import decoder, encode
 from bus.redis import Pipelined
 from bus.replicas import ReplicaWait, landed
 from schemas.errors import BerthError, InvalidArgument
@@ -54,11 +62,51 @@ def _kept(status: str | None, body: bytes) -> bool:
     return status not in _NOT_KEPT and not (status == "503" and _UNAVAILABLE in body)
 
 
+DEFAULT_WINDOW = 300.0  # seconds; README "Sizing Redis" derives it from the measured bytes and rates
+_RECIPE = b"\x01"  # the first byte of a kept recipe; a kept whole answer is a MessagePack array or map
+
+
 class Reply(msgspec.Struct):
-    """An encoded reply: the body and, for an error, its headers."""
+    """An encoded reply: the body and, for an error, its headers. `recipe`: what to keep instead of
+    the body, from which the endpoint rebuilds it (never sent)."""
 
     body: bytes
     headers: dict[str, str] | None = None
+    recipe: bytes | None = None
+
+
+class _Kept(msgspec.Struct, array_like=True):
+    """A whole answer as kept (an array: no key names stored with every answer)."""
+
+    body: bytes
+    headers: dict[str, str] | None = None
+
+
+def kept_form(reply: Reply) -> bytes:
+    """What is kept for `reply`: its recipe, else the whole answer."""
+    if reply.recipe is not None and reply.headers is None:
+        return _RECIPE + reply.recipe
+    return encode(_Kept(reply.body, reply.headers))
+
+
+_decode_kept = decoder(_Kept)
+_decode_legacy = decoder(Reply)  # answers kept as a map, before recipes
+
+
+Recall = Callable[[bytes], Awaitable[Reply]]
+
+
+async def replayed(kept: bytes, recall: Recall | None) -> Reply:
+    """The answer `kept_form` kept: rebuilt from its recipe by `recall`, or as kept."""
+    if kept[:1] == _RECIPE:
+        if recall is None:
+            raise RuntimeError("an answer was kept as a recipe, but its command cannot rebuild it")
+        return await recall(kept[1:])
+    if kept[:1] and kept[0] & 0xF0 == 0x80:
+        legacy = _decode_legacy(kept)
+        return Reply(legacy.body, legacy.headers)
+    whole = _decode_kept(kept)
+    return Reply(whole.body, whole.headers)
 
 
 class Claim:
@@ -72,6 +120,7 @@ class Claim:
 
     def __init__(self, store: IdempotencyStore, key: str, token: str, request_id: str, scope: str,
                  attempt: int, lease_end: int) -> None:
+        self.window = store.window  # seconds: how long what a store keeps for this request must live
         self._store = store
         self._key = key
         self._token = token
@@ -122,7 +171,7 @@ class IdempotencyStore:
         redis: Redis,
         *,
         prefix: str = "berth",
-        ttl: float = 24 * 3600,
+        window: float = DEFAULT_WINDOW,
         lease: float = 2.0,
         wait: float = 10.0,
         poll: float = 0.01,
@@ -130,7 +179,7 @@ class IdempotencyStore:
     ) -> None:
         self.redis = redis
         self.prefix = prefix
-        self.ttl = int(ttl)
+        self.window = max(1, int(window))
         self.lease = lease
         self.wait = wait
         self.poll = poll
@@ -159,18 +208,20 @@ class IdempotencyStore:
         payload: bytes,
         call: Callable[[], Awaitable[Reply]],
         undo: Callable[[Reply], Awaitable[None]] | None = None,
+        recall: Recall | None = None,
     ) -> Reply:
         """The kept answer for (scope, request_id), or the answer of `call()`, kept for next time.
 
         `undo` gives back the effect of an answer that could not be kept because this run lost its
         claim (its lease ran out while it worked, and a retry took over): the retry's answer counts.
+        `recall` rebuilds an answer kept as a recipe (`Reply.recipe`).
         """
         key = self.key(scope, request_id)
         token = uuid.uuid4().hex
         taken = await self._take(key, token, hashlib.sha1(payload).digest(), request_id)
-        if isinstance(taken, Reply):
+        if isinstance(taken, bytes):
             await self._replicated(key)  # the first run may have answered unavailable for want of it
-            return taken
+            return await replayed(taken, recall)
         run = Claim(self, key, token, request_id, scope, *taken)
         self._hold(key, run)
         claim = current_claim.set(run)
@@ -185,7 +236,7 @@ class IdempotencyStore:
         status = (reply.headers or {}).get("Nats-Service-Error-Code")
         if not _kept(status, reply.body):
             await self.batch.script(self._release, [key], [token, "forget" if status == "400" else "expire"])
-        elif not await self.batch.script(self._keep, [key], [token, encode(reply), self.ttl]):
+        elif not await self.batch.script(self._keep, [key], [token, kept_form(reply), self.window]):
             log.warning("request %s: the claim was taken over while it ran; its answer is not the one kept", request_id)
             if undo is not None and status is None:  # an error answer changed nothing to give back
                 await undo(reply)
@@ -222,20 +273,20 @@ class IdempotencyStore:
         """Extend a claim's lease now: its new end (ms of server time), or 0 when it is not ours."""
         return int(await self.batch.script(self._renew, [key], [token, int(self.lease * 1000)]))
 
-    async def _take(self, key: str, token: str, digest: bytes, request_id: str) -> tuple[int, int] | Reply:
-        """Claim the id (the run's attempt number and lease end), or the answer kept for it; waits
-        while another live run holds it."""
+    async def _take(self, key: str, token: str, digest: bytes, request_id: str) -> tuple[int, int] | bytes:
+        """Claim the id (the run's attempt number and lease end), or the answer kept for it (as
+        `kept_form` wrote it); waits while another live run holds it."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.wait
         pause = self.poll
         while True:
             status, value, *lease_end = await self.batch.script(
-                self._claim, [key], [digest, token, int(self.lease * 1000), self.ttl]
+                self._claim, [key], [digest, token, int(self.lease * 1000), self.window]
             )
             if status == b"claimed":
                 return int(value), int(lease_end[0])
             if status == b"done":
-                return decode_stored(value, Reply)
+                return value
             if status == b"mismatch":
                 raise InvalidArgument("request_id", "was already used for a different request")
             if loop.time() > deadline:

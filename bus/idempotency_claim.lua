@@ -1,10 +1,10 @@
 -- Claim a request id, or find its kept answer (bus/idempotency.py).
 -- Its own script, not a `bus/lease` lease: the claim lives inside the hash that keeps the answer
--- for 24 h (a lease on the key's TTL would take the answer with it), it is timed by the server's
+-- for the idempotency window (a lease on the key's TTL would take the answer with it), it is timed by the server's
 -- clock in a field, and it also checks the payload's digest and counts the runs.
 -- KEYS[1] the claim, a hash: d (payload digest), t (holder's token), u (lease end, ms of server
 --   time), a (runs so far), r (the kept answer).
--- ARGV[1] payload digest, ARGV[2] token, ARGV[3] lease ms, ARGV[4] ttl s.
+-- ARGV[1] payload digest, ARGV[2] token, ARGV[3] lease ms, ARGV[4] the idempotency window, s.
 -- Returns {'claimed', attempt, lease end} | {'done', answer} | {'busy', ms left} | {'mismatch', ''}.
 local now = redis.call('TIME')
 now = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)

@@ -85,6 +85,8 @@ class EndpointSpec:
     broadcast: bool = False
     undo: Callable[[Any, bytes], Awaitable[None]] | None = None
     role: Role = Role.ADMIN
+    keep: Callable[[Any, Any], bytes | None] | None = None
+    recall: Callable[[Any, bytes], Awaitable[Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,11 @@ class Command:
     # The least role that may call it (bus.callers); None: readers for a command that changes
     # nothing, admins for one that does (a new command is closed until it says who may call it).
     role: Role | None = None
+    # For an idempotent command whose answer the store can rebuild: the method that gives the few
+    # bytes to keep instead of the answer (`keep(request, answer) -> bytes | None`; None: keep the
+    # answer whole), and the one that rebuilds the answer from them (`recall(request, kept)`).
+    keep: str | None = None
+    recall: str | None = None
 
     @property
     def least_role(self) -> Role:
@@ -183,12 +190,17 @@ class Service:
         broadcast: bool = False,
         undo: Callable[[Any, bytes], Awaitable[None]] | None = None,
         role: Role = Role.ADMIN,
+        keep: Callable[[Any, Any], bytes | None] | None = None,
+        recall: Callable[[Any, bytes], Awaitable[Any]] | None = None,
     ) -> None:
         if idempotent and self.idempotency is None:
             raise ValueError(f"endpoint {subject} is idempotent but the service has no idempotency store")
+        if (keep is None) != (recall is None):
+            raise ValueError(f"endpoint {subject}: an answer kept as a recipe needs both keep and recall")
         endpoint_name = name or subject.replace(".", "-")
         self.specs.append(
-            EndpointSpec(endpoint_name, subject, request, response, handler, idempotent, broadcast, undo, role)
+            EndpointSpec(endpoint_name, subject, request, response, handler, idempotent, broadcast, undo, role,
+                         keep, recall)
         )
 
     def bind(self, commands: list[Command], target: object) -> None:
@@ -199,6 +211,8 @@ class Service:
                 command.subject, command.wire or command.request, command.response, handler,
                 idempotent=command.idempotent, broadcast=command.broadcast,
                 undo=getattr(target, command.undo) if command.undo else None, role=command.least_role,
+                keep=getattr(target, command.keep) if command.keep else None,
+                recall=getattr(target, command.recall) if command.recall else None,
             )
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -282,8 +296,10 @@ class Service:
                 self.idempotency.check(req.request_id)
                 req.request_id = caller.qualified(req.request_id)
                 undo = (lambda reply: spec.undo(req, reply.body)) if spec.undo else None
+                recall = (lambda kept: self._recalled(spec, req, kept)) if spec.recall else None
                 return await self.idempotency.run(
-                    self._idempotency_scope(spec), req.request_id, data, lambda: self._call(spec, req), undo
+                    self._idempotency_scope(spec), req.request_id, data, lambda: self._call(spec, req, keep=True),
+                    undo, recall,
                 )
             return await self._call(spec, req)
         except BerthError as error:
@@ -312,10 +328,11 @@ class Service:
         scope = f"{self.name}:{spec.subject}"
         return f"{scope}@{self.id}" if spec.broadcast else scope
 
-    async def _call(self, spec: EndpointSpec, req: Any) -> Reply:
+    async def _call(self, spec: EndpointSpec, req: Any, *, keep: bool = False) -> Reply:
         with collecting() as writes:
             try:
-                reply = Reply(body=encode(await spec.handler(req)))
+                answer = await spec.handler(req)
+                reply = Reply(body=encode(answer), recipe=spec.keep(req, answer) if keep and spec.keep else None)
             except BerthError as error:
                 reply = error_reply(error)
         limit = self._nc.max_payload - REPLY_HEADROOM
@@ -330,6 +347,13 @@ class Service:
         if self.replicas is not None:
             await self.replicas.confirm(writes)
         return reply
+
+    async def _recalled(self, spec: EndpointSpec, req: Any, kept: bytes) -> Reply:
+        """The answer a retry gets, rebuilt from what was kept for the first run (`Command.recall`)."""
+        try:
+            return Reply(body=encode(await spec.recall(req, kept)))
+        except BerthError as error:
+            return error_reply(error)
 
     def _account(self, spec: EndpointSpec, elapsed_ns: int, reply: Reply) -> None:
         meter = self._meters.get(spec.name)

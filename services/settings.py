@@ -29,11 +29,13 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Protocol
 
+from bus.idempotency import DEFAULT_WINDOW
 from schemas.subjects import NAME_CHARS, NAME_PATTERN
 
 Env = Mapping[str, str]
 
 MIN_INTERVAL = 1.0  # metrics: the shortest sampling interval, seconds
+WEEK = 7 * 24 * 3600.0
 
 
 def _environ(env: Env | None) -> Env:
@@ -142,6 +144,7 @@ class CommonConfig:
     redis: str | None = None  # REDIS_URL
     prefix: str = "berth"  # BERTH_PREFIX
     concurrency: int = 64  # BERTH_CONCURRENCY
+    idempotency_window: float = DEFAULT_WINDOW  # BERTH_IDEMPOTENCY_WINDOW, seconds
     drain_timeout: float = 10.0
     memory_stream: bool = False
     metrics_port: int | None = None  # BERTH_METRICS_PORT; None: off
@@ -178,6 +181,12 @@ class CommonConfig:
         parser.add_argument(
             "--concurrency", type=int, default=int(env.get("BERTH_CONCURRENCY", "64")),
             help="requests served at once per process",
+        )
+        parser.add_argument(
+            "--idempotency-window", type=seconds(1, WEEK), metavar="SECONDS",
+            default=env.get("BERTH_IDEMPOTENCY_WINDOW", str(int(DEFAULT_WINDOW))),
+            help="how long the answer to a request_id is kept for its retries, and everything kept under it "
+            f"(env BERTH_IDEMPOTENCY_WINDOW; default {DEFAULT_WINDOW:g}; README \"Sizing Redis\")",
         )
         parser.add_argument("--drain-timeout", type=float, default=10.0, help="seconds to finish requests on SIGTERM")
         parser.add_argument("--memory-stream", action="store_true", help="keep the events stream in memory (tests)")

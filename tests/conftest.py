@@ -23,6 +23,19 @@ from services.servers import start_nats, start_nats_cluster, start_redis, start_
 from tests.worker_helpers import spawning
 
 
+def pytest_addoption(parser):
+    parser.addoption("--long", action="store_true", help="also run the tests marked long (an hour's soak)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--long"):
+        return
+    skip = pytest.mark.skip(reason="long: run with --long")
+    for item in items:
+        if "long" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def server_urls():
     """(nats_url, redis_url): the environment's, else servers of our own for this session."""
@@ -131,9 +144,10 @@ async def serve(nc):
 @pytest_asyncio.fixture
 async def serve_allocation(serve, prefix, redis, events):
     """Serve the allocation service in this process: `await serve_allocation()` -> its manager,
-    following the node events (`watch=False`: not; `sweep_interval`, `lease_interval`; other
-    keywords go to `make_service`). Unwatched at the end, before the service drains."""
-    from bus.idempotency import IdempotencyStore
+    following the node events (`watch=False`: not; `sweep_interval`, `lease_interval`; `window`:
+    the idempotency window; other keywords go to `make_service`). Unwatched at the end, before the
+    service drains."""
+    from bus.idempotency import DEFAULT_WINDOW, IdempotencyStore
     from services.allocation.manager import AllocationManager
     from services.allocation.store import NodeStore
     from services.allocation.worker import STREAM, make_plugins, make_service
@@ -141,13 +155,14 @@ async def serve_allocation(serve, prefix, redis, events):
     watching = []
 
     async def start(*, watch: bool = True, sweep_interval: float = 5.0, lease_interval: float = 0.5,
-                    **service_options):
+                    window: float = DEFAULT_WINDOW, **service_options):
         await events.ensure_stream(STREAM, memory=True)  # its events are published with acknowledgements
         manager = AllocationManager(NodeStore(redis, prefix), make_plugins(), events)
         if watch:
             await manager.watch(sweep_interval=sweep_interval, lease_interval=lease_interval)
             watching.append(manager)
-        await serve(make_service(manager, prefix, IdempotencyStore(redis, prefix=prefix), **service_options))
+        idempotency = IdempotencyStore(redis, prefix=prefix, window=window)
+        await serve(make_service(manager, prefix, idempotency, **service_options))
         return manager
 
     yield start

@@ -55,7 +55,7 @@ async def build(ctx) -> list[Service]:
         raise SystemExit(str(error)) from None
     await ctx.events.ensure_stream(METRICS_STREAM, memory=ctx.common.memory_stream)
     metrics = MetricsWorker(ctx.nc, ctx.redis, ctx.prefix, config.metrics, pods=agent.pods,
-                            concurrency=ctx.common.concurrency)
+                            concurrency=ctx.common.concurrency, window=ctx.common.idempotency_window)
     try:
         await agent.open()
     except (StateLocked, HostUnreadable) as error:

@@ -113,7 +113,7 @@ class Committer:
                 return Attempt(record, None, result, record.version if record else 0)
             change.journal = journal(announced) if (announced := events(result)) else None
             if run is not None:
-                change.once, change.fence = (run.marker, encode(result)), run.lease_end
+                change.once, change.fence = (run.marker, encode(result), run.window), run.lease_end
             return Attempt(record, change, result)
 
         async def conflict(error: BaseException, step: Attempt[T]) -> Attempt[T] | None:
@@ -260,18 +260,24 @@ class Committer:
                 log.warning("allocate %s never finished: releasing its %d instances", intent_id, len(ids))
                 await self.give_back(ids, intent.owner)
 
+    async def find_runs(self, request_id: str, runs: range, count: int, nodes: list[str] | None = None) -> list[str]:
+        """The ids these runs of the request derive, each indexed where a node holds it. `nodes`:
+        where they can be (default: every node)."""
+        ids = [wid for run in runs for wid in workload_ids(count, None, request_id, run)]
+        if len(await self.store.locate(ids)) < len(ids):
+            # Not all were placed, or some lost their index entry with a Redis failover: look in the
+            # ledgers (this reads the nodes' ledgers for these ids once).
+            await self.store.repair_index(nodes if nodes is not None else await self.fleet.all_nodes(), ids)
+        return ids
+
     async def forget_runs(
         self, request_id: str, attempt: int, count: int, nodes: list[str] | None = None
     ) -> int:
         """Release what earlier runs of this very request placed without answering (their worker
         died, and this run took their claim over); how many. Their ids derive from the request id
-        (the caller's own) and the run, so they are this caller's; no caller ever saw them.
-        `nodes`: where they can be (default: every node)."""
-        earlier = [wid for run in range(attempt) for wid in workload_ids(count, None, request_id, run)]
-        if len(await self.store.locate(earlier)) < len(earlier):
-            # Not all were placed, or some lost their index entry with a Redis failover: look in the
-            # ledgers (this reads the nodes' ledgers for these ids once).
-            await self.store.repair_index(nodes if nodes is not None else await self.fleet.all_nodes(), earlier)
+        (the caller's own) and the run, so they are this caller's; no caller ever saw them: a run
+        answers only once its answer is kept, and then no later run starts."""
+        earlier = await self.find_runs(request_id, range(attempt), count, nodes)
         released = await self.give_back(earlier, current_caller.get().name)
         if released:
             log.info("request %s: released %d instances an unanswered run had placed", request_id, len(released))

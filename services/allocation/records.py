@@ -94,8 +94,9 @@ class Change:
     owners: dict[str, str] = field(default_factory=dict)
     delete: str = ""  # "", "delete" or "delete_if_empty" (refused while the ledger holds workloads)
     index: list[str] = field(default_factory=list)
-    # A request applied at most once: (its marker, the answer to keep beside the record for a retry).
-    once: tuple[str, bytes] | None = None
+    # A request applied at most once: (its marker, the answer to keep beside the record for a retry,
+    # for how many seconds: the request's idempotency window).
+    once: tuple[str, bytes, int] | None = None
     journal: bytes | None = None  # the change's events, for the node's outbox (`bus.outbox.journal`)
     tag: str = ""  # set by the commit: the tag of the version it wrote
     fence: int = 0  # the writing run's lease end (ms of server time); 0: not fenced

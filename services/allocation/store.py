@@ -63,7 +63,6 @@ from services.allocation.records import (
 
 PLUGIN_FIELD = "p:"
 TOMBSTONE_SECONDS = 7 * 24 * 3600
-APPLIED_SECONDS = 24 * 3600  # as long as the idempotency layer keeps an answer
 
 # The commit is a `bus.cas` compare-and-set: version field `v`, tombstone field `gone`, the ledger
 # entries it depends on as guards. The record and its ledger are read together by
@@ -293,8 +292,8 @@ class NodeStore:
                 steps.append((cas.lapsed if change.lease == "lapsed" else cas.live)(self.lease_key(node), "ends"))
             mode, ttl = cas.UPDATE, 0
         if change.once is not None:
-            marker, answer = change.once
-            steps.insert(0, cas.once(self.applied_key(node, marker), answer, APPLIED_SECONDS))
+            marker, answer, seconds = change.once  # kept as long as the request's answer
+            steps.insert(0, cas.once(self.applied_key(node, marker), answer, seconds))
         if change.fence:
             steps.insert(0, cas.before(record, change.fence))
         if change.journal is not None:

@@ -65,7 +65,9 @@ async def build(ctx) -> Service:
     replicas = None
     if config.wait_replicas:  # durable answers: commits and kept answers on replicas first (bus/replicas.py)
         replicas = ReplicaWait(ctx.redis, manager.store.base, config.wait_replicas, config.wait_timeout_ms)
-    idempotency = IdempotencyStore(ctx.redis, prefix=ctx.prefix, replicas=replicas)
+    idempotency = IdempotencyStore(
+        ctx.redis, prefix=ctx.prefix, replicas=replicas, window=ctx.common.idempotency_window
+    )
     return make_service(
         manager, ctx.prefix, idempotency, ctx.common.concurrency, ctx.nc.max_payload, replicas, config.max_deploy_count
     )

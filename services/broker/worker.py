@@ -7,7 +7,7 @@ from redis.asyncio import Redis
 
 from bus.client import BusClient
 from bus.events import EventBus
-from bus.idempotency import IdempotencyStore
+from bus.idempotency import DEFAULT_WINDOW, IdempotencyStore
 from bus.service import Service
 from bus.telemetry import on_scrape
 from services.broker.brokers import BrokerRegistry
@@ -60,11 +60,12 @@ def make_operator(
 
 
 def make_broker(
-    settings: BrokerServiceConfig, *, redis: Redis, nc: Client, events: EventBus, prefix: str, concurrency: int = 64
+    settings: BrokerServiceConfig, *, redis: Redis, nc: Client, events: EventBus, prefix: str, concurrency: int = 64,
+    window: float = DEFAULT_WINDOW,
 ) -> tuple[Service, Replica]:
     """The service (not started) and its background work (not started)."""
     types = InstanceTypes.parse(settings.cpu_per_instance, settings.mem_per_instance, settings.instance_types)
-    store = BrokerStore(redis, prefix, events)
+    store = BrokerStore(redis, prefix, events, released_seconds=window)
     publisher = Publisher(events)
     operator = make_operator(settings, redis, nc, prefix, types)
     resources = BrokerResources(store, operator, BrokerRegistry(store, publisher), publisher, settings.timing)
@@ -73,7 +74,7 @@ def make_broker(
         f"{prefix}-broker",
         prefix=prefix,
         concurrency=concurrency,
-        idempotency=IdempotencyStore(redis, prefix=prefix),
+        idempotency=IdempotencyStore(redis, prefix=prefix, window=window),
         description="resources on an operator and warm pools of them (crm broker)",
     )
     service.bind(COMMANDS, for_callers(BrokerEndpoints(resources, keeper, types, settings.namespace)))
@@ -93,6 +94,7 @@ async def build(ctx) -> Service:
             events=ctx.events,
             prefix=ctx.prefix,
             concurrency=ctx.common.concurrency,
+            window=ctx.common.idempotency_window,
         )
     except CatalogError as error:
         raise SystemExit(str(error)) from None

@@ -54,7 +54,6 @@ log = logging.getLogger("berth.metrics.notifier")
 SYNC_SECONDS = 1.0  # how often the publisher lease, the registrations and the record are synced
 PUBLISHER_LEASE_SECONDS = 3.0  # a publisher that stops syncing is replaced this long after
 SENT_RECORD_SECONDS = 24 * 3600  # the record of a node that is gone disappears after this
-REMOVED_ANSWER_SECONDS = 24 * 3600  # as long as the answer to a request id (bus.idempotency)
 
 # Scripts: notifier_live.lua, notifier_renew.lua and notifier_remove.lua beside this module; the
 # publisher lease is a `bus.lease` lease.
@@ -115,7 +114,7 @@ class Registrations:
         claim = current_claim.get()
         if claim is not None:
             keys.append(f"{self.base}:removed:{claim.marker}")
-            args.append(REMOVED_ANSWER_SECONDS)
+            args.append(claim.window)  # as long as the answer to the request id
         return bool(await self._remove(keys=keys, args=args))
 
     async def live(self) -> dict[str, float]:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from nats.aio.client import Client
 from redis.asyncio import Redis
 
-from bus.idempotency import IdempotencyStore
+from bus.idempotency import DEFAULT_WINDOW, IdempotencyStore
 from bus.service import Service
 from bus.tasks import cancel_and_wait
 from bus.telemetry import on_scrape
@@ -68,6 +68,7 @@ class MetricsWorker:
         pods: Mapping[str, PodCgroups] | None = None,
         concurrency: int = 64,
         clock: Callable[[], float] = time.time,
+        window: float = DEFAULT_WINDOW,
     ) -> None:
         node = options.node
         self.store = Store(options.insurance_seconds, clock)  # `clock`: the store's unix time (tests)
@@ -80,7 +81,7 @@ class MetricsWorker:
         self.agent.on_round(self.notifier.wake)
         self.service = Service(
             f"{prefix}-metrics", prefix=prefix, concurrency=concurrency,
-            idempotency=IdempotencyStore(redis, prefix=prefix), metadata={"node": node},
+            idempotency=IdempotencyStore(redis, prefix=prefix, window=window), metadata={"node": node},
             description="node, NUMA, CPU, device, NIC, container and cgroup metrics; reads and change events",
         )
         endpoints = MetricsEndpoints(
@@ -110,7 +111,8 @@ def _report_crash(task: asyncio.Task) -> None:
 async def build(ctx) -> Service:
     """`ctx.config`: the frozen `services.metrics.config.MetricsServiceConfig`."""
     options = ctx.config
-    worker = MetricsWorker(ctx.nc, ctx.redis, ctx.prefix, options, concurrency=ctx.common.concurrency)
+    worker = MetricsWorker(ctx.nc, ctx.redis, ctx.prefix, options, concurrency=ctx.common.concurrency,
+                           window=ctx.common.idempotency_window)
     worker.start()
     ctx.cleanups.append(worker.stop)
     count = RegistrationCount(worker.notifier.registrations, options.node)
