@@ -126,6 +126,18 @@ def test_one_calculation_never_over_allocates(scenario):
 
 @SETTINGS
 @given(scenarios())
+def test_engine_params_follow_from_the_workload_resource(scenario):
+    # an allocate's answer is rebuilt from the ledger on a retry: the params must be the deploy's own
+    plugin, capacity, usage, request = scenario
+    count = placeable(plugin, capacity, usage, request)
+    count = MAX_DEPLOY if count is None else min(count, 20)
+    params, workloads = plugin.calculate_deploy(capacity, usage, count, request)
+    event("arithmetic" if workloads else "edge: nothing fits")
+    assert [plugin.engine_params(workload) for workload in workloads] == params
+
+
+@SETTINGS
+@given(scenarios())
 def test_deploy_then_release_restores_usage_exactly(scenario):
     plugin, capacity, usage, request = scenario
     count = placeable(plugin, capacity, usage, request)

@@ -162,6 +162,17 @@ def test_storage_deploy_then_release_is_exact(node, request):
 
 @MODERATE
 @given(used_storage_nodes(), storage_requests())
+def test_storage_engine_params_follow_from_the_workload_resource(node, request):
+    # an allocate's answer is rebuilt from the ledger on a retry: the params must be the deploy's own
+    capacity, usage, _ = node
+    count = min(storage.deploy_capacity(capacity, usage, request).capacity, 3)
+    event("arithmetic" if count else "edge: nothing fits")
+    params, workloads = storage.calculate_deploy(capacity, usage, count, request)
+    assert [storage.engine_params(workload) for workload in workloads] == params
+
+
+@MODERATE
+@given(used_storage_nodes(), storage_requests())
 def test_storage_capacity_is_what_deploy_places(node, request):
     capacity, usage, _ = node
     count = storage.deploy_capacity(capacity, usage, request).capacity
@@ -261,7 +272,8 @@ def test_gpu_deploy_capacity_fits_exactly_and_releases_exactly(scenario):
     request = {"prod_count_map": cards}
     count = gpu.deploy_capacity(capacity, usage, request).capacity
     event("arithmetic" if count else "edge: nothing fits")
-    _, workloads = gpu.calculate_deploy(capacity, usage, count, request)
+    params, workloads = gpu.calculate_deploy(capacity, usage, count, request)
+    assert [gpu.engine_params(workload) for workload in workloads] == params  # what a retry rebuilds
     committed = gpu.apply_workloads(usage, workloads, True)
     gpu.validate_record(capacity, committed)  # never over-allocated
     assert gpu.diffs(capacity, committed, earlier + workloads) == []

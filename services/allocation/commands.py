@@ -77,8 +77,9 @@ WIRE_TYPES = {GetNodesDeployCapacity: GetNodesDeployCapacityWire}
 
 MANAGER_ONLY_COMMANDS = [
     Command("resource.allocate", Allocate, AllocateReply, "allocate", idempotent=True, wire=AllocateWire,
-            undo="undo_allocate", role=Role.TENANT),
-    Command("resource.release", ReleaseWorkloads, ReleaseReply, "release", idempotent=True, role=Role.TENANT),
+            undo="undo_allocate", role=Role.TENANT, keep="kept_allocate", recall="recall_allocate"),
+    Command("resource.release", ReleaseWorkloads, ReleaseReply, "release", idempotent=True, role=Role.TENANT,
+            keep="kept_release", recall="recall_release"),
     Command("resource.realloc", Realloc, ReallocReply, "realloc", idempotent=True, role=Role.TENANT),
     Command("resource.list-nodes", ListNodes, ListNodesReply, "list_nodes"),
     Command("resource.get-allocations", GetAllocations, AllocationsReply, "get_allocations"),

@@ -17,6 +17,7 @@ import msgspec
 
 from bus.callers import current_caller
 from bus.codec import decode_stored, encode
+from bus.idempotency import current_claim
 from bus.service import REPLY_HEADROOM
 from schemas.allocation import (
     NULL,
@@ -65,6 +66,7 @@ from schemas.allocation import (
 from schemas.common import Empty
 from schemas.errors import BerthError, InvalidArgument
 from services.allocation.commands import PLUGIN_NAMES
+from services.allocation.committer import workload_ids
 from services.allocation.errors import reply_too_large
 from services.allocation.manager import AllocationManager
 from services.allocation.placement import total_capacity
@@ -312,6 +314,34 @@ class AllocationEndpoints:
             req.workload_ids, req.request_id, reply_bytes=self.reply_bytes,
         )
         return AllocateReply(placed)
+
+    @staticmethod
+    def kept_allocate(req: AllocateWire, reply: AllocateReply) -> bytes:
+        """The ledger holds what an allocate placed, under the ids it was given or derived from its
+        request id and run: keep the run and how many, not the placements (a few bytes, not ~500
+        per instance)."""
+        claim = current_claim.get()
+        return encode([claim.attempt if claim is not None else 0, len(reply.allocations)])
+
+    async def recall_allocate(self, req: AllocateWire, kept: bytes) -> AllocateReply:
+        """A retry's answer: the placements as the ledger holds them now (a realloc since shows its
+        new resources; an instance released since is left out)."""
+        run, count = decode_stored(kept, tuple[int, int])
+        ids = req.workload_ids if req.workload_ids is not None else workload_ids(count, None, req.request_id, run)
+        return AllocateReply(await self.manager.placements(ids))
+
+    @staticmethod
+    def kept_release(req: ReleaseWorkloads, reply: ReleaseReply) -> bytes:
+        """What a release removed is some of the ids it names: keep which (nothing: all of them)."""
+        if reply.released == sorted(set(req.workload_ids)):
+            return b""
+        released = set(reply.released)
+        return encode(sorted({i for i, wid in enumerate(req.workload_ids) if wid in released}))
+
+    async def recall_release(self, req: ReleaseWorkloads, kept: bytes) -> ReleaseReply:
+        if not kept:
+            return ReleaseReply(sorted(set(req.workload_ids)))
+        return ReleaseReply(sorted({req.workload_ids[i] for i in decode_stored(kept, list[int])}))
 
     async def undo_allocate(self, req: AllocateWire, answer: bytes) -> None:
         """Give back what an allocate placed when its answer could not be kept (see Command.undo)."""

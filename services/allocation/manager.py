@@ -61,6 +61,10 @@ log = logging.getLogger("berth.allocation")
 
 Raw = dict[str, Any]
 
+# Runs of a request an allocate looks for placements of before it places (after the idempotency
+# window a retry starts again at run 0, and its first answer may have come from a later run).
+LOOKED_BACK_RUNS = 4
+
 
 class AllocationManager:
     """What every allocation command does, whatever level (plugin or manager) it came through:
@@ -351,16 +355,22 @@ class AllocationManager:
         run = current_claim.get()
         attempt = run.attempt if run is not None and run.request_id == request_id else 0
         own_ids = given_ids is None and bool(request_id)  # ids derived from this request and its runs
-        if attempt and own_ids:
-            await self.committer.forget_runs(request_id, attempt, await self._instances(nodes, strategy, count))
+        if own_ids:
+            instances = await self._instances(nodes, strategy, count)
+            if attempt:
+                await self.committer.forget_runs(request_id, attempt, instances)
+            earlier = await self._placed_before(request_id, attempt, instances)
+            if earlier:
+                return earlier
         cleared = False
 
-        async def lost_run_given_back(error: BerthError) -> bool:
+        async def lost_run_found(error: BerthError) -> list[Allocation] | None:
+            """The placement of this run's number that an earlier run made, or None to refuse."""
             nonlocal cleared
             if not own_ids or cleared:
-                return False
-            cleared = await self._forget_lost_runs(error, request_id, attempt, nodes, strategy, count)
-            return cleared
+                return None
+            cleared = True
+            return await self._lost_run(error, request_id, attempt, nodes, strategy, count)
 
         views = self.fleet.views
         failure: BerthError | None = None
@@ -373,16 +383,22 @@ class AllocationManager:
                     await self._check_reply_fits(plan, ids, requests, reply_bytes)
                 return await self.committer.place(plan, ids, requests, reservation)
             except BerthError as error:
-                if not await lost_run_given_back(error):
+                found = await lost_run_found(error)
+                if found is None:
                     raise
+                if found:
+                    return found
                 failure = error
             except NodeFilledUp as filled:
                 views.invalidate(filled.node, urgent=True)  # its record changed under the view: read it now
                 views.contend(filled.node)
                 failure = filled.error
                 if nodes.single or replan == replans - 1:
-                    if not await lost_run_given_back(filled.error):
+                    found = await lost_run_found(filled.error)
+                    if found is None:
                         raise filled.error from None
+                    if found:
+                        return found
                 else:
                     log.debug("node %s filled up during allocate; planning again", filled.node)
             finally:
@@ -393,22 +409,56 @@ class AllocationManager:
         """How many instances an allocate places in all (`each`: `count` on every selected node)."""
         return count * len(await self.fleet.members(nodes)) if strategy == "each" else count
 
-    async def _forget_lost_runs(
+    async def _lost_run(
         self, error: BerthError, request_id: str, attempt: int, nodes: Selection, strategy: str, count: int
-    ) -> bool:
-        """Whether to plan again, once, because `error` may come from this very request's own
-        earlier run: its claim was lost (a Redis failover lost the claim's last writes), so this run
-        has that run's number and finds its ids taken (`workload_exists`) or the room it took gone
-        (a capacity refusal: then the selected nodes' ledgers are searched, as the index may have
-        lost its entries in the same failover). That run's placement is given back first."""
+    ) -> list[Allocation] | None:
+        """`error` may come from this very request's own earlier run: its claim was lost (a Redis
+        failover lost the claim's last writes), so this run has that run's number and finds its ids
+        taken (`workload_exists`) or the room it took gone (a capacity refusal: the index may have
+        lost its entries in the same failover, so the selected nodes' ledgers are searched). That
+        run's placement is the answer (it may have been answered); [] means none was found: plan
+        again, once. None: `error` is not of that kind."""
         capacity = no_room(error)
         if error.code != "workload_exists" and not capacity:
-            return False
+            return None
         instances = await self._instances(nodes, strategy, count)
         where = await self.fleet.members(nodes) if capacity else None
-        if await self.committer.forget_runs(request_id, attempt + 1, instances, where):
-            log.warning("request %s: an earlier run's placement had lost its claim; released it", request_id)
-        return True
+        await self.committer.find_runs(request_id, range(attempt, attempt + 1), instances, where)
+        found = await self._placed_before(request_id, attempt, instances, runs=1)
+        if found:
+            log.warning("request %s: an earlier run of the same number had placed it; answering that", request_id)
+        return found
+
+    async def _placed_before(
+        self, request_id: str, attempt: int, instances: int, runs: int = LOOKED_BACK_RUNS
+    ) -> list[Allocation]:
+        """What an earlier run of this request placed under this run's number or a later one (a
+        retry after the idempotency window starts again at run 0; a failover can make a run repeat
+        a number): the placements of the first such run that a node still holds, or []. The ledger
+        is the truth: an allocate never places twice."""
+        by_run = [workload_ids(instances, None, request_id, run) for run in range(attempt, max(attempt + 1, runs))]
+        located = await self.store.locate([wid for ids in by_run for wid in ids])
+        for ids in by_run:
+            if any(wid in located for wid in ids):
+                found = await self.placements(ids)
+                if found:
+                    return found
+        return []
+
+    async def placements(self, ids: list[str]) -> list[Allocation]:
+        """The placements of those of `ids` a node holds for the caller (placed for it, not only
+        visible to it), in the order of `ids`, as the ledger holds them (an instance released since
+        is left out)."""
+        caller = current_caller.get()
+        located = await self.store.located(ids)
+        read = await asyncio.gather(*(self.store.load_with_ledger(n, held) for n, held in located.nodes.items()))
+        order = {wid: i for i, wid in enumerate(ids)}
+        found = [
+            Allocation(wid, record.name, resource, self.plugins.engine_params(resource))
+            for record, ledger in read if record is not None
+            for wid, resource in ledger.resources.items() if ledger.owner(wid) == caller.name
+        ]
+        return sorted(found, key=lambda allocation: order[allocation.workload_id])
 
     async def _plan(
         self, nodes: Selection, strategy: str, count: int, requests: Keyed

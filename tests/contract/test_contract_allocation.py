@@ -118,23 +118,18 @@ async def events_of(wire: Wire, action: Callable[[], Awaitable[Any]]) -> tuple[A
 
 
 async def stored_replies(redis, prefix: str, request_id: str) -> list[dict]:
-    """The answers kept under `<prefix>:idem:*` for a request id: maps with `body` and `headers`."""
+    """The answers kept under `<prefix>:idem:*` for a request id, as maps with `headers` (bus/idempotency.py
+    keeps a success its endpoint rebuilds as `\\x01` and a recipe, any other answer as [body, headers])."""
     found: list[dict] = []
-
-    def collect(value: Any) -> None:
-        if isinstance(value, dict):
-            if "body" in value:
-                found.append(value)
-            for item in value.values():
-                collect(item)
-        elif isinstance(value, list):
-            for item in value:
-                collect(item)
-
     async for key in redis.scan_iter(match=f"{prefix}:idem:*:{request_id}", count=1000):
-        raw = await redis.hget(key, "r")  # the kept answer (bus/idempotency.py)
-        if raw is not None:
-            collect(msgpack.unpackb(raw, strict_map_key=False))
+        raw = await redis.hget(key, "r")  # the kept answer
+        if raw is None:
+            continue
+        if raw[:1] == b"\x01":
+            found.append({"recipe": raw[1:], "headers": None})
+        else:
+            body, headers = msgpack.unpackb(raw, strict_map_key=False)
+            found.append({"body": body, "headers": headers})
     return found
 
 

@@ -61,6 +61,10 @@ class ResourcePlugin(Protocol):
         """(engines_params, workloads_resource), one of each per instance; a shortfall raises the plugin's
         insufficient_* error (eru's split, DESIGN.md §8)."""
 
+    def engine_params(self, workload_resource: Raw) -> Raw:
+        """The engine params of an instance deployed with `workload_resource` (as calculate_deploy
+        gave them beside it): an answer rebuilt from the ledger has the same ones."""
+
     def calculate_realloc(
         self, capacity: Raw, usage: Raw, workload_resource: Raw, request: Raw | None
     ) -> tuple[Raw, Raw, Raw]:

@@ -105,6 +105,11 @@ class CpuMemPlugin(MatrixUpdates[NodeResource]):
             workloads.append(encode(workload(want, cpu_map, numa_node, numa_memory)))
         return engines_params, workloads
 
+    def engine_params(self, workload_resource: Raw) -> Raw:
+        held = decode_workload_resource(workload_resource, "workload_resource")
+        want = WorkloadRequest(cpu_limit=held.cpu_limit, memory_limit=held.memory_limit)
+        return encode(engine_params(want, held.cpu_map, held.numa_node))
+
     def calculate_realloc(
         self, capacity: Raw, usage: Raw, workload_resource: Raw, request: Raw | None
     ) -> tuple[Raw, Raw, Raw]:

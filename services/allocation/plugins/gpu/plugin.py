@@ -68,6 +68,9 @@ class GpuPlugin(MatrixUpdates[Counts]):
                 )
         return [_wire(wanted) for _ in range(count)], [_wire(wanted) for _ in range(count)]
 
+    def engine_params(self, workload_resource: Raw) -> Raw:
+        return _wire(_counts(workload_resource, "workload_resource", minimum=None))  # the cards it holds
+
     def deploy_capacity(self, capacity: Raw, usage: Raw, request: Raw | None) -> DeployCapacity:
         wanted = _request(request, "workload_resource_request", minimum=1)
         cap, used = _record(capacity, usage)

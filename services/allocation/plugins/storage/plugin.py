@@ -43,6 +43,7 @@ from services.allocation.plugins.storage.requests import (
 from services.allocation.plugins.storage.types import (
     IO,
     Disk,
+    StorageEngineParams,
     StorageNode,
     StorageWorkload,
     combine,
@@ -103,6 +104,16 @@ class StoragePlugin(MatrixUpdates[StorageNode]):
                 )
         instances = [instance(wanted, plan, cap) for plan in plans[:count]]
         return [encode(engine) for engine, _ in instances], [encode(workload) for _, workload in instances]
+
+    def engine_params(self, workload_resource: Raw) -> Raw:
+        held = decode(workload_resource, StorageWorkload, "workload_resource")
+        plan = plan_from_wire(held.volume_plan_request, "workload_resource.volume_plan_request")
+        limits = parse_bindings(held.volumes_limit, "workload_resource.volumes_limit")
+        return encode(StorageEngineParams(
+            volumes=[binding.engine_form() for binding in applied(limits, plan)],
+            storage=held.storage_limit,
+            iops_options={disk.device: disk.io.render() for disk in held.disks_limit},
+        ))
 
     def deploy_capacity(self, capacity: Raw, usage: Raw, request: Raw | None) -> DeployCapacity:
         wanted = _deploy_request(request)
