@@ -103,10 +103,11 @@ def test_a_release_begun_moves_a_pool_resource_to_deleting():
     ]
 
 
-def test_released_drops_timers_reservation_and_every_pool_membership():
+def test_released_drops_timers_reservation_and_every_pool_membership_and_sets_the_forget_timer():
     timers = [("zrem", f"{BASE}:timers", f"{kind}|u|r1") for kind in ("launch", "trace", "release")]
-    assert CHANGES.released(record()) == timers
-    assert CHANGES.released(record(broker_name="web", broker_sold=True, no_ready_instance=2)) == [
+    timers.append(("zadd", f"{BASE}:timers", "9.0", "forget|u|r1"))  # the index entry goes once it expired
+    assert CHANGES.released(record(), 9.0) == timers
+    assert CHANGES.released(record(broker_name="web", broker_sold=True, no_ready_instance=2), 9.0) == [
         *timers,
         ("hcount", f"{BASE}:blocks", "local", "-2"),
         ("srem", f"{BASE}:pool:u:web:warming", "r1"),

@@ -4,7 +4,7 @@ the index changes each step of a record's life writes with it (`Changes`).
 Keys: every key starts with `<p>:broker:` (one ACL pattern, `~<p>:broker:*`, covers the service)
 and carries the deployment's hash tag `{<p>}`, so every key of one deployment's broker lives in one
 Redis Cluster hash slot. Base `<p>:broker:{<p>}`:
-  res:<user>:<id>              hash   a resource record (released ones expire after 24 h)
+  res:<user>:<id>              hash   a resource record (released ones expire after the idempotency window)
   index                        zset   "<user>/<id>" -> created_at, for list-resources
   blocks                       hash   capacity block -> instances reserved but not ready yet
   timers                       zset   "<kind>|<user>|<id>" -> due time (durable timers)
@@ -19,7 +19,7 @@ Redis Cluster hash slot. Base `<p>:broker:{<p>}`:
   pool:<user>:<name>:demand    zset   applies seen (hits and misses) -> time
   lease:<user>:<name>          string the replica that runs this broker's pool loop
   launching:<user>:<id>        string who hands this launch to the operator now (a lease)
-  applied:<scope>:<request id> hash   a state change applied once: its answer, kept 24 h
+  applied:<scope>:<request id> hash   a state change applied once: its answer, kept for the idempotency window
   outbox                       hash   events of committed changes not yet acknowledged by the
                                       stream (`bus.outbox.Journal`)
 The operators keep their own keys beside these, under the same base and tag (`proc:<user>:<id>`,
@@ -198,9 +198,11 @@ class Changes:
             ops.append(cas.sadd(self._pool(record, "deleting"), record.resource_id))
         return ops
 
-    def released(self, record: Resource) -> list[Op]:
-        """Everything that still refers to `record` goes: its timers, its reservation, its pool."""
+    def released(self, record: Resource, forget_at: float) -> list[Op]:
+        """Everything that still refers to `record` goes: its timers, its reservation, its pool; a
+        `forget` timer at `forget_at`, when the released record has expired, takes its index entry."""
         ops = [cas.zrem(self.keys.timers, self._timer(kind, record)) for kind in ("launch", "trace", "release")]
+        ops.append(cas.zadd(self.keys.timers, forget_at, self._timer("forget", record)))
         if record.no_ready_instance:
             ops.append(cas.hcount(self.keys.blocks, record.resource_block_key, -record.no_ready_instance))
         if record.broker_name:

@@ -26,7 +26,7 @@ class Queries(Part):
         self.tracking = tracking
 
     async def get(self, user: str, resource_id: str) -> Resource:
-        """Any record, released ones included (they stay readable for 24 h)."""
+        """Any record, released ones included (they stay readable for the idempotency window)."""
         record = await self.store.load(user, resource_id)
         if record is None:
             raise errors.resource_not_found(resource_id)
@@ -53,6 +53,16 @@ class Queries(Part):
             )
         _, info = await self.tracking.refresh(record)
         return info
+
+    async def forget_expired(self, user: str, resource_id: str) -> None:
+        """The `forget` timer: a released record has expired, and its index entry goes. The id may
+        live again meanwhile (`init` or `apply` on a released id): then it stays; a record still
+        released (Redis has not expired it yet) brings the timer back after a claim."""
+        record = await self.store.load(user, resource_id)
+        if record is None:
+            await self.store.forget([(user, resource_id)])
+        if record is None or record.status != RELEASED:
+            await self.store.drop_timer("forget", user, resource_id)
 
     async def all_records(self) -> list[Resource]:
         """Every record in the index; index entries of records that expired are dropped."""

@@ -2,8 +2,8 @@
 
 A release is begun and finished in two writes: the record is marked `deleting` (out of its pool,
 with a `release` timer in case this replica dies), the operator releases its instances, and the
-record is marked `released` (kept readable for 24 h). A release the operator refused is retried by
-the `release` timer.
+record is marked `released` (kept readable for the idempotency window). A release the operator
+refused is retried by the `release` timer.
 """
 
 from __future__ import annotations
@@ -96,7 +96,8 @@ class Releasing(Part):
         )
 
     async def _finish(self, record: Resource) -> None:
-        """Release the platform's side, then mark the record released (kept readable for 24 h)."""
+        """Release the platform's side, then mark the record released (kept readable for the
+        idempotency window)."""
         if transitions.operator_holds(record):
             try:
                 await self.operator.release(record.user, record.resource_id, record.request_instance)

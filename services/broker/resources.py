@@ -8,6 +8,7 @@ one started after a crash, finishes it:
   trace    follow a deploying resource until it is finished, release it past its deadline
            (`tracking`)
   release  finish a release that was begun, and retry one the operator refused (`releasing`)
+  forget   drop a released record's index entry once the record has expired (`queries`)
 
 A resource in a broker's pool is followed by that broker's pool loop (`pools.py`) instead.
 `BrokerResources` wires the parts together and runs the timers; the commands are the parts'.
@@ -53,6 +54,7 @@ class BrokerResources:
             "launch": self.launching.finish_launch,
             "trace": self.tracking.trace,
             "release": self.releasing.finish_release,
+            "forget": self.queries.forget_expired,
         }
 
     async def on_timer(self, kind: str, user: str, resource_id: str) -> None:

@@ -22,17 +22,15 @@ from bus.codec import decode_stored, encode
 from bus.events import EventBus
 from bus.failpoints import failpoint
 from bus.idempotency import Claim as IdempotencyClaim
-from bus.idempotency import own_claim, taken_over
+from bus.idempotency import DEFAULT_WINDOW, own_claim, taken_over
 from bus.lease import Leases
 from bus.outbox import Journal, journal
 from bus.redis import Pipelined
 from schemas.common import Event
 from services.broker.layout import Changes, Keys, Op, decode_record, encode_fields, index_member, timer_member
-from services.broker.model import BrokerConfig, BrokerState, Resource
+from services.broker.model import BrokerConfig, BrokerState, Resource, now
 
-RELEASED_TTL = 24 * 3600
 Announced = list[tuple[str, Event]] | None  # the events a record change announces (`commit`)
-APPLIED_TTL = 24 * 3600  # as long as the idempotency layer keeps an answer
 POOL_PARTS = ("warming", "idle", "sold", "deleting")
 
 # The record writes are `bus.cas` compare-and-sets (field `version`, no tombstone). The scripts of
@@ -74,8 +72,13 @@ class AlreadyApplied(Exception):
 
 
 class BrokerStore:
-    def __init__(self, redis: Redis, prefix: str, events: EventBus | None = None) -> None:
+    def __init__(
+        self, redis: Redis, prefix: str, events: EventBus | None = None, *, released_seconds: float = DEFAULT_WINDOW
+    ) -> None:
         self.redis = redis
+        # How long a released record stays readable: the idempotency window, the time a retried
+        # release or get-resource of it can still come.
+        self.released_seconds = max(1, int(released_seconds))
         self.keys = Keys(prefix)
         # The events of every record change go out through this outbox (written in the commit).
         self.outbox = Journal(events, Pipelined.of(redis), self.keys.outbox)
@@ -122,7 +125,7 @@ class BrokerStore:
             if entries is not None:
                 steps.append(cas.hset(self.keys.outbox, field, entries))
             if run is not None:
-                steps += [cas.before(key, run.lease_end), cas.once(self.keys.applied(run.marker), answer, APPLIED_TTL)]
+                steps += [cas.before(key, run.lease_end), cas.once(self.keys.applied(run.marker), answer, run.window)]
             if run is not None:
                 failpoint("before-commit")
             try:
@@ -178,7 +181,7 @@ class BrokerStore:
                 index_member(caller.user, caller.resource_id),
                 uuid.uuid4().hex,
                 run.lease_end if run else 0,
-                APPLIED_TTL,
+                run.window if run else 1,
                 field,
                 placeholder,
                 *sales,
@@ -275,7 +278,7 @@ class BrokerStore:
             if not await run.still_held():
                 raise taken_over(run)
             pipe.hset(self.keys.applied(run.marker), mapping={"r": answer, "v": 0})
-            pipe.expire(self.keys.applied(run.marker), APPLIED_TTL)
+            pipe.expire(self.keys.applied(run.marker), run.window)
         return pipe
 
     async def brokers_version(self) -> int:
@@ -349,9 +352,10 @@ class BrokerStore:
         return await self.commit(deleting, deleting.version, ops, answer=answer, events=events)
 
     async def mark_released(self, before: Resource, released: Resource, events: Announced = None) -> Resource:
-        """The record as released, kept readable for `RELEASED_TTL`."""
-        ops = self.changes.released(before)
-        return await self.commit(released, before.version, ops, ttl=RELEASED_TTL, events=events)
+        """The record as released, kept readable for `released_seconds`; then its index entry goes too
+        (the `forget` timer: without it, the index grew by an entry per resource for good)."""
+        ops = self.changes.released(before, now() + self.released_seconds + 1)
+        return await self.commit(released, before.version, ops, ttl=self.released_seconds, events=events)
 
     async def accept_idle(self, record: Resource, events: Announced = None) -> Resource:
         """A warming pool resource joins the idle pool, ready since `record.updated_at`."""
