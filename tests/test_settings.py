@@ -55,6 +55,7 @@ COMMON = [  # (flag, value, variable, its value, field, expected from the variab
     ("--redis", "redis://flag/0", "REDIS_URL", "redis://env/0", "redis", "redis://env/0", "redis://flag/0"),
     ("--prefix", "fromflag", "BERTH_PREFIX", "fromenv", "prefix", "fromenv", "fromflag"),
     ("--concurrency", "8", "BERTH_CONCURRENCY", "16", "concurrency", 16, 8),
+    ("--idempotency-window", "60", "BERTH_IDEMPOTENCY_WINDOW", "90", "idempotency_window", 90.0, 60.0),
     ("--metrics-port", "9100", "BERTH_METRICS_PORT", "0", "metrics_port", 0, 9100),
     (
         "--metrics-addr",
@@ -86,6 +87,13 @@ def test_common_flags_without_variable_and_the_log_level():
     assert parse_worker("metrics", MetricsServiceConfig, ["--node", "n1"], env={"BERTH_LOG_LEVEL": "DEBUG"})[0].log_level == "DEBUG"
     assert log_level({}) == "INFO" and log_level({"BERTH_LOG_LEVEL": "WARNING"}) == "WARNING"
     assert state_dir({}) == ".berth" and state_dir({"BERTH_STATE": "/s"}) == "/s"
+
+
+def test_the_idempotency_window_defaults_to_two_minutes_and_refuses_what_is_not_a_duration():
+    assert parse_worker("allocation", AllocationServiceConfig, [], env={})[0].idempotency_window == 120.0
+    for bad in ("0", "-5", "nan", "soon", str(8 * 24 * 3600)):
+        with pytest.raises(SystemExit):
+            parse_worker("allocation", AllocationServiceConfig, ["--idempotency-window", bad], env={})
 
 
 def test_metrics_port_off_values_and_a_bad_port():
