@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import signal
 import subprocess
 import sys
@@ -33,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.allocation import EchoResponders, cpu_seconds  # noqa: E402
+from bench.servers import stop_workers  # noqa: E402
 from bench.stats import percentile  # noqa: E402
 from bus.client import BusClient  # noqa: E402
 from bus.connection import connect  # noqa: E402
@@ -40,7 +40,6 @@ from bus.redis import connect_redis  # noqa: E402
 from schemas.errors import BusError  # noqa: E402
 from services.agent.host import node_resource, read_host  # noqa: E402
 from services.allocation.store import NodeStore  # noqa: E402
-from services.processes import procfs  # noqa: E402
 from tests.agent_hosts import fake_host  # noqa: E402
 
 CATALOG = ROOT / "tests" / "catalog.toml"
@@ -72,16 +71,7 @@ class Bench:
                           "--label", f"city={city}", "--label", "platform=linux", "--interval", "30", *args)
 
     def stop(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs:
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        for pid in procfs.marked_processes(f"{self.prefix}/").values():
-            os.killpg(pid, signal.SIGKILL)
+        stop_workers(self.procs, self.prefix)
 
 
 async def until(check, timeout: float = 60.0, pause: float = 0.002) -> float:

@@ -4,10 +4,14 @@ redis-server of its own on loopback (Redis without persistence), stopped when th
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
+import subprocess
 import tempfile
 from pathlib import Path
 from typing import Iterator
 
+from services.processes import procfs
 from services.servers import ServerProcess, start_nats, start_redis
 
 
@@ -31,3 +35,21 @@ def given_or_started(args, *, nats_settings: str = "") -> Iterator[list[ServerPr
     finally:
         for server in servers:
             server.stop()
+
+
+def stop_workers(procs: list[subprocess.Popen], prefix: str) -> None:
+    """SIGTERM the workers (a drain), kill one that does not exit in 15 s, then kill what they
+    launched in `prefix`'s namespace and left running."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    for pid in procfs.marked_processes(f"{prefix}/").values():
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # gone meanwhile

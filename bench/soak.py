@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -44,12 +42,11 @@ from typing import Awaitable, Callable
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.servers import given_or_started  # noqa: E402
+from bench.servers import given_or_started, stop_workers  # noqa: E402
 from bus.client import BusClient  # noqa: E402
 from bus.connection import connect  # noqa: E402
 from bus.redis import connect_redis  # noqa: E402
 from schemas.errors import BusError  # noqa: E402
-from services.processes import procfs  # noqa: E402
 from tests.agent_hosts import fake_host  # noqa: E402
 
 CATALOG = ROOT / "tests" / "catalog.toml"
@@ -107,19 +104,7 @@ class Run:
         return proc
 
     def stop(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs:
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        for pid in procfs.marked_processes(f"{self.prefix}/").values():
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        stop_workers(self.procs, self.prefix)
 
     def failed(self, error: Exception) -> None:
         code = error.code if isinstance(error, BusError) else type(error).__name__
@@ -153,16 +138,22 @@ async def allocation(run: Run, client: BusClient) -> tuple[int, Step]:
     return 48, step
 
 
-async def broker(run: Run, client: BusClient) -> tuple[int, Step]:
-    run.start("services.broker.worker", *BROKER_ARGS)
+def broker_resources(clients: int, *, launch: bool) -> Callable[[Run, BusClient], Awaitable[tuple[int, Step]]]:
+    """`init`, `launch` when asked (a real process), then `release`, from `clients` clients."""
 
-    async def step(client: BusClient, _: int) -> None:
-        resource = rid()
-        await client.request("broker.init", {"user": "soak", "resource_id": resource, "param": SERVER,
-                                             "request_id": rid()})
-        await client.request("broker.release", {"user": "soak", "resource_id": resource, "request_id": rid()})
+    async def start(run: Run, client: BusClient) -> tuple[int, Step]:
+        run.start("services.broker.worker", *BROKER_ARGS)
 
-    return 32, step
+        async def step(client: BusClient, _: int) -> None:
+            resource = {"user": "soak", "resource_id": rid()}
+            await client.request("broker.init", {**resource, "param": SERVER, "request_id": rid()})
+            if launch:
+                await client.request("broker.launch", {**resource, "filter": ONE, "request_id": rid()})
+            await client.request("broker.release", {**resource, "request_id": rid()})
+
+        return clients, step
+
+    return start
 
 
 async def broker_pool(run: Run, client: BusClient) -> tuple[int, Step]:
@@ -179,21 +170,8 @@ async def broker_pool(run: Run, client: BusClient) -> tuple[int, Step]:
             if error.code != "broker_not_enough_resources":
                 raise
             await asyncio.sleep(0.2)  # the pool is refilling: a miss, and a pause
+            return
         await client.request("broker.release", {"user": "soak", "resource_id": caller, "request_id": rid()})
-
-    return 4, step
-
-
-async def broker_launch(run: Run, client: BusClient) -> tuple[int, Step]:
-    run.start("services.broker.worker", *BROKER_ARGS)
-
-    async def step(client: BusClient, _: int) -> None:
-        resource = rid()
-        await client.request("broker.init", {"user": "soak", "resource_id": resource, "param": SERVER,
-                                             "request_id": rid()})
-        await client.request("broker.launch", {"user": "soak", "resource_id": resource, "filter": ONE,
-                                               "request_id": rid()})
-        await client.request("broker.release", {"user": "soak", "resource_id": resource, "request_id": rid()})
 
     return 4, step
 
@@ -230,7 +208,8 @@ async def agent(run: Run, client: BusClient) -> tuple[int, Step]:
 
 
 LOOPS: dict[str, Callable[[Run, BusClient], Awaitable[tuple[int, Step]]]] = {
-    "allocation": allocation, "broker": broker, "broker-pool": broker_pool, "broker-launch": broker_launch,
+    "allocation": allocation, "broker": broker_resources(32, launch=False), "broker-pool": broker_pool,
+    "broker-launch": broker_resources(4, launch=True),
     "metrics": metrics, "agent": agent,
 }
 
