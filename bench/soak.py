@@ -303,7 +303,8 @@ def table(runs: list[Run], warmup: float, floor: int) -> str:
         old = f"{before * rate * 60 / 1e3:.1f} MB" if before else "-"
         rss = " + ".join(f"{a / 1e6:.0f} / {b / 1e6:.0f}" for a, b in zip(first.rss, last.rss))
         lines.append(
-            f"| {run.name} | {rate:.0f} | {_errors(run)} | {first.redis_bytes / 1e6:.1f} / {last.redis_bytes / 1e6:.1f} "
+            f"| {run.name} | {rate:.0f} | {_errors(run)} "
+            f"| {first.redis_bytes / 1e6:.1f} / {last.redis_bytes / 1e6:.1f} "
             f"| {slope['redis_bytes'] / 1e6:+.2f} | {first.keys} / {last.keys} | {slope['keys']:+.0f} | {rss} "
             f"| {slope['rss'] / 1e6:+.2f} | {old} |"
         )

@@ -1,8 +1,11 @@
-"""Failpoints: named places where a worker can be made to die or pause, to test what survives.
+"""Failpoints: named places where a worker can be made to die, pause or lose a reply, to test
+what survives.
 
 `BERTH_FAILPOINTS` lists `name` or `name:action` items, comma-separated; the action is `kill`
-(the default: SIGKILL, as a crash) or `stop` (SIGSTOP, as a long GC or a VM pause: the process
-runs on from there when it gets SIGCONT). Each fires once per process. The points:
+(the default: SIGKILL, as a crash), `stop` (SIGSTOP, as a long GC or a VM pause: the process
+runs on from there when it gets SIGCONT) or `lose` (the store's reply to what was just written is
+lost: `bus.redis.ReplyLost` is raised there, as when a link fails while the reply is in flight).
+Each fires once per process. The points:
 - `before-commit`: a state change is computed and about to be committed;
 - `after-commit`: it is committed, its answer neither kept nor sent.
 Tests set the variable on a worker process they start; nothing else does. Unset (the default),
@@ -14,14 +17,19 @@ from __future__ import annotations
 import os
 import signal
 
-_SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
+from bus.redis import ReplyLost
+
+_ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "lose": None}
 _armed = {
-    name: _SIGNALS[action or "kill"]
+    name: action or "kill"
     for name, _, action in (item.partition(":") for item in os.environ.get("BERTH_FAILPOINTS", "").split(",") if item)
 }
+assert set(_armed.values()) <= set(_ACTIONS), f"BERTH_FAILPOINTS: actions are {', '.join(_ACTIONS)}"
 
 
 def failpoint(name: str) -> None:
-    sig = _armed.pop(name, None)
-    if sig is not None:
-        os.kill(os.getpid(), sig)
+    action = _armed.pop(name, None)
+    if action == "lose":
+        raise ReplyLost(f"failpoint {name}: the reply of what was just written is lost")
+    if action is not None:
+        os.kill(os.getpid(), _ACTIONS[action])

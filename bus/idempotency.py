@@ -16,8 +16,17 @@ worker died is free again within about `lease` seconds: the next retry takes it 
 again. The claim remembers how many runs it had (`Claim.attempt`, 0 for the first), so that a
 handler can tell a takeover from a first run and give back what a dead run left behind.
 
-Internal errors, an unreachable store (`unavailable`) and refusals of malformed input (400) are
-not kept, so a retry can succeed. A request id reused with a different payload is refused rather
+Internal errors, an unreachable store (`unavailable`), an unknown outcome and refusals of
+malformed input (400) are not kept, so a retry can succeed.
+
+When the store fails after the run sent a decisive write (bus.outcome: a lost reply, a silent
+link), the run may or may not have changed something. Before answering, the worker learns which,
+as a client's retry would: it lets the run's lease run out (from then on none of the run's writes
+can land: each is fenced by the lease, `bus.cas.before`), claims the request again, and runs it
+again as a takeover, which finds what the first run did (an applied marker, a placement under the
+run's ids) and answers that. A kept answer whose reply was lost is kept again, or found kept. Only
+if the store stays away for `resolve_within` seconds is the answer `outcome_unknown` (504): the
+request's id, sent again, gives the real answer. A request id reused with a different payload is refused rather
 than answered with someone else's reply. Every Redis step is one script on one key (Redis Cluster
 safe), sent in the worker's shared pipeline (`bus.redis.Pipelined`); the scripts are the
 `idempotency_*.lua` files beside this module.
@@ -42,18 +51,25 @@ from typing import Awaitable, Callable
 import msgspec
 from redis.asyncio import Redis
 
-from bus import scripts
+from redis import exceptions as redis_errors
+
+from bus import outcome, scripts
 from bus.codec import decoder, encode
 from bus.redis import Pipelined
 from bus.replicas import ReplicaWait, landed
-from schemas.errors import BerthError, InvalidArgument
+from bus.telemetry import OUTCOMES_RESOLVED
+from schemas.errors import BerthError, InvalidArgument, OutcomeUnknown, Unavailable
 
 log = logging.getLogger("berth.idempotency")
 
 # Answers that are not kept for a retry: a request refused as malformed (400) did nothing, so its
-# id stays free for the corrected request; an internal error (500) or an unreachable store may
-# succeed when tried again.
-_NOT_KEPT = frozenset({"400", "500"})
+# id stays free for the corrected request; an internal error (500), an unreachable store or an
+# unknown outcome (504) may come out otherwise when tried again.
+_NOT_KEPT = frozenset({"400", "500", "504"})
+# A store that failed (bus.service answers these `unavailable` or `outcome_unknown`).
+STORE_ERRORS = (redis_errors.ConnectionError, redis_errors.TimeoutError, redis_errors.ClusterError,
+                redis_errors.ReadOnlyError, redis_errors.TryAgainError, redis_errors.OutOfMemoryError)
+RESOLVE_SECONDS = 5.0
 _UNAVAILABLE = encode("unavailable")
 MAX_REQUEST_ID = 200
 
@@ -176,6 +192,7 @@ class IdempotencyStore:
         wait: float = 10.0,
         poll: float = 0.01,
         replicas: ReplicaWait | None = None,
+        resolve_within: float = RESOLVE_SECONDS,
     ) -> None:
         self.redis = redis
         self.prefix = prefix
@@ -184,6 +201,7 @@ class IdempotencyStore:
         self.wait = wait
         self.poll = poll
         self.replicas = replicas  # the kept answer must be on replicas before it is sent (bus.replicas)
+        self.resolve_within = resolve_within  # seconds to learn an unknown outcome before answering it
         self.batch = Pipelined.of(redis)
         self._claim = scripts.register(redis, "bus", "idempotency_claim")
         self._keep = scripts.register(redis, "bus", "idempotency_keep")
@@ -217,33 +235,139 @@ class IdempotencyStore:
         `recall` rebuilds an answer kept as a recipe (`Reply.recipe`).
         """
         key = self.key(scope, request_id)
+        digest = hashlib.sha1(payload).digest()
         token = uuid.uuid4().hex
-        taken = await self._take(key, token, hashlib.sha1(payload).digest(), request_id)
-        if isinstance(taken, bytes):
-            await self._replicated(key)  # the first run may have answered unavailable for want of it
-            return await replayed(taken, recall)
-        run = Claim(self, key, token, request_id, scope, *taken)
-        self._hold(key, run)
+        taken = await self._first_take(key, token, digest, request_id)
+        resolving: float | None = None  # since when the store failed after a change may have been made
+        while True:
+            if isinstance(taken, bytes):
+                await self._replicated(key)  # the first run may have answered unavailable for want of it
+                return await replayed(taken, recall)
+            run = Claim(self, key, token, request_id, scope, *taken)
+            try:
+                reply = await self._claimed(run, call)
+            except STORE_ERRORS as error:
+                tracked = outcome.current()
+                if run.attempt == 0 and (tracked is None or not tracked.may_have_changed):
+                    raise Unavailable(f"the store failed ({type(error).__name__}) before the request changed "
+                                      "anything; nothing was changed: retry") from None
+                # This run may have made the change, or an earlier run whose work a takeover was to
+                # find: learn which.
+                log.warning("request %s: the store failed after a change may have been made (%r); learning the "
+                            "outcome", request_id, error)
+                resolving = resolving or asyncio.get_running_loop().time()
+                token = uuid.uuid4().hex
+                taken = await self._retaken(key, token, digest, request_id, resolving + self.resolve_within)
+                continue
+            deadline = (resolving or asyncio.get_running_loop().time()) + self.resolve_within
+            answer = await self._kept(run, reply, undo, deadline)
+            if resolving is not None:
+                OUTCOMES_RESOLVED.inc()
+            return answer
+
+    async def _first_take(self, key: str, token: str, digest: bytes, request_id: str) -> tuple[int, int] | bytes:
+        """Claim the request (or find its answer). A store that cannot be reached cannot say whether
+        an earlier delivery of the request made the change: `outcome_unknown`. A full store refused
+        the claim; it still answers reads, which say whether the request is new (`unavailable`:
+        nothing of it was made), kept (its answer) or was run before (`outcome_unknown`)."""
+        try:
+            return await self._take(key, token, digest, request_id, asyncio.get_running_loop().time() + self.wait)
+        except redis_errors.OutOfMemoryError:
+            found, kept = await self.batch.execute_command("HMGET", key, "d", "r")
+            if kept is not None and found == digest:
+                return kept
+            if found is None:
+                raise Unavailable("the store is out of memory (maxmemory) and refused the request, which changed "
+                                  "nothing: retry once memory is freed") from None
+            raise OutcomeUnknown(f"the store is out of memory, and request {request_id} was run before: send it "
+                                 "again with the same request_id once memory is freed", field="request_id") from None
+        except STORE_ERRORS as error:
+            raise OutcomeUnknown(
+                f"the store could not be reached ({type(error).__name__}) to claim request {request_id}; an earlier "
+                "delivery of it may have made the change: send it again with the same request_id",
+                field="request_id",
+            ) from None
+
+    async def _claimed(self, run: Claim, call: Callable[[], Awaitable[Reply]]) -> Reply:
+        """`call()` under the claim `run`, its lease renewed meanwhile. A run that fails gives its
+        claim up (a retry may take over at once), unless the store failed after a change was sent:
+        then its lease runs out first, so that none of its writes can land after a takeover."""
+        self._hold(run._key, run)
         claim = current_claim.set(run)
         try:
-            reply = await call()
-        except BaseException:
-            await asyncio.shield(self.batch.script(self._release, [key], [token, "expire"]))
+            return await call()
+        except BaseException as error:
+            tracked = outcome.current()
+            if not (isinstance(error, STORE_ERRORS) and tracked is not None and tracked.may_have_changed):
+                await asyncio.shield(self._give_up(run, "expire"))
             raise
         finally:
             current_claim.reset(claim)
-            self._held.pop(key, None)
+            self._held.pop(run._key, None)
+
+    async def _give_up(self, run: Claim, how: str) -> None:
+        """Release the claim (`forget` or `expire`, see idempotency_release.lua); a store that fails
+        meanwhile lets it lapse with its lease instead."""
+        try:
+            await self.batch.script(self._release, [run._key], [run._token, how])
+        except STORE_ERRORS as error:
+            log.info("request %s: giving its claim up failed (%r); it lapses with its lease", run.request_id, error)
+
+    async def _kept(
+        self, run: Claim, reply: Reply, undo: Callable[[Reply], Awaitable[None]] | None, deadline: float
+    ) -> Reply:
+        """Keep `reply` as the answer to `run`'s request (or give the claim up, for an answer that is
+        not kept), and return it. A keep whose reply is lost is sent again until `deadline`: the
+        script finds it kept already, or keeps it, or finds the claim taken over."""
         status = (reply.headers or {}).get("Nats-Service-Error-Code")
         if not _kept(status, reply.body):
-            await self.batch.script(self._release, [key], [token, "forget" if status == "400" else "expire"])
-        elif not await self.batch.script(self._keep, [key], [token, kept_form(reply), self.window]):
-            log.warning("request %s: the claim was taken over while it ran; its answer is not the one kept", request_id)
+            await self._give_up(run, "forget" if status == "400" else "expire")
+            return reply
+        while True:
+            try:
+                kept = await self.batch.script(self._keep, [run._key], [run._token, kept_form(reply), self.window])
+                break
+            except STORE_ERRORS as error:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise OutcomeUnknown(
+                        f"request {run.request_id}: its change was made, and keeping its answer failed ({error!r}): "
+                        "send it again with the same request_id for the answer", field="request_id",
+                    ) from None
+                await asyncio.sleep(0.1)
+        if not kept:
+            log.warning("request %s: the claim was taken over while it ran; its answer is not the one kept",
+                        run.request_id)
             if undo is not None and status is None:  # an error answer changed nothing to give back
                 await undo(reply)
             raise taken_over(run)
-        else:
-            await self._replicated(key)
+        await self._replicated(run._key)
         return reply
+
+    async def _retaken(
+        self, key: str, token: str, digest: bytes, request_id: str, deadline: float
+    ) -> tuple[int, int] | bytes:
+        """Claim the request again once the failed run's lease has run out (or find its answer),
+        trying while the store fails, until `deadline`; then the outcome stays unknown."""
+        pause = 0.05
+        while True:
+            try:
+                return await self._take(key, token, digest, request_id, deadline)
+            except STORE_ERRORS as error:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise OutcomeUnknown(
+                        f"request {request_id}: a change was sent and the store did not answer since ({error!r}): "
+                        "it may or may not be made; send the request again with the same request_id",
+                        field="request_id",
+                    ) from None
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 0.5)
+            except BerthError as error:
+                if error.code != "busy":
+                    raise
+                raise OutcomeUnknown(
+                    f"request {request_id}: a change was sent and its outcome could not be learned in time: "
+                    "send the request again with the same request_id", field="request_id",
+                ) from None
 
     async def _replicated(self, key: str) -> None:
         """With `replicas`: wait until the kept answer is on them, else raise `Unavailable`. The
@@ -273,11 +397,12 @@ class IdempotencyStore:
         """Extend a claim's lease now: its new end (ms of server time), or 0 when it is not ours."""
         return int(await self.batch.script(self._renew, [key], [token, int(self.lease * 1000)]))
 
-    async def _take(self, key: str, token: str, digest: bytes, request_id: str) -> tuple[int, int] | bytes:
+    async def _take(
+        self, key: str, token: str, digest: bytes, request_id: str, deadline: float
+    ) -> tuple[int, int] | bytes:
         """Claim the id (the run's attempt number and lease end), or the answer kept for it (as
-        `kept_form` wrote it); waits while another live run holds it."""
+        `kept_form` wrote it); waits while another live run holds it, until `deadline`."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.wait
         pause = self.poll
         while True:
             status, value, *lease_end = await self.batch.script(

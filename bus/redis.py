@@ -20,6 +20,11 @@ On a single Redis (not a cluster) a batch goes over a connection of its own (`Re
 hiredis packs the whole batch and parses the replies, with none of redis-py's per-command work
 (argument encoding, a timeout context and a read call per reply), which took a large share of
 an allocation worker's CPU.
+
+What a failed command may have done (bus.outcome): `StoreNotReached` says it never left (no
+connection could be made), `ReplyLost` that it was sent and its reply did not come (the
+connection failed, or no reply within `command_timeout`: a silent link must not make a request
+wait forever). Both are redis-py `ConnectionError`s.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import hiredis
 from redis._parsers.base import BaseParser
 from redis.asyncio import BlockingConnectionPool, Redis, RedisCluster
 from redis.asyncio.cluster import ClusterNode
+from redis.asyncio.connection import Connection, SSLConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
@@ -45,6 +51,36 @@ from bus.scripts import Script
 CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+# Seconds a command's reply may take before its link is taken for dead (every command berth sends
+# is answered in milliseconds), and a connection's making.
+COMMAND_TIMEOUT = 3.0
+CONNECT_TIMEOUT = 2.0
+
+
+class StoreNotReached(RedisConnectionError):
+    """No connection to Redis could be made: the command was never sent."""
+
+
+class ReplyLost(RedisConnectionError):
+    """The command was sent and its reply did not come: it may have run."""
+
+
+class _Reaching:
+    """A redis-py connection whose failure to connect says that nothing was sent."""
+
+    async def connect(self) -> None:
+        try:
+            await super().connect()  # type: ignore[misc]
+        except (RedisConnectionError, OSError, TimeoutError) as error:
+            raise StoreNotReached(f"Redis could not be reached: {error}") from error
+
+
+class ReachingConnection(_Reaching, Connection):
+    pass
+
+
+class ReachingSSLConnection(_Reaching, SSLConnection):
+    pass
 
 
 def redis_url(explicit: str | None = None) -> str:
@@ -60,17 +96,26 @@ def tls_options(url: str, tls_ca: str | None = None) -> dict[str, Any]:
 
 
 def connect_redis(
-    url: str | None = None, *, max_connections: int = 64, timeout: float = 10.0, tls_ca: str | None = None
+    url: str | None = None, *, max_connections: int = 64, timeout: float = 10.0, tls_ca: str | None = None,
+    command_timeout: float = COMMAND_TIMEOUT,
 ) -> Redis | RedisCluster:
+    """`timeout`: how long a command waits for a free connection of the pool; `command_timeout`:
+    for its reply."""
     url = redis_url(url)
     if url.startswith(CLUSTER_SCHEMES):
-        return connect_cluster(url, max_connections=max_connections, tls_ca=tls_ca)
-    pool = BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=timeout,
-                                           health_check_interval=30, **tls_options(url, tls_ca))
+        return connect_cluster(url, max_connections=max_connections, tls_ca=tls_ca, command_timeout=command_timeout)
+    pool = BlockingConnectionPool.from_url(
+        url, max_connections=max_connections, timeout=timeout, health_check_interval=30,
+        socket_timeout=command_timeout, socket_connect_timeout=CONNECT_TIMEOUT,
+        connection_class=ReachingSSLConnection if url.startswith("rediss") else ReachingConnection,
+        **tls_options(url, tls_ca),
+    )
     return Redis(connection_pool=pool)
 
 
-def connect_cluster(url: str, *, max_connections: int = 64, tls_ca: str | None = None) -> RedisCluster:
+def connect_cluster(
+    url: str, *, max_connections: int = 64, tls_ca: str | None = None, command_timeout: float = COMMAND_TIMEOUT
+) -> RedisCluster:
     """`redis[s]+cluster://[user:password@]host:port,host:port,...`: any of the nodes is enough to start.
 
     No retries on a connection error: redis-py's cluster pipeline would send its whole batch again
@@ -89,6 +134,8 @@ def connect_cluster(url: str, *, max_connections: int = 64, tls_ca: str | None =
         password=unquote(parts.password) if parts.password else None,
         max_connections=max_connections,
         health_check_interval=30,
+        socket_timeout=command_timeout,
+        socket_connect_timeout=CONNECT_TIMEOUT,
         retry=Retry(NoBackoff(), 0),
         **({"ssl": True, **tls} if url.startswith("rediss") else {}),
     )
@@ -116,24 +163,28 @@ class RespConnections:
     does (redis-py's `_reader`/`_writer` of a connected connection are what this reads and writes).
 
     A connection idle longer than the pool's health check interval is pinged first, alone: a server
-    that closed it meanwhile costs a new connection, never a batch sent into a dead socket."""
+    that closed it meanwhile costs a new connection, never a batch sent into a dead socket.
+
+    A connection that cannot be made raises `StoreNotReached` (nothing was sent); one that fails, or
+    gives no reply within the pool's socket timeout, once the batch is written raises `ReplyLost`."""
 
     READ = 1 << 16
 
     def __init__(self, redis: Redis) -> None:
         self.pool = redis.connection_pool
         self.idle_limit = float(self.pool.connection_kwargs.get("health_check_interval") or 0)
+        self.reply_timeout = self.pool.connection_kwargs.get("socket_timeout")
         self._idle: list[tuple[Any, float]] = []  # (connection, when it last answered)
 
     async def run(self, commands: list[tuple]) -> list[Any]:
         """The replies of `commands`, in order (an error reply is its exception, not raised). A
-        connection that fails raises redis-py's ConnectionError and is dropped."""
+        connection that fails is dropped (see the class)."""
         conn = await self._take()
         try:
             replies = await self._exchange(conn, commands)
-        except (OSError, asyncio.IncompleteReadError) as error:
+        except (OSError, asyncio.IncompleteReadError, TimeoutError) as error:
             await conn.disconnect()
-            raise RedisConnectionError(f"Redis connection lost: {error!r}") from None
+            raise ReplyLost(f"Redis connection lost with {len(commands)} commands sent: {error!r}") from None
         except BaseException:
             await conn.disconnect()  # cancelled half way: replies left unread would answer the next batch
             raise
@@ -149,7 +200,7 @@ class RespConnections:
             try:
                 await self._exchange(conn, [("PING",)])
                 return conn
-            except (OSError, asyncio.IncompleteReadError):
+            except (OSError, asyncio.IncompleteReadError, TimeoutError):
                 await conn.disconnect()
         conn = self.pool.make_connection()
         await conn.connect()
@@ -162,7 +213,7 @@ class RespConnections:
         while len(replies) < len(commands):
             reply = reader.gets()
             if reply is False:
-                data = await conn._reader.read(self.READ)
+                data = await asyncio.wait_for(conn._reader.read(self.READ), self.reply_timeout)
                 if not data:
                     raise asyncio.IncompleteReadError(b"", None)
                 reader.feed(data)

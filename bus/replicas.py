@@ -4,8 +4,9 @@ Redis replicates asynchronously, so a write its primary acknowledged is lost if 
 before sending it to a replica that then takes over. With `--wait-replicas N` a worker notes the
 keys a request wrote (`wrote`, where its stores write) and, before answering, waits until N
 replicas of every primary that took one of them hold it (`ReplicaWait.confirm`); when fewer
-confirm within the timeout, the answer is `unavailable` instead of an acknowledgement that a
-failover could take back.
+confirm within the timeout, the answer is `outcome_unknown` (the writes are made on the primary,
+and a failover may or may not take them back) instead of an acknowledgement that a failover could
+take back.
 
 Redis's `WAIT` waits for the writes *its own connection* sent (measured on 7.0: WAIT on a second
 connection returns at once, whatever the first one wrote), and a request's writes went out in the
@@ -14,7 +15,7 @@ the primary that took the write, a write of its own (a short-lived fence key in 
 and then WAIT: a primary replicates in order, so a replica that holds the fence holds every
 earlier write of that primary, the request's included. The primary is the one that owned the
 key's slot when the write was made (noted with the key): if the slot has moved since (a
-failover), its fence is refused and the answer is `unavailable` too.
+failover), its fence is refused and the answer is `outcome_unknown` too.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 from redis.exceptions import RedisError
 
 from bus.redis import is_cluster
-from schemas.errors import Unavailable
+from schemas.errors import OutcomeUnknown
 
 FENCE_TTL_MS = 60_000  # a fence only has to outlive its WAIT; it then expires on its own
 
@@ -102,15 +103,16 @@ class ReplicaWait:
         return f"{self.key_base}:wait:{{{_slot_tags()[slot]}}}"
 
     async def confirm(self, writes: Iterable[Landed]) -> None:
-        """Return once every write's primary has `replicas` replicas holding it; else `Unavailable`."""
+        """Return once every write's primary has `replicas` replicas holding it; else `OutcomeUnknown`:
+        the writes are made on the primary, and a failover may or may not lose them."""
         one_slot_each = {write.primary: write.slot for write in writes}
         if not one_slot_each:
             return
         held = await asyncio.gather(*(self._fence(primary, slot) for primary, slot in one_slot_each.items()))
         if min(held) < self.replicas:
-            raise Unavailable(
+            raise OutcomeUnknown(
                 f"only {min(held)} of {self.replicas} replicas confirmed the write within {self.timeout_ms} ms; "
-                "a failover could lose it: retry"
+                "a failover could lose it: send the request again with the same request_id"
             )
 
     async def _fence(self, primary: str | None, slot: int) -> int:
@@ -124,12 +126,14 @@ class ReplicaWait:
                     return (await pipe.execute())[-1]
             node = self.redis.get_node(node_name=primary)
             if node is None:  # the cluster forgot it: it died and was replaced
-                raise Unavailable(f"Redis primary {primary} is gone; the write may be lost: retry")
+                raise OutcomeUnknown(f"Redis primary {primary} is gone; the write may be lost: send the request again")
             sent = [PipelineCommand(i, *command) for i, command in enumerate(commands)]
             await node.execute_pipeline(sent)
         except RedisError as error:  # refused (MOVED: a failover took the slot) or unreachable
-            raise Unavailable(f"could not confirm a write on {primary or 'Redis'} ({error!r}): retry") from None
+            raise OutcomeUnknown(f"could not confirm a write on {primary or 'Redis'} ({error!r}): send the request "
+                                 "again") from None
         for command in sent:
             if isinstance(command.result, Exception):
-                raise Unavailable(f"could not confirm a write on {primary} ({command.result!r}): retry")
+                raise OutcomeUnknown(f"could not confirm a write on {primary} ({command.result!r}): send the request "
+                                     "again")
         return sent[-1].result

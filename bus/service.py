@@ -14,7 +14,9 @@ What the runtime adds to `nats.micro`:
 - typed decode: a payload that does not decode or validate becomes an `invalid_argument` reply
   naming the field; the endpoint keeps serving;
 - domain errors (`BerthError`) become the error headers and body of DESIGN.md §2; a store that
-  cannot be reached, or is out of memory, becomes `unavailable` (503, retry); anything else becomes
+  cannot be reached, or is out of memory, becomes `unavailable` (503: nothing applied) while the
+  request has sent no decisive write, and `outcome_unknown` (504) once it may have (bus.outcome;
+  with a request id, bus.idempotency first tries to learn the outcome); anything else becomes
   `internal` with the traceback logged;
 - the caller's identity and role (`bus.callers`): a command above the caller's role is refused
   `permission_denied` before anything else; handlers read the caller from `current_caller`, and a
@@ -44,6 +46,7 @@ from nats.micro import ServiceConfig
 from nats.micro.request import ERROR_CODE_HEADER, ERROR_HEADER, Request
 from redis import exceptions as redis_errors
 
+from bus import outcome
 from bus.callers import Caller, Role, caller_of, current_caller
 from bus.codec import decode, encode
 from bus.connection import subscriptions_in_place
@@ -53,7 +56,7 @@ from bus.replicas import ReplicaWait, collecting
 from bus.tasks import cancel_and_wait
 from bus.telemetry import EndpointMeter, error_code
 from schemas.common import ErrorBody, ErrorInfo
-from schemas.errors import BerthError, InvalidArgument, PermissionDenied, Unavailable
+from schemas.errors import BerthError, InvalidArgument, OutcomeUnknown, PermissionDenied, Unavailable
 
 log = logging.getLogger("berth.service")
 
@@ -122,6 +125,14 @@ class Command:
         if self.role is not None:
             return self.role
         return Role.ADMIN if self.idempotent else Role.READER
+
+
+def store_failed(tracked: outcome.Outcome, reason: str) -> BerthError:
+    """What a request answers when its store failed: nothing applied, or it may have been."""
+    if tracked.may_have_changed:
+        return OutcomeUnknown(f"{reason} after a change was sent, which may have been made: send the request "
+                              "again with the same request_id for the real answer")
+    return Unavailable(f"{reason}; nothing was changed: retry")
 
 
 def error_reply(error: BerthError) -> Reply:
@@ -290,6 +301,10 @@ class Service:
                 f"{spec.subject} needs the {spec.role.label} role; {caller} may not call it",
                 details={"role": spec.role.label}))
         current_caller.set(caller)  # this task's own context: it ends with the request
+        with outcome.tracking() as tracked:
+            return await self._tracked(spec, data, caller, tracked)
+
+    async def _tracked(self, spec: EndpointSpec, data: bytes, caller: Caller, tracked: outcome.Outcome) -> Reply:
         try:
             req = decode(data, spec.request)
             if spec.idempotent and getattr(req, "request_id", None):
@@ -304,15 +319,16 @@ class Service:
             return await self._call(spec, req)
         except BerthError as error:
             return error_reply(error)
-        except STORE_UNREACHABLE as error:  # a Redis restart or failover: nothing to debug, retry
+        except STORE_UNREACHABLE as error:  # a Redis restart, failover or partition: nothing to debug
             log.warning("%s: the store is unreachable: %r", spec.subject, error)
-            return error_reply(Unavailable(f"the store is unreachable ({type(error).__name__}); retry"))
+            return error_reply(store_failed(tracked, f"the store is unreachable ({type(error).__name__})"))
         except STORE_FULL as error:
             log.warning("%s: the store refused a write: %s", spec.subject, error)
-            return error_reply(Unavailable("the store is out of memory (maxmemory); retry once memory is freed"))
+            return error_reply(store_failed(tracked, "the store is out of memory (maxmemory)"))
         except Exception as error:
             log.error("%s: unexpected error\n%s", spec.subject, traceback.format_exc())
-            return error_reply(BerthError(f"internal error: {type(error).__name__}: {error}", code="internal"))
+            return error_reply(BerthError(f"internal error: {type(error).__name__}: {error}", code="internal",
+                                          details={"may_have_changed": tracked.may_have_changed}))
 
     def _idempotency_scope(self, spec: EndpointSpec) -> str:
         """Where the answers to `spec`'s request ids are kept.

@@ -61,6 +61,11 @@ REQUEST_ERRORS = Counter(
     "Requests answered with an error, by service, endpoint and error code (the code of the reply's error body).",
     ("service", "endpoint", "code"),
 )
+OUTCOMES_RESOLVED = Counter(
+    "berth_outcomes_resolved",
+    "Requests whose store failed after a change was sent, and that learned what happened and answered it "
+    "(those that could not are answered outcome_unknown: berth_request_errors_total{code=\"outcome_unknown\"}).",
+)
 REQUEST_DURATION = Histogram(
     "berth_request_duration_seconds",
     "Time from taking a request to sending its reply (decode, handler, encode), by service and endpoint.",

@@ -200,7 +200,9 @@ def document(
                     ERROR_CODE_HEADER: {
                         "type": "string",
                         "pattern": "^[0-9]{3}$",
-                        "description": "HTTP-like status: 400, 404, 409, 412, 429, 500, 503, 504",
+                        "description": "HTTP-like status: 400, 403, 404, 409, 412, 429, 500, 503 "
+                        "(unavailable: nothing applied), 504 (outcome_unknown: the change may have been "
+                        "made; a retry with the same request_id gives the real answer)",
                     },
                     ERROR_HEADER: {"type": "string", "description": "the error message"},
                 },

@@ -3,13 +3,25 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
 
+# The codes of the bus itself, beside each service's own (DESIGN.md §2, §8).
+BUS_ERROR_CODES = (
+    "invalid_argument: malformed input, or a bound passed (400; nothing applied; names the field)",
+    "permission_denied: the caller may not do this (403; nothing applied)",
+    "busy: retry later, with the same request_id (429)",
+    "unavailable: nothing of the request was applied, the store could not be reached or refused it (503)",
+    "outcome_unknown: a decisive write may have landed and its reply was lost; send the same request_id "
+    "again for the real answer (504)",
+    "internal: an unexpected error (500)",
+)
+
+
 class ErrorInfo(msgspec.Struct):
-    code: str
+    code: Annotated[str, msgspec.Meta(description="snake_case; the bus's own: " + "; ".join(BUS_ERROR_CODES))]
     message: str
     details: dict[str, Any] = {}
 

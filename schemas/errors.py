@@ -6,9 +6,10 @@ A handler raises a `BerthError` (or a subclass); the service runtime turns it in
 The client turns such a reply back into a `BusError` carrying the same code.
 
 Here are the errors every service shares: `InvalidArgument`, `PermissionDenied`, the runtime's
-`Unavailable` and `internal`, and the client's `RequestTimeout` and `NoResponders`. Each service owns its own codes
-and defines them next to its code (`services/broker/errors.py`, `services/metrics/errors.py`; the
-allocation service raises `BerthError(code=...)` where it refuses); their statuses follow §8.
+`Unavailable`, `OutcomeUnknown` and `internal`, and the client's `RequestTimeout` and
+`NoResponders`. Each service owns its own codes and defines them next to its code
+(`services/broker/errors.py`, `services/metrics/errors.py`; the allocation service raises
+`BerthError(code=...)` where it refuses); their statuses follow §8.
 
 It imports nothing from nats either, so that pure calculation code can raise these errors.
 """
@@ -23,7 +24,8 @@ from typing import Any
 _STATUS: dict[str, int] = {
     # bus level
     "busy": 429,  # a retry later may succeed (a claim or a version changed meanwhile)
-    "unavailable": 503,  # the store cannot be reached for a moment
+    "unavailable": 503,  # nothing of the request was applied: the store could not be reached, or refused it
+    "outcome_unknown": 504,  # a decisive write may have landed; a retry with the same request_id tells
     "not_leader": 503,
     "no_responders": 503,  # nobody listens on the subject (the client's own)
     "timeout": 504,  # no reply in time (the client's own)
@@ -112,9 +114,17 @@ class PermissionDenied(BerthError):
 
 
 class Unavailable(BerthError):
-    """Something the service needs (its store) cannot be reached for a moment: retry."""
+    """Nothing of the request was applied: its store could not be reached (no decisive write was
+    sent), or refused the write (out of memory). Retry."""
 
     code = "unavailable"
+
+
+class OutcomeUnknown(BerthError):
+    """A decisive write of the request may have reached the store, and its reply did not come back:
+    the change may or may not be made. The request's `request_id` (sent again) gives the real answer."""
+
+    code = "outcome_unknown"
 
 
 class BusError(BerthError):
@@ -141,5 +151,6 @@ class NoResponders(BusError):
 
 def answered_nothing(error: BusError) -> bool:
     """Whether a call failed for want of an answer, so that the same call later may succeed: nobody
-    listened, no reply came in time, or the service could not reach its store."""
-    return error.code in ("no_responders", "timeout", "unavailable")
+    listened, no reply came in time, or the service could not reach its store (before or after
+    its change: the next call finds what is there)."""
+    return error.code in ("no_responders", "timeout", "unavailable", "outcome_unknown")

@@ -6,12 +6,17 @@ process and one server (a worker and Redis, a worker and NATS), the server itsel
     proxy.cut("reset")   # live connections reset; new ones reset at once (a refused link)
     proxy.cut("drop")    # live connections reset; new ones accepted and never answered (a black hole)
     proxy.cut("stall")   # nothing closed, nothing relayed: a silent partition; bytes wait in the relay
+    proxy.cut("swallow") # nothing closed, every byte either way thrown away, and a side's close
+                         # too: a silent link whose peers notice only by their own timeouts and pings
     proxy.restore()      # relay again; connections the black hole held are reset, a stall's bytes
-                         # are delivered late (as TCP retransmits once a short partition heals)
+                         # are delivered late (as TCP retransmits once a short partition heals), and
+                         # a link that lost bytes to `swallow` is reset (its stream has a gap)
 
 Counters say what a cut touched, so that a test can show that its fault hit: `accepted`
 (connections relayed since start), `cut_live` (live connections a cut closed), `refused` and
-`held` (connections that came during a cut).
+`held` (connections that came during a cut), `swallowed` (bytes thrown away), `ended` (links that
+ended by a side closing), `server_closed` (links whose server side closed them: a server drops a
+client that stopped answering its pings).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import socket
 import struct
 from dataclasses import dataclass, field
 
-MODES = ("reset", "drop", "stall")
+MODES = ("reset", "drop", "stall", "swallow")
 
 
 def reset(writer: asyncio.StreamWriter) -> None:
@@ -43,6 +48,7 @@ class Link:
     client: asyncio.StreamWriter
     server: asyncio.StreamWriter
     pumps: list[asyncio.Task] = field(default_factory=list)
+    gap: bool = False  # bytes were thrown away: what the peers read next is out of step
 
     def close(self) -> None:
         for pump in self.pumps:
@@ -59,6 +65,9 @@ class TcpProxy:
         self.cut_live = 0
         self.refused = 0
         self.held = 0
+        self.swallowed = 0
+        self.ended = 0
+        self.server_closed = 0
         self._links: set[Link] = set()
         self._black_hole: set[asyncio.StreamWriter] = set()
         self._server: asyncio.Server | None = None
@@ -87,8 +96,9 @@ class TcpProxy:
         `restore`; returns how many live connections it froze."""
         assert mode in MODES, mode
         self.mode = mode
-        if mode == "stall":
-            self._flowing.clear()
+        if mode in ("stall", "swallow"):
+            if mode == "stall":
+                self._flowing.clear()
             self.cut_live += len(self._links)
             return len(self._links)
         links, self._links = self._links, set()
@@ -105,6 +115,9 @@ class TcpProxy:
         held, self._black_hole = self._black_hole, set()
         for writer in held:
             reset(writer)
+        for link in [link for link in self._links if link.gap]:
+            self._links.discard(link)
+            link.close()
 
     async def close(self) -> None:
         self.cut("reset")
@@ -116,7 +129,7 @@ class TcpProxy:
         if self.mode == "reset":
             self.refused += 1
             reset(writer)
-        elif self.mode == "drop":
+        elif self.mode in ("drop", "swallow"):
             self.held += 1
             self._black_hole.add(writer)  # never read, never answered: the peer waits
         else:
@@ -136,20 +149,32 @@ class TcpProxy:
             return
         link = Link(writer, server_writer)
         link.pumps = [asyncio.create_task(self._pump(reader, server_writer, link)),
-                      asyncio.create_task(self._pump(server_reader, writer, link))]
+                      asyncio.create_task(self._pump(server_reader, writer, link, from_server=True))]
         self._links.add(link)
         self.accepted += 1
 
-    async def _pump(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter, link: Link) -> None:
+    async def _pump(
+        self, source: asyncio.StreamReader, sink: asyncio.StreamWriter, link: Link, *, from_server: bool = False
+    ) -> None:
         try:
             while data := await source.read(65536):
                 await self._flowing.wait()
+                if self.mode == "swallow":
+                    self.swallowed += len(data)
+                    link.gap = True
+                    continue
                 sink.write(data)
                 await sink.drain()
         except (ConnectionError, OSError):
             pass  # either side went away: the link ends
+        if from_server:
+            self.server_closed += 1
+        if self.mode == "swallow":  # the close is swallowed too: the other side sees nothing
+            link.gap = True
+            return
         # One side closed or failed: end the whole link, as a plain TCP path would for both peers.
         if link in self._links:
+            self.ended += 1
             self._links.discard(link)
             for pump in link.pumps:
                 if pump is not asyncio.current_task():

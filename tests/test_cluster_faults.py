@@ -29,7 +29,7 @@ CLIENTS = 48
 REQUESTS = 144  # more than the 64 that fit: the rest are answered insufficient_capacity
 # No answer yet: send the same request again. `unavailable` is a worker that lost Redis mid-request
 # (a failover); it keeps nothing for the id, so the retry runs again.
-RETRIED = {"timeout", "no_responders", "busy", "unavailable"}
+RETRIED = {"timeout", "no_responders", "busy", "unavailable", "outcome_unknown"}
 # The fault strikes once this many requests are answered: early enough that placements are still
 # being made on every node, and reached even while a third of the slots answer only `unavailable`.
 FAULT_AFTER = REQUESTS // 6
@@ -163,7 +163,7 @@ async def test_a_redis_primary_fails_over_under_load(
     """The replica of one primary lags (stopped, its link cut) from the start of the load; some way in,
     the primary dies, the replica resumes and is promoted, and the dead primary comes back as its
     replica. What the lagging replica never received is lost with the primary: with
-    --wait-replicas 1 nothing answered was (those answers were `unavailable` and retried); without,
+    --wait-replicas 1 nothing answered was (those answers were `outcome_unknown` and retried); without,
     the placements answered on that primary's nodes before it died are gone (the loss window)."""
     cluster, prefix = redis_cluster_to_fail, new_prefix()
     options = ("--wait-replicas", str(wait_replicas)) if wait_replicas else ()
@@ -203,7 +203,7 @@ async def test_a_redis_primary_fails_over_under_load(
         record_property("orphans", len(held - placed))
         if wait_replicas:
             assert lost == set()
-            assert "unavailable" in retries  # answers the lagging replica could not confirm
+            assert "outcome_unknown" in retries  # answers the lagging replica could not confirm
         else:
             assert lost, "the stopped replica missed writes: answered placements must be lost"
             assert {placement_node(answers, wid) for wid in lost} <= on_victim

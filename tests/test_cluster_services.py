@@ -41,8 +41,9 @@ BROKER = "services.broker.worker"
 METRICS = "services.metrics.worker"
 U = "team-c"
 ONE = {"least_instance": 1, "request_instance": 1}
-# Answers that mean "not served yet" while Redis fails over: the request is sent again.
-RETRIED = {"unavailable", "internal", "timeout", "no_responders", "busy"}
+# Answers that mean "not served yet" or "not known yet" while Redis fails over: the request is sent
+# again with the same request_id.
+RETRIED = {"unavailable", "outcome_unknown", "internal", "timeout", "no_responders", "busy"}
 
 
 def port_of(member: ServerProcess) -> int:

@@ -1,6 +1,6 @@
 """bus.replicas against real servers: WAIT covers only its own connection's writes (why a fence is
 written first), a confirmed write is on the replica of the primary that took it, and a replica that
-does not confirm turns the answer into `unavailable`."""
+does not confirm turns the answer into `outcome_unknown` (the write is on the primary, and a failover may lose it)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import redis as sync_redis
 
 from bus.redis import connect_redis, ready
 from bus.replicas import ReplicaWait, collecting, landed, wrote
-from schemas.errors import Unavailable
+from schemas.errors import OutcomeUnknown
 from tests.cluster_helpers import port, read_on_replica, replica_of, slot_owner
 
 KEY = "replicas-test:{node:n1}:node"
@@ -56,13 +56,13 @@ async def test_a_noted_write_is_confirmed_once_on_the_replica_of_its_primary(red
     assert read_on_replica(replica, KEY) == b"confirmed"
 
 
-async def test_a_replica_that_does_not_confirm_makes_the_write_unavailable(redis_cluster, cluster_client):
+async def test_a_replica_that_does_not_confirm_leaves_the_outcome_unknown(redis_cluster, cluster_client):
     waits = ReplicaWait(cluster_client, "replicas-test", replicas=1, timeout_ms=200)
     replica = replica_of(redis_cluster, slot_owner(redis_cluster, KEY))
     replica.proc.send_signal(signal.SIGSTOP)
     try:
         await cluster_client.set(KEY, "unconfirmed")
-        with pytest.raises(Unavailable, match="0 of 1 replicas"):
+        with pytest.raises(OutcomeUnknown, match="0 of 1 replicas"):
             await waits.confirm([landed(cluster_client, KEY)])
     finally:
         replica.proc.send_signal(signal.SIGCONT)
@@ -72,6 +72,6 @@ async def test_a_replica_that_does_not_confirm_makes_the_write_unavailable(redis
 async def test_a_single_redis_without_replicas_never_confirms(redis, prefix):
     waits = ReplicaWait(redis, prefix, replicas=1, timeout_ms=50)
     await redis.set(f"{prefix}:k", 1)
-    with pytest.raises(Unavailable):
+    with pytest.raises(OutcomeUnknown):
         await waits.confirm([landed(redis, f"{prefix}:k")])
     await waits.confirm([])  # a request that wrote nothing waits for nothing

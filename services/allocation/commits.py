@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Generic, TypeVar
 
 from bus.callers import current_caller
+from bus.outcome import Outcome, deciding
+from bus.outcome import current as outcome_now
 from bus.codec import encode
 from bus.failpoints import failpoint
 from bus.idempotency import Claim, own_claim, taken_over
@@ -45,6 +47,8 @@ class Deploy:
     claim: Claim | None = field(default_factory=own_claim)
     # Whom the instances are placed for: the request's caller (a batch commits in another request's task).
     owner: str | None = field(default_factory=lambda: current_caller.get().name)
+    # What the request may have changed, should its commit's reply be lost (bus.outcome).
+    outcome: Outcome | None = field(default_factory=outcome_now)
     # Called once the deploy is committed or refused, in the same step as the views learn the
     # commit: the planner's reservation for it ends exactly when the record holds it.
     settled: Callable[[], None] = lambda: None
@@ -76,6 +80,9 @@ class Attempt(Generic[T]):
     change: Change | None
     result: T
     version: int = 0
+    # The requests whose answer the commit decides (bus.outcome): the current one when None, the
+    # requests of the deploys of a batch.
+    deciding: list[Outcome | None] | None = None
 
 
 class NodeCommits:
@@ -103,9 +110,9 @@ class NodeCommits:
             record = step.record
             failpoint("before-commit")
             try:
-                version = await self.store.commit(
+                version = await deciding(self.store.commit(
                     node, record.version if record else 0, step.change, record.tag if record else ""
-                )
+                ), step.deciding)
             except StaleVersion:
                 telemetry.RETRY_VERSION.inc()
                 self.fleet.views.contend(node)
@@ -221,7 +228,7 @@ class DeployBatches:
             fence = min((d.claim.lease_end for d in placed if d.claim is not None), default=0)
             change = Change(plugins=after, ledger_add=ledger, owners=owners, index=ids, fence=fence,
                             journal=journal([node_event(node, "allocated", workload_ids=ids)]))
-            return Attempt(record, change, (placed, refused))
+            return Attempt(record, change, (placed, refused), deciding=[d.outcome for d in placed])
 
         async def conflict(error: BaseException, step: Attempt[tuple]) -> None:
             nonlocal batch

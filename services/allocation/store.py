@@ -46,6 +46,7 @@ from redis.asyncio import Redis
 
 from bus import cas, replicas, scripts
 from bus.codec import decoder, encode
+from bus.outcome import deciding
 from bus.redis import Pipelined
 from services.allocation.records import (
     UP,
@@ -338,7 +339,7 @@ class NodeStore:
         """Renew the node's lease for `ttl_ms`: (the node's status, the lease's new end in ms of the
         server's clock), or None for a node that does not exist."""
         keys = [self.record_key(node), self.lease_key(node)]
-        found = await self.batch.script(self._renew_lease, keys, [ttl_ms, agent])
+        found = await deciding(self.batch.script(self._renew_lease, keys, [ttl_ms, agent]))
         if not found[0]:
             return None
         status, ends = found[1].decode() or UP, int(found[2])

@@ -25,6 +25,7 @@ from bus.idempotency import Claim as IdempotencyClaim
 from bus.idempotency import DEFAULT_WINDOW, own_claim, taken_over
 from bus.lease import Leases
 from bus.outbox import Journal, journal
+from bus.outcome import deciding
 from bus.redis import Pipelined
 from schemas.common import Event
 from services.broker.layout import Changes, Keys, Op, decode_record, encode_fields, index_member, timer_member
@@ -129,7 +130,9 @@ class BrokerStore:
             if run is not None:
                 failpoint("before-commit")
             try:
-                version = await self._records.commit(key, expected, steps, fields=fields, mode=cas.REPLACE, ttl=ttl)
+                version = await deciding(
+                    self._records.commit(key, expected, steps, fields=fields, mode=cas.REPLACE, ttl=ttl)
+                )
             except cas.Conflict as conflict:
                 if conflict.reason == "before" and await run.still_held():
                     continue  # the lease was renewed late (a busy loop), not taken over
@@ -189,7 +192,7 @@ class BrokerStore:
             ]
             if run is not None:
                 failpoint("before-commit")
-            result = await self._claim(keys=keys, args=args)
+            result = await deciding(self._claim(keys=keys, args=args))
             code = int(result[0])
             if code != -3:
                 break
@@ -250,7 +253,7 @@ class BrokerStore:
         pipe.hset(self.keys.broker(config.user, config.name), "config", encode(config))
         pipe.zadd(self.keys.brokers, {f"{config.user}/{config.name}": seq}, nx=True)
         pipe.incr(self.keys.brokers_version)
-        await pipe.execute()
+        await deciding(pipe.execute())
         if own_claim() is not None:
             failpoint("after-commit")
 
@@ -262,7 +265,7 @@ class BrokerStore:
         )
         pipe.zrem(self.keys.brokers, f"{user}/{name}")
         pipe.incr(self.keys.brokers_version)
-        *_, deleted, _, _ = await pipe.execute()
+        *_, deleted, _, _ = await deciding(pipe.execute())
         if own_claim() is not None:
             failpoint("after-commit")
         return bool(deleted)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from msgspec import UNSET
 
+from bus import outcome
 from bus.failpoints import failpoint
 from schemas.common import Empty
 from schemas.metrics import (
@@ -62,6 +63,7 @@ class MetricsEndpoints:
         value = self.store.put(
             req.scope, req.metric, req.value, req.ids(), sample_time, _given(req.ttl_seconds)
         )
+        outcome.changed()
         failpoint("after-commit")  # stored in this agent's memory, not yet announced or answered
         self.notifier.wake()
         return value

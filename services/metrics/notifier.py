@@ -44,6 +44,7 @@ from bus.codec import decode_stored, encode
 from bus.failpoints import failpoint
 from bus.idempotency import current_claim
 from bus.lease import Leases
+from bus.outcome import deciding
 from schemas.errors import BerthError, InvalidArgument
 from schemas.metrics import Lease, MetricEvent, MetricRef, checked_subject
 from services.metrics import telemetry
@@ -95,7 +96,7 @@ class Registrations:
         key = _registration_key()
         lease_ms = int(lease_seconds * 1000)
         args = [key, encode(ref), lease_ms, most, f"{self.base}:notifier:"]
-        if not await self._add(keys=[self._key(key), self.index], args=args):
+        if not await deciding(self._add(keys=[self._key(key), self.index], args=args)):
             raise InvalidArgument(
                 "$", f"this node already has {most} notifier registrations, the most it takes "
                 "(--max-notifiers): deregister some first", limit=most,
@@ -104,7 +105,7 @@ class Registrations:
 
     async def renew(self, key: str) -> float | None:
         """The lease in seconds, restarted now; None if the registration has ended."""
-        lease_ms = await self._renew(keys=[self._key(key)])
+        lease_ms = await deciding(self._renew(keys=[self._key(key)]))
         return None if lease_ms is None else int(lease_ms) / 1000
 
     async def remove(self, key: str) -> bool:
@@ -115,7 +116,7 @@ class Registrations:
         if claim is not None:
             keys.append(f"{self.base}:removed:{claim.marker}")
             args.append(claim.window)  # as long as the answer to the request id
-        return bool(await self._remove(keys=keys, args=args))
+        return bool(await deciding(self._remove(keys=keys, args=args)))
 
     async def live(self) -> dict[str, float]:
         """Live registration key -> unix time its lease ends at the latest."""
