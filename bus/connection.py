@@ -1,8 +1,8 @@
 """Connecting to NATS the way a long-running worker should.
 
-Workers reconnect forever with a short ping interval, so a restarted nats-server costs seconds,
-not a crash; disconnects, reconnects and asynchronous errors (slow consumers above all) are logged,
-never silent. A NATS cluster is given as a comma-separated list of URLs; the client also learns
+Workers reconnect forever and ping every second (three missed pings: the link is dead, connect
+again), so a restarted nats-server or a silent link costs seconds, not a crash; disconnects,
+reconnects and asynchronous errors (slow consumers above all) are logged, never silent. A NATS cluster is given as a comma-separated list of URLs; the client also learns
 the other servers from the one it reaches, and moves to another when its server goes away.
 Credentials come as `user`/`password` options or in the URLs (`nats://user:password@host:port`).
 `tls://` URLs check the server's certificate against the CA file in `tls_ca` or `BERTH_TLS_CA`
@@ -56,7 +56,7 @@ async def connect(
         error_cb=on_error,
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
-        ping_interval=5,
+        ping_interval=1 if worker else 5,
         max_outstanding_pings=3,
         reconnect_time_wait=0.5,
         max_reconnect_attempts=-1 if worker else 3,

@@ -26,6 +26,9 @@ from bus.codec import decoder, encode
 from schemas.common import Event
 
 log = logging.getLogger("berth.events")
+# JetStream's "no suitable peers for placement": too few servers of a cluster answer to hold a
+# replicated stream.
+NO_SUITABLE_PEERS = 10005
 
 
 E = TypeVar("E")
@@ -209,12 +212,14 @@ class EventBus:
 async def _when_ready(step: str, call: Callable[[], Awaitable[T]], deadline: float) -> T:
     """`call()`, asked again while JetStream does not answer: a NATS cluster elects its JetStream
     leader, and places a replicated stream's peers, in seconds after it starts (or after the
-    leader's server went away); until then its API times out or answers 503."""
+    leader's server went away); until then its API times out or answers 503. A replicated stream
+    also waits for its peers: a server that stopped answering is offline until it comes back."""
     while True:
         try:
             return await call()
-        except (NatsTimeout, ServiceUnavailableError):
-            if asyncio.get_running_loop().time() > deadline:
+        except (NatsTimeout, ServiceUnavailableError, BadRequestError) as error:
+            waiting = not isinstance(error, BadRequestError) or error.err_code == NO_SUITABLE_PEERS
+            if not waiting or asyncio.get_running_loop().time() > deadline:
                 raise
             log.info("JetStream did not answer the stream %s yet; asking again", step)
             await asyncio.sleep(0.5)

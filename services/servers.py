@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 
 NATS_PID = "nats-server.pid"
+PING_SECONDS, PING_MAX = 2, 2  # nats-server pings its clients this often, and drops one that misses these many
 HASH_VALUE_BYTES = 512  # Redis's hash-max-listpack-value for the servers started here (see start_redis)
 
 
@@ -130,9 +131,7 @@ def start_nats(
     args = [find_binary("nats-server"), "-a", "127.0.0.1", "-p", str(port), "-P", str(state_dir / NATS_PID)]
     if jetstream:
         args += ["-js", "-sd", str(state_dir / "jetstream")]
-    config = _nats_tls_config(state_dir / "nats-tls.conf", config, tls, cluster=False)
-    if config is not None:
-        args += ["-c", str(config)]
+    args += ["-c", str(_nats_config(state_dir / "nats-base.conf", config, tls, cluster=False))]
     proc = _spawn("nats-server", args, port, state_dir / "nats-server.log")
     return ServerProcess("nats", f"{_nats_scheme(tls)}://127.0.0.1:{port}", proc)
 
@@ -141,16 +140,22 @@ def _nats_scheme(tls: TlsFiles | None) -> str:
     return "tls" if tls else "nats"
 
 
-def _nats_tls_config(path: Path, config: Path | None, tls: TlsFiles | None, *, cluster: bool) -> Path | None:
-    """`config` with `tls` blocks added (in a file of its own that includes `config`: nats-server
-    takes one `-c`, and a reload reads the included file again), or `config` itself without TLS.
-    Route TLS always verifies the other server's certificate."""
-    if tls is None:
-        return config
-    files = {"cert_file": str(tls.cert), "key_file": str(tls.key), "ca_file": str(tls.ca), "timeout": 5}
-    text = f"tls: {json.dumps(files)}\n"
-    if cluster:  # merged with --cluster/--routes from the command line
-        text += f"cluster: {json.dumps({'tls': files})}\n"
+def _nats_config(path: Path, config: Path | None, tls: TlsFiles | None, *, cluster: bool) -> Path:
+    """The server's settings, with `tls` blocks where given, in a file of its own that includes
+    `config` (nats-server takes one `-c`, and a reload reads the included file again). Route TLS
+    always verifies the other server's certificate.
+
+    The server pings each client every two seconds and drops one that misses two pings: a worker
+    whose link went silent (a partition that swallows every byte) leaves its queue groups within
+    about five seconds, so that requests, and their retries, go to the workers that can answer (the
+    default, two minutes, kept routing requests into the silence). A client whose event loop is
+    stuck that long is dropped too, and connects again."""
+    text = f"ping_interval: {json.dumps(f'{PING_SECONDS}s')}\nping_max: {PING_MAX}\n"
+    if tls is not None:
+        files = {"cert_file": str(tls.cert), "key_file": str(tls.key), "ca_file": str(tls.ca), "timeout": 5}
+        text += f"tls: {json.dumps(files)}\n"
+        if cluster:  # merged with --cluster/--routes from the command line
+            text += f"cluster: {json.dumps({'tls': files})}\n"
     if config is not None:  # nats-server reads an include's path relative to the including file
         text += f"include {json.dumps(os.path.relpath(Path(config).resolve(), path.parent.resolve()))}\n"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -281,7 +286,7 @@ def start_nats_cluster(
     ports = [free_port() for _ in range(size)]
     routes = [free_port() for _ in range(size)]
     route_urls = ",".join(f"nats://127.0.0.1:{port}" for port in routes)  # TLS, if any, is negotiated
-    config = _nats_tls_config(state_dir / "nats-tls.conf", config, tls, cluster=True)
+    config = _nats_config(state_dir / "nats-base.conf", config, tls, cluster=True)
     with _stopped_on_failure() as members:
         for i, (port, route) in enumerate(zip(ports, routes)):
             directory = state_dir / f"n{i}"
@@ -291,9 +296,8 @@ def start_nats_cluster(
                 "-P", str(directory / NATS_PID),
                 "-js", "-sd", str(directory / "jetstream"),
                 "--cluster_name", "berth", "--cluster", f"nats://127.0.0.1:{route}", "--routes", route_urls,
+                "-c", str(config),
             ]
-            if config is not None:
-                args += ["-c", str(config)]
             members.append(ServerProcess(f"nats-n{i}", f"{_nats_scheme(tls)}://127.0.0.1:{port}", _spawn("nats-server", args, port, directory / "nats-server.log")))
     return ServerCluster("nats", ",".join(m.url for m in members), members)
 

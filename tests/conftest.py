@@ -7,6 +7,7 @@ Redis keys; the prefix's keys and events stream are deleted afterwards.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import tempfile
 import uuid
@@ -95,9 +96,25 @@ async def redis(redis_url):
 @pytest_asyncio.fixture
 async def prefix(nc, redis):
     """A fresh namespace for one test; its Redis keys and events stream go away afterwards."""
+    await connected(nc)
     name = new_prefix()
     yield name
+    await connected(nc)
     await clean_namespace(nc, redis, name)
+
+
+async def connected(nc) -> None:
+    """Wait while the session's connection reconnects: the servers drop a client that answers no
+    ping for a few seconds (services/servers.py), as this one does while synchronous tests hold
+    the event loop."""
+    for _ in range(100):
+        if nc.is_connected:
+            try:
+                await nc.flush(timeout=2)  # a round trip: a connection the server closed meanwhile shows now
+                return
+            except Exception:
+                pass  # it reconnects
+        await asyncio.sleep(0.1)
 
 
 def new_prefix() -> str:

@@ -20,13 +20,16 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import random
 from urllib.parse import urlsplit
 
 import pytest
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
-from tests.allocation_helpers import allocate_until_answered, check_invariants
+from schemas.errors import BusError
+from services.allocation.committer import workload_ids
+from tests.allocation_helpers import ONE_CORE, allocate_until_answered, check_invariants
 from tests.bus_helpers import eventually
 from tests.tcp_proxy import MODES, TcpProxy
 from tests.worker_helpers import start_worker, stop_workers
@@ -34,7 +37,7 @@ from tests.worker_helpers import start_worker, stop_workers
 NODES = [f"p{i}" for i in range(8)]
 CORES = 16  # 128 placements fit: commits go on through the cut, and the nodes fill up after it
 CLIENTS = 32
-RETRIED = {"timeout", "no_responders", "busy", "unavailable"}  # "not yet": same request again
+RETRIED = {"timeout", "no_responders", "busy", "unavailable", "outcome_unknown"}  # "not yet": same request again
 WORKER = "services.allocation.worker"
 
 
@@ -187,7 +190,9 @@ async def test_worker_cut_from_redis_answers_unavailable_or_nothing_then_recover
     if mode != "stall":
         await load.until(lambda: proxy.refused + proxy.held > 0)
     mark = len(load.retries)
-    expected = "unavailable" if mode == "reset" else "timeout"
+    # Reset: its claims fail at once, and a claim it cannot make says nothing of what an earlier
+    # delivery did; silent: the client's 3 s timeout comes before the worker's command timeout.
+    expected = "outcome_unknown" if mode == "reset" else "timeout"
     await load.until(lambda: load.retries[mark:].count(expected) >= 10)
     accepted = proxy.accepted
     proxy.restore()
@@ -256,3 +261,165 @@ async def _none(answer) -> bool:
 async def _more(stats, before: int) -> bool:
     stats = await stats
     return stats is not None and allocate_requests(stats) > before
+
+
+# -- an error never hides a change (issue 32) ------------------------------------------------
+
+
+class Honest:
+    """Clients as the issue's harness has them: each allocates with a fresh request id and
+    releases what it was given with another; a timeout, `busy` or `outcome_unknown` is sent again
+    with the same id, `unavailable` is taken as "not applied" and not sent again."""
+
+    def __init__(self, client) -> None:
+        self.client = client
+        self.placed: dict[str, list[str]] = {}  # request id -> the ids it was answered with
+        self.released: dict[str, list[str]] = {}  # request id -> the ids it released
+        self.not_applied: dict[str, tuple[str, list[str]]] = {}  # request id -> (command, ids) answered unavailable
+        self.codes: list[str] = []
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+
+    def start(self, clients: int) -> None:
+        self._tasks = [asyncio.create_task(self._loop(n)) for n in range(clients)]
+
+    async def stop(self) -> None:
+        self._stop.set()
+        await asyncio.gather(*self._tasks)
+
+    async def _ask(self, subject: str, payload: dict) -> dict | None:
+        """The answer, or None for `unavailable` (and for a capacity refusal)."""
+        while True:
+            try:
+                return await self.client.request(subject, payload, dict, timeout=2)
+            except BusError as error:
+                self.codes.append(error.code)
+                if error.code in ("unavailable", "insufficient_capacity"):
+                    return None
+                if error.code not in ("timeout", "no_responders", "busy", "outcome_unknown"):
+                    raise
+            await asyncio.sleep(0.05)
+
+    async def _loop(self, n: int) -> None:
+        for i in itertools.count():
+            if self._stop.is_set():
+                return
+            request_id = f"a{n}-{i}"
+            placed = await self._ask("resource.allocate", {
+                "nodenames": NODES, "strategy": "spread", "deploy_count": 1, "workload_resource_request": ONE_CORE,
+                "request_id": request_id})
+            if placed is None:
+                self.not_applied[request_id] = ("allocate", [])
+                continue
+            ids = [a["workload_id"] for a in placed["allocations"]]
+            self.placed[request_id] = ids
+            release_id = f"r{n}-{i}"
+            if await self._ask("resource.release", {"workload_ids": ids, "request_id": release_id}) is None:
+                self.not_applied[release_id] = ("release", ids)
+            else:
+                self.released[release_id] = ids
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["reset", "swallow"])
+async def test_after_every_unavailable_answer_the_change_did_not_happen(
+    mode, client, prefix, nats_url, redis_url, proxies, workers
+):
+    proxy = await proxies(redis_url)
+    # the only worker: every request meets the cuts
+    await workers(nats_url, proxy.url("redis", urlsplit(redis_url).path))
+    await add_nodes(client)
+    load = Honest(client)
+    load.start(16)
+    for _ in range(8):  # short cuts, now and then: some land while a commit's reply is in flight
+        await asyncio.sleep(random.uniform(0.3, 0.8))
+        proxy.cut(mode)
+        await asyncio.sleep(random.uniform(0.2, 0.6))
+        proxy.restore()
+    await asyncio.sleep(1)
+    await load.stop()
+    assert proxy.cut_live > 0 and (proxy.refused + proxy.held + proxy.swallowed) > 0  # the cuts hit live links
+    assert {"outcome_unknown", "timeout", "unavailable"} & set(load.codes)  # and requests met them
+
+    held = await eventually(lambda: settled(client, load), timeout=30)
+    for request_id, (command, ids) in load.not_applied.items():
+        if command == "allocate":  # none of the ids any run of it could have placed
+            derived = {w for run in range(4) for w in workload_ids(1, None, request_id, run)}
+            assert derived.isdisjoint(held), f"allocate {request_id} answered unavailable, yet placed"
+        else:
+            assert set(ids) <= held, f"release {request_id} answered unavailable, yet released {ids}"
+    answered = {w for ids in load.placed.values() for w in ids}
+    gone = {w for ids in load.released.values() for w in ids}
+    kept = {w for command, ids in load.not_applied.values() if command == "release" for w in ids}
+    assert held == (answered - gone) | kept  # the ledgers hold what the answers say, no orphan
+    await check_invariants(client, NODES)
+
+
+async def settled(client, load: Honest) -> set[str] | None:
+    """What the ledgers hold, once the runs that never answered have given back what they placed
+    (their claims expire in 2 s, and a takeover or the worker's own resolution cleans up)."""
+    held = {w for ids in (await ledgers(client)).values() for w in ids}
+    answered = {w for ids in load.placed.values() for w in ids}
+    return held if held <= answered else None
+
+
+# -- a silent NATS link ----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+async def test_a_worker_whose_nats_link_goes_silent_is_sent_no_requests_once_the_server_notices(
+    nc, client, prefix, nats_url, redis_url, proxies, workers
+):
+    """The server pings every client every two seconds and drops one that misses two
+    (services/servers.py): within about five seconds it stops routing requests into the silence,
+    so a client that does not retry at all is answered by the other worker."""
+    proxy = await proxies(nats_url)
+    silent = await workers(proxy.url("nats"), redis_url)
+    await workers(nats_url, redis_url)
+    await add_nodes(client)
+    before = (await srv(nc, "STATS", f"{prefix}-allocation", silent.instance_id))
+    assert before is not None  # both serve
+    assert proxy.cut("swallow") == 1  # its one connection stays open; every byte either way is thrown away
+    await eventually(lambda: asyncio.sleep(0, proxy.server_closed >= 1), timeout=8)  # the server dropped it
+    assert proxy.swallowed > 0  # the fault hit: the server's pings (at least) went into the silence
+    codes = []
+    for i in range(40):
+        try:
+            await client.request("resource.allocate", {"nodenames": NODES, "deploy_count": 1,
+                                                       "workload_resource_request": ONE_CORE}, dict, timeout=1)
+        except BusError as error:
+            codes.append(error.code)
+    assert codes.count("timeout") == 0, codes  # none went to the silent worker
+    proxy.restore()
+    await eventually(lambda: srv(nc, "PING", f"{prefix}-allocation", silent.instance_id), timeout=20)  # back
+
+
+@pytest.mark.slow
+async def test_a_worker_whose_redis_link_goes_silent_answers_within_its_command_timeout(
+    client, prefix, nats_url, redis_url, proxies, workers
+):
+    """Commands into a silent Redis link time out (bus.redis.COMMAND_TIMEOUT) instead of waiting
+    forever: the request is answered, and says that its outcome is unknown (its claim could not be
+    made, and an earlier delivery of it might have made the change)."""
+    proxy = await proxies(redis_url)
+    await workers(nats_url, proxy.url("redis", urlsplit(redis_url).path))  # the only worker
+    await add_nodes(client)
+    payload = {"nodenames": NODES, "deploy_count": 1, "workload_resource_request": ONE_CORE, "request_id": "quiet"}
+    await client.request("resource.allocate", {**payload, "request_id": "warm"}, dict, timeout=10)
+    proxy.cut("swallow")
+    with pytest.raises(BusError) as answered:
+        await client.request("resource.allocate", payload, dict, timeout=15)
+    assert answered.value.code == "outcome_unknown"  # an answer, not a wait for ever
+    assert proxy.swallowed > 0  # the fault hit: its commands went into the silence
+    proxy.restore()
+    [placed] = (await eventually(lambda: _allocated(client, payload), timeout=20))["allocations"]
+    assert placed["workload_id"] in {w for ids in (await ledgers(client)).values() for w in ids}
+
+
+async def _allocated(client, payload: dict) -> dict | None:
+    try:
+        return await client.request("resource.allocate", payload, dict, timeout=5)
+    except BusError as error:
+        if error.code in ("timeout", "busy", "outcome_unknown", "unavailable"):
+            return None
+        raise
