@@ -5,10 +5,19 @@
 
 An error reply raises `BusError` with the code, message and details the service sent. The timeout
 is explicit on every call (nats-py's own default, 0.5 s, is too short for real work).
+
+A state change goes through `change`: it carries a `request_id` (one is made for it when it has
+none), and is sent again with it while the answer is not definite (a timeout, `outcome_unknown`,
+`busy`), with a growing pause, until an answer comes or the idempotency window has passed: the
+service answers every send of one request id the same way, and applies it at most once.
+`unavailable` is definite (nothing was applied), and so is every other answer.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
+import uuid
 from typing import Any, TypeVar
 
 import msgspec
@@ -24,6 +33,9 @@ from schemas.errors import BusError, NoResponders, RequestTimeout
 T = TypeVar("T")
 
 DEFAULT_TIMEOUT = 5.0
+# Answers that say nothing definite about a request: send it again with the same request_id.
+NOT_DEFINITE = frozenset({"timeout", "outcome_unknown", "busy"})
+RETRY_FOR = 120.0  # seconds: the services' default idempotency window (bus.idempotency.DEFAULT_WINDOW)
 
 
 class BusClient:
@@ -39,6 +51,24 @@ class BusClient:
         """Send `payload` (a Struct or map) to `<prefix>.<subject>` and decode the reply as `response`."""
         return decode_reply(await self.request_raw(subject, encode(payload), timeout=timeout), response)
 
+    async def change(
+        self, subject: str, payload: Any, response: type[T] = dict, *, timeout: float | None = None,
+        retry_for: float = RETRY_FOR,
+    ) -> T:
+        """Send the state change `payload` (a map or a Struct with a `request_id`) until its answer is
+        definite or `retry_for` seconds have passed (see the module); the last error then."""
+        payload = with_request_id(payload)
+        give_up = time.monotonic() + retry_for
+        pause = 0.1
+        while True:
+            try:
+                return await self.request(subject, payload, response, timeout=timeout)
+            except BusError as error:
+                if error.code not in NOT_DEFINITE or time.monotonic() + pause > give_up:
+                    raise
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 2.0)
+
     async def request_raw(self, subject: str, data: bytes, *, timeout: float | None = None):
         """The raw reply message (headers and bytes) for already-encoded `data`."""
         full = self.subject(subject)
@@ -49,6 +79,15 @@ class BusClient:
             raise NoResponders(full) from None
         except NatsTimeout:
             raise RequestTimeout(full, wait) from None
+
+
+def with_request_id(payload: Any) -> Any:
+    """`payload` with a `request_id`: its own, else a new one."""
+    if isinstance(payload, dict):
+        return payload if payload.get("request_id") else {**payload, "request_id": uuid.uuid4().hex}
+    if not getattr(payload, "request_id", None):
+        return msgspec.structs.replace(payload, request_id=uuid.uuid4().hex)
+    return payload
 
 
 def decode_reply(msg, response: type[T]) -> T:

@@ -8,6 +8,7 @@ standard output.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import signal
@@ -15,12 +16,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgpack
+
 from bus.callers import Role
 from bus.connection import subscriptions_in_place
 from schemas.common import Event
 from services.credentials import prepare
 from services.processes.ports import free_port
 from services.servers import start_nats, start_redis
+from tests.bus_helpers import eventually
 from tests.conftest import new_prefix
 from tests.worker_helpers import start_worker, stop_workers
 
@@ -169,6 +173,32 @@ async def test_call_that_gets_no_reply_in_time_and_a_server_that_is_not_there(nc
         assert result.stdout == ""
         assert "cannot connect to NATS at nats://someone:***@127.0.0.1" in result.stderr
         assert "hunter2" not in result.stderr
+
+
+async def test_call_sends_a_state_change_again_with_its_request_id_until_an_answer_comes(
+    nc, spawn_worker, client, nats_url, prefix
+):
+    """A state change answered by nobody in time is sent again with the same request_id (made for
+    it): here the first sends go to a member of the service's queue group that never answers, and
+    once the real worker serves, the next send reaches it. Applied once."""
+    deliveries = []
+    silent = await nc.subscribe(f"{prefix}.resource.add-node", queue="q", cb=functools.partial(_noted, deliveries))
+    await subscriptions_in_place(nc)
+    called = await start_berth(nats_url, prefix, "call", "resource.add-node", json.dumps(N1), "--timeout", "0.5")
+    await eventually(lambda: asyncio.sleep(0, len(deliveries) >= 2))  # sent, and sent again
+    await asyncio.to_thread(spawn_worker, ALLOCATION)
+    await silent.unsubscribe()
+    stdout, stderr = await called.communicate()
+    assert called.returncode == 0, stderr
+    assert json.loads(stdout)["capacity"]["cpumem"]["cpu"] == 8
+    [request_id] = {msgpack.unpackb(data)["request_id"] for data in deliveries}  # one and the same, on every send
+    assert f"sending it again with request_id {request_id}" in stderr.decode()
+    nodes = await client.request("resource.list-nodes", {}, dict)
+    assert [n["nodename"] for n in nodes["nodes"]] == ["n1"]  # applied once
+
+
+async def _noted(deliveries: list, msg) -> None:
+    deliveries.append(msg.data)
 
 
 async def test_events_live_prints_one_json_line_per_event(spawn_worker, client, nats_url, prefix):
