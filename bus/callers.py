@@ -26,6 +26,10 @@ NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 class Role(enum.IntEnum):
+    # A node's agent is no caller of its own: it is a user of the services' account whose NATS
+    # permissions let it publish only on its node's subjects (`resource.node.<node>.>`), where the
+    # subject names the node a request acts on (see `bus.service.Command.scope`).
+    AGENT = -1
     NONE = 0  # an account that is not one of berth's identities: may do nothing
     READER = 1
     TENANT = 2
@@ -36,7 +40,7 @@ class Role(enum.IntEnum):
         return self.name.lower()
 
 
-ROLES = {role.label: role for role in (Role.READER, Role.TENANT, Role.ADMIN)}
+ROLES = {role.label: role for role in (Role.READER, Role.TENANT, Role.ADMIN, Role.AGENT)}
 
 
 @dataclass(frozen=True, slots=True)

@@ -90,6 +90,7 @@ class EndpointSpec:
     role: Role = Role.ADMIN
     keep: Callable[[Any, Any], bytes | None] | None = None
     recall: Callable[[Any, bytes], Awaitable[Any]] | None = None
+    scope: str | None = None  # see `Command.scope`
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,10 @@ class Command:
     # answer whole), and the one that rebuilds the answer from them (`recall(request, kept)`).
     keep: str | None = None
     recall: str | None = None
+    # The request field that the subject's `*` token must equal: the subject names what the request
+    # acts on (`resource.node.*.node-heartbeat`, field `nodename`), so that NATS permissions on
+    # subjects bound an identity to its own (a node agent may publish only on its node's subjects).
+    scope: str | None = None
 
     @property
     def least_role(self) -> Role:
@@ -203,6 +208,7 @@ class Service:
         role: Role = Role.ADMIN,
         keep: Callable[[Any, Any], bytes | None] | None = None,
         recall: Callable[[Any, bytes], Awaitable[Any]] | None = None,
+        scope: str | None = None,
     ) -> None:
         if idempotent and self.idempotency is None:
             raise ValueError(f"endpoint {subject} is idempotent but the service has no idempotency store")
@@ -210,8 +216,8 @@ class Service:
             raise ValueError(f"endpoint {subject}: an answer kept as a recipe needs both keep and recall")
         endpoint_name = name or subject.replace(".", "-")
         self.specs.append(
-            EndpointSpec(endpoint_name, subject, request, response, handler, idempotent, broadcast, undo, role,
-                         keep, recall)
+            EndpointSpec(endpoint_name.replace("*", "node"), subject, request, response, handler, idempotent,
+                         broadcast, undo, role, keep, recall, scope)
         )
 
     def bind(self, commands: list[Command], target: object) -> None:
@@ -223,7 +229,7 @@ class Service:
                 idempotent=command.idempotent, broadcast=command.broadcast,
                 undo=getattr(target, command.undo) if command.undo else None, role=command.least_role,
                 keep=getattr(target, command.keep) if command.keep else None,
-                recall=getattr(target, command.recall) if command.recall else None,
+                recall=getattr(target, command.recall) if command.recall else None, scope=command.scope,
             )
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -288,25 +294,29 @@ class Service:
 
     async def _serve(self, spec: EndpointSpec, request: Request) -> None:
         started = time.perf_counter_ns()
-        reply = await self._answer(spec, request.data, caller_of(request.headers))
+        reply = await self._answer(spec, request.data, caller_of(request.headers), request.subject)
         try:
             await request.respond(reply.body, headers=reply.headers)
         except Exception as error:  # no reply subject, or the connection is closing
             log.warning("%s: could not reply: %r", spec.subject, error)
         self._account(spec, time.perf_counter_ns() - started, reply)
 
-    async def _answer(self, spec: EndpointSpec, data: bytes, caller: Caller) -> Reply:
+    async def _answer(self, spec: EndpointSpec, data: bytes, caller: Caller, subject: str = "") -> Reply:
         if not caller.may(spec.role):
             return error_reply(PermissionDenied(
                 f"{spec.subject} needs the {spec.role.label} role; {caller} may not call it",
                 details={"role": spec.role.label}))
         current_caller.set(caller)  # this task's own context: it ends with the request
         with outcome.tracking() as tracked:
-            return await self._tracked(spec, data, caller, tracked)
+            return await self._tracked(spec, data, caller, tracked, subject)
 
-    async def _tracked(self, spec: EndpointSpec, data: bytes, caller: Caller, tracked: outcome.Outcome) -> Reply:
+    async def _tracked(
+        self, spec: EndpointSpec, data: bytes, caller: Caller, tracked: outcome.Outcome, subject: str
+    ) -> Reply:
         try:
             req = decode(data, spec.request)
+            if spec.scope is not None:
+                self._in_scope(spec, req, subject)
             if spec.idempotent and getattr(req, "request_id", None):
                 self.idempotency.check(req.request_id)
                 req.request_id = caller.qualified(req.request_id)
@@ -329,6 +339,16 @@ class Service:
             log.error("%s: unexpected error\n%s", spec.subject, traceback.format_exc())
             return error_reply(BerthError(f"internal error: {type(error).__name__}: {error}", code="internal",
                                           details={"may_have_changed": tracked.may_have_changed}))
+
+    def _in_scope(self, spec: EndpointSpec, req: Any, subject: str) -> None:
+        """Refuse a request whose scope field names another than its subject does (`Command.scope`)."""
+        pattern = f"{self.prefix}.{spec.subject}".split(".")
+        named = subject.split(".")[pattern.index("*")]
+        given = getattr(req, spec.scope)
+        if given != named:
+            raise PermissionDenied(
+                f"{spec.scope}: {given!r}, but this request came on {named!r}'s subject: a request on "
+                f"{subject} acts on {named!r} only", field=spec.scope, details={"subject": named})
 
     def _idempotency_scope(self, spec: EndpointSpec) -> str:
         """Where the answers to `spec`'s request ids are kept.
@@ -372,13 +392,14 @@ class Service:
             return error_reply(error)
 
     def _account(self, spec: EndpointSpec, elapsed_ns: int, reply: Reply) -> None:
+        error = error_code(reply.body, reply.headers.get(ERROR_CODE_HEADER)) if reply.headers else None
         meter = self._meters.get(spec.name)
         if meter is not None:
-            error = error_code(reply.body, reply.headers.get(ERROR_CODE_HEADER)) if reply.headers else None
             meter.record(elapsed_ns / 1e9, error)
         if self._micro is not None:  # `$SRV.STATS`: nats.micro's counts end when the handler returns
-            error = f"{reply.headers[ERROR_CODE_HEADER]}:{reply.headers[ERROR_HEADER]}" if reply.headers else None
-            self._micro.record(spec.name, elapsed_ns, error)
+            # The status and the code, never the message: any caller reads `$SRV.STATS`, and a
+            # message names what another caller asked for (its ids).
+            self._micro.record(spec.name, elapsed_ns, error and f"{reply.headers[ERROR_CODE_HEADER]}:{error}")
 
 
 async def serve_until_signalled(services: list[Service], drain_timeout: float = 10.0) -> None:

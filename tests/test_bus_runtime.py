@@ -78,7 +78,7 @@ async def test_srv_stats_count_the_work_done_in_the_request_task(echo, client, n
     assert endpoints["echo-sleep"]["num_requests"] == 1
     assert endpoints["echo-sleep"]["processing_time"] >= 200_000_000  # nanoseconds
     assert endpoints["echo-fail"]["num_errors"] == 1
-    assert endpoints["echo-fail"]["last_error"] == "404:nope"
+    assert endpoints["echo-fail"]["last_error"] == "404:node_not_found"  # not the message "nope"
 
 
 async def test_unexpected_exception_is_internal_and_endpoint_survives(echo, client):

@@ -87,6 +87,11 @@ class HostAgent:
 
     # -- registration and lease ----------------------------------------------------------------------
 
+    def _own(self, command: str) -> str:
+        """The allocation subject of `command` for this node: the only ones an agent's identity may
+        publish on (services/accounts.py)."""
+        return f"resource.node.{self.node}.{command}"
+
     async def register(self) -> None:
         """Offer the host as it is now: a new node, or the existing one's capacity if it changed."""
         host = await asyncio.to_thread(read_host, self.config.metrics.root)
@@ -94,16 +99,16 @@ class HostAgent:
         if capacity == self.capacity:
             return
         try:
-            await self.allocation.request("resource.add-node", {
+            await self.allocation.request(self._own("add-node"), {
                 "nodename": self.node, "resource": capacity, "labels": self.config.labels}, dict)
             kind = "registered"
         except BusError as error:
             if not already_registered(error):
                 raise
-            await self.allocation.request("resource.set-node-resource-capacity", {
+            await self.allocation.request(self._own("set-node-resource-capacity"), {
                 "nodename": self.node, "resource_request": capacity, "delta": False}, dict)
             if self.config.labels:
-                await self.allocation.request("resource.set-node-labels", {
+                await self.allocation.request(self._own("set-node-labels"), {
                     "nodename": self.node, "labels": self.config.labels}, dict)
             kind = "registered" if not self.capacity else "capacity"
         log.info("node %s %s: %s", self.node, kind, describe(host))
@@ -115,7 +120,7 @@ class HostAgent:
         report = {"address": self.config.address, "instances": len(self.instances),
                   "running": self.instances.running(), "pinning": self.pinning, "started_at": self.started_at}
         try:
-            beat = await self.allocation.request("resource.node-heartbeat", {
+            beat = await self.allocation.request(self._own("node-heartbeat"), {
                 "nodename": self.node, "ttl_seconds": self.config.ttl, "draining": self.draining,
                 "agent": report}, dict, timeout=self.config.heartbeat)
         except BusError as error:
@@ -162,7 +167,7 @@ class HostAgent:
         if not held:
             return []
         read_at = time.time()
-        reply = await self.allocation.request("resource.get-allocations", {"nodename": self.node}, dict)
+        reply = await self.allocation.request(self._own("get-allocations"), {"nodename": self.node}, dict)
         ledger = {a["workload_id"] for a in reply["allocations"]}
         stale = [instance for instance, (workload, started) in held.items()
                  if workload not in ledger and started < read_at]

@@ -6,6 +6,8 @@ worker. endpoints.py binds each command's `handler` to the code that answers it.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from bus.callers import Role
 from bus.events import StreamSpec
 from bus.service import Command
@@ -99,9 +101,22 @@ def plugin_commands(plugin: str | None) -> list[Command]:
     ]
 
 
-COMMANDS = plugin_commands(None) + MANAGER_ONLY_COMMANDS + [
-    command for plugin in PLUGIN_NAMES for command in plugin_commands(plugin)
-]
+# What a node's agent sends, also on its node's own subjects, `resource.node.<node>.<command>`:
+# its NATS permissions allow it those of its node only, and a request there acts on that node only
+# (`Command.scope`). Admins may send them too; other callers, as on the plain subjects.
+AGENT_COMMANDS = ("add-node", "set-node-resource-capacity", "set-node-labels", "node-heartbeat", "get-allocations")
+
+
+def node_scoped(commands: list[Command]) -> list[Command]:
+    """The agent's commands among `commands`, on their node's subjects."""
+    return [replace(command, subject=f"resource.node.*.{name}", scope="nodename")
+            for command in commands if (name := command.subject.removeprefix("resource.")) in AGENT_COMMANDS]
+
+
+# What the manager level serves (the plugin levels serve `plugin_commands(plugin)`).
+MANAGER_COMMANDS = plugin_commands(None) + MANAGER_ONLY_COMMANDS
+MANAGER_COMMANDS += node_scoped(MANAGER_COMMANDS)
+COMMANDS = MANAGER_COMMANDS + [command for plugin in PLUGIN_NAMES for command in plugin_commands(plugin)]
 EVENTS = {"resource.<node>.<added|removed|capacity|usage|allocated|released|labels|down|up|draining>": NodeEvent}
 # Change events are kept a day for replay, in the stream all services' change events share.
 STREAM = StreamSpec("events", ("resource.>",), max_age=24 * 3600, max_bytes=1 << 30)

@@ -9,7 +9,7 @@ from bus.telemetry import on_scrape
 from services.allocation.commands import (
     COMMANDS,
     EVENTS,
-    MANAGER_ONLY_COMMANDS,
+    MANAGER_COMMANDS,
     PLUGIN_NAMES,
     STREAM,
     plugin_commands,
@@ -48,7 +48,7 @@ def make_service(
         description="node capacity, CPU/NUMA, memory, volume and GPU allocation (eru resource plugins)",
     )
     bounds = {"max_payload": max_payload, "max_deploy_count": max_deploy_count}
-    service.bind(plugin_commands(None) + MANAGER_ONLY_COMMANDS, AllocationEndpoints(manager, **bounds))
+    service.bind(MANAGER_COMMANDS, AllocationEndpoints(manager, **bounds))
     for plugin in manager.plugins:
         service.bind(plugin_commands(plugin), AllocationEndpoints(manager, plugin, **bounds))
     return service
