@@ -39,7 +39,8 @@ from bench.allocation import LABELS, REQUEST, EchoResponders, Requests, Table, a
 from bench.stats import percentile  # noqa: E402
 from bus.callers import Role  # noqa: E402
 from bus.connection import connect  # noqa: E402
-from services.accounts import inbox_prefix  # noqa: E402
+from services import streams  # noqa: E402
+from services.accounts import STREAMS_ADMIN, inbox_prefix  # noqa: E402
 from services.credentials import Credentials, prepare  # noqa: E402
 from services.servers import ServerProcess, start_nats, start_redis  # noqa: E402
 from services.tls import prepare as prepare_tls  # noqa: E402
@@ -73,7 +74,9 @@ def start(name: str, state: Path, accounts: bool, tls: bool) -> Deployment:
     nats = start_nats(state / "nats", config=creds.nats_config if creds else None, tls=files)
     redis = start_redis(state / "redis", appendonly=False, config=creds.redis_config if creds else None, tls=files)
     env = {**os.environ, **({"BERTH_TLS_CA": str(files.ca)} if files else {})}
-    if creds:
+    if creds:  # the streams first, as `berth up` does: no worker's user may set one up
+        asyncio.run(streams.set_up(nats.url, PREFIX, user=STREAMS_ADMIN, password=creds.nats_password(STREAMS_ADMIN),
+                                   memory=True, tls_ca=str(files.ca) if files else None))
         argv, extra = creds.worker_launch("allocation", nats.url, redis.url)
         env.update(extra)
         service_url = creds.nats_url("allocation", nats.url)

@@ -47,6 +47,14 @@ class StreamSpec:
     max_msgs_per_subject: int = -1  # -1: no limit
 
 
+class StreamMissing(RuntimeError):
+    """A stream, or some of its subjects, that this worker may not set up itself."""
+
+    def __init__(self, stream: str, subjects: list[str]) -> None:
+        super().__init__(f"the events stream {stream} does not keep {', '.join(subjects)}, and this worker's user "
+                         "may not change streams: an administrator sets them up (`berth up` does, before its workers)")
+
+
 class EventSubscription(Generic[E]):
     """An async iterator of (subject, event); use as `async with` to unsubscribe at the end."""
 
@@ -129,14 +137,15 @@ class EventBus:
         return f"{self.prefix}.events.{suffix}"
 
     async def ensure_stream(
-        self, spec: StreamSpec, *, memory: bool = False, attempts: int = 5, wait: float = 60.0
+        self, spec: StreamSpec, *, memory: bool = False, attempts: int = 5, wait: float = 60.0, create: bool = True
     ) -> None:
         """Create the stream, or add this service's subjects to it (other services share it).
 
         Idempotent and safe from many workers at once: a worker that lost a race reads the stream
         again and adds what is still missing. On a NATS cluster that is still starting, or whose
         JetStream leader just went away, every step is asked again until JetStream answers, for
-        `wait` seconds at most."""
+        `wait` seconds at most. `create` False: only check that the stream is there with this
+        service's subjects (a worker whose user may not change streams, services/accounts.py)."""
         js = self.nc.jetstream(domain=self.js_domain)
         deadline = asyncio.get_running_loop().time() + wait
         wanted = [self.subject(subject) for subject in spec.subjects]
@@ -154,6 +163,8 @@ class EventBus:
             try:
                 current = (await _when_ready("info", lambda: js.stream_info(config.name), deadline)).config
             except NotFoundError:
+                if not create:
+                    raise StreamMissing(config.name, wanted) from None
                 try:
                     await _when_ready("create", lambda: js.add_stream(config), deadline)
                     return
@@ -163,6 +174,8 @@ class EventBus:
             missing = [subject for subject in wanted if subject not in (current.subjects or [])]
             if not missing:
                 return
+            if not create:
+                raise StreamMissing(config.name, missing)
             current.subjects = [*current.subjects, *missing]
             try:
                 await _when_ready("update", lambda: js.update_stream(current), deadline)

@@ -4,8 +4,13 @@
 writes it, `berth user add|remove` renders it again and reloads the server):
 
 - `SERVICES` holds the workers' users (`allocation`, `broker`, `metrics`), each limited to what it
-  serves and publishes. It exports the command subjects (`P.resource.>`, `P.broker.>`,
-  `P.metrics.>`) and `$SRV.>` discovery as services, and `P.events.>` as a stream.
+  serves, calls and publishes, and one user per node agent (an identity of role `agent`, bound to
+  one node: `agent_permissions`): it serves only `P.agent.<node>.>` and `P.metrics.<node>.>`,
+  publishes only its node's events, and calls allocation only on `P.resource.node.<node>.>`, where
+  the subject names the node a request acts on. No service user may create, update or delete a
+  stream (`berth up` sets them up with the administrator's user of `STREAMS`). It exports the
+  command subjects (`P.resource.>`, `P.broker.>`, `P.metrics.>`, `P.agent.>`) and `$SRV.>`
+  discovery as services, and `P.events.>` as a stream.
 - `STREAMS` holds the JetStream streams (`P-events`, `P-metrics`) and nothing else. The services
   publish their events into it through a service import (so a publish is acknowledged by the
   stream), and call its stream API through imports under `$JS.P.API` (`js_api`).
@@ -36,8 +41,12 @@ from dataclasses import dataclass
 from bus.callers import NAME, Role, account_name
 
 SERVICES = ("allocation", "broker", "metrics", "agent")
+# The workers' own users; an agent runs as its node's identity instead (`agent_permissions`).
+SERVICE_USERS = ("allocation", "broker", "metrics")
 SERVICES_ACCOUNT = "SERVICES"
 STREAMS_ACCOUNT = "STREAMS"
+# The user of `STREAMS` that sets the streams up (`berth up`, before any worker starts).
+STREAMS_ADMIN = "streams-admin"
 # Pull consumers an identity may hold on each stream at once.
 CONSUMER_SLOTS = 8
 
@@ -46,22 +55,31 @@ COMMAND_TOKEN = {"allocation": "resource", "broker": "broker", "metrics": "metri
 EVENT_TOKEN = {"allocation": "resource", "broker": "broker", "metrics": "metrics", "agent": "agent"}
 # The events stream each service keeps its events in (`StreamSpec.name` of its worker module).
 STREAM = {"allocation": "events", "broker": "events", "metrics": "metrics", "agent": "events"}
-# The services each service sends requests to.
+# The services each service sends requests to, and the commands it sends (below the prefix; an
+# agent's `{node}` is its own node).
 CALLS = {"allocation": (), "broker": ("allocation", "agent"), "metrics": (), "agent": ("allocation",)}
+CALLED = {
+    "broker": ("resource.allocate", "resource.release", "resource.list-nodes", "resource.get-nodes-deploy-capacity",
+               "agent.*.start", "agent.*.stop", "agent.*.status"),
+    "agent": ("resource.node.{node}.>",),
+}
 # The services whose events each service watches.
 WATCHES = {"allocation": ("allocation",), "broker": ("allocation", "agent"), "metrics": (), "agent": ()}
 # The other services a service's processes also run: a `berth agent` is its node's metrics agent too.
 HOSTS = {"allocation": (), "broker": (), "metrics": (), "agent": ("metrics",)}
 # Allocation events that describe a node, not anyone's workloads: what a tenant sees of them.
 NODE_EVENT_KINDS = ("added", "removed", "capacity", "labels", "down", "up", "draining")
-# Names an identity may not take: the workers' users, and `resource`, which as a broker user would
-# make `P.events.broker.resource.>` (every resource's status events) its own broker events.
-RESERVED_NAMES = frozenset((*SERVICES, "resource"))
+# Names an identity may not take: the workers' users, `resource`, which as a broker user would make
+# `P.events.broker.resource.>` (every resource's status events) its own broker events, and the
+# streams' administrator.
+RESERVED_NAMES = frozenset((*SERVICES, "resource", STREAMS_ADMIN))
 
 
-def inbox_prefix(prefix: str, service: str) -> str:
-    """The inbox root of a service's own requests (nats-py `inbox_prefix`), private to it."""
-    return f"_INBOX_{prefix}-{service}"
+def inbox_prefix(prefix: str, service: str, node: str | None = None) -> str:
+    """The inbox root of a service's own requests (nats-py `inbox_prefix`), private to it; a node
+    agent's is its node's (`_INBOX_P-agent.<node>`): no agent reads another's answers."""
+    root = f"_INBOX_{prefix}-{service}"
+    return f"{root}.{node}" if node else root
 
 
 def js_api(prefix: str) -> str:
@@ -98,10 +116,15 @@ class Identity:
     name: str
     role: Role
     password: str
+    node: str | None = None  # an agent's node
 
     @property
     def account(self) -> str:
         return account_name(self.role, self.name)
+
+    @property
+    def is_agent(self) -> bool:
+        return self.role == Role.AGENT
 
 
 # -- what an identity sees ---------------------------------------------------------------------------
@@ -140,26 +163,34 @@ class Permissions:
         return {"publish": {"allow": list(self.publish_allow)}, "subscribe": {"allow": list(self.subscribe_allow)}}
 
 
-def service_permissions(prefix: str, service: str) -> Permissions:
-    own_inbox = f"{inbox_prefix(prefix, service)}.>"
+def service_permissions(prefix: str, service: str, node: str | None = None) -> Permissions:
+    """What a service's user may publish and subscribe to; `node`: the agent of that node, whose
+    commands, events and calls are its node's only."""
+    scope = f".{node}" if node else ""
+    own_inbox = f"{inbox_prefix(prefix, service, node)}.>"
     mine = served(service)
     callers = [caller for caller in SERVICES if set(mine) & set(CALLS[caller])]
     publish = [
-        *(f"{prefix}.events.{EVENT_TOKEN[each]}.>" for each in mine),
+        *(f"{prefix}.events.{EVENT_TOKEN[each]}{scope}.>" for each in mine),
         "_R_.>",  # replies to identities (the server maps them back to the identity's account)
         *(f"{inbox_prefix(prefix, caller)}.>" for caller in callers),  # replies to calling services
         own_inbox,  # bus.connection.subscriptions_in_place probes its own inbox
-        *(f"{js_api(prefix)}.STREAM.{verb}.{prefix}-{STREAM[each]}" for each in mine for verb in _STREAM_VERBS),
-        *(f"{prefix}.{COMMAND_TOKEN[callee]}.>" for callee in CALLS[service]),
+        *(f"{js_api(prefix)}.STREAM.INFO.{prefix}-{STREAM[each]}" for each in mine),
+        *(f"{prefix}.{subject.format(node=node)}" for subject in CALLED.get(service, ())),
     ]
     subscribe = [
-        *(f"{prefix}.{COMMAND_TOKEN[each]}.>" for each in mine),
+        *(f"{prefix}.{COMMAND_TOKEN[each]}{scope}.>" for each in mine),
         *(f"{prefix}.events.{EVENT_TOKEN[watched]}.>" for watched in WATCHES[service]),
         "$SRV.PING", "$SRV.INFO", "$SRV.STATS",
         *(f"$SRV.*.{prefix}-{each}{tail}" for each in mine for tail in ("", ".*")),
         own_inbox,
     ]
     return Permissions(tuple(dict.fromkeys(publish)), tuple(dict.fromkeys(subscribe)))
+
+
+def agent_permissions(prefix: str, node: str) -> Permissions:
+    """A node agent's: it serves, publishes and calls for `node` only (the module docstring)."""
+    return service_permissions(prefix, "agent", node)
 
 
 def identity_permissions(prefix: str) -> Permissions:
@@ -174,8 +205,6 @@ def identity_permissions(prefix: str) -> Permissions:
 
 
 # -- the configuration ----------------------------------------------------------------------------
-
-_STREAM_VERBS = ("INFO", "CREATE", "UPDATE")
 
 
 class _Exports:
@@ -232,16 +261,17 @@ def _stream_access(prefix: str, stream_exports: _Exports, identity: Identity) ->
 
 
 def nats_config(prefix: str, service_passwords: dict[str, str], identities: list[Identity]) -> dict:
-    """The nats-server `accounts` block (see the module docstring)."""
+    """The nats-server `accounts` block (see the module docstring); `service_passwords` has the
+    workers' users and `STREAMS_ADMIN`."""
     commands = [f"{prefix}.{token}.>" for token in dict.fromkeys(COMMAND_TOKEN.values())]
     stream_exports = _Exports(STREAMS_ACCOUNT)
     stream_exports.service(f"{prefix}.events.>", SERVICES_ACCOUNT)
     for stream in streams(prefix):
-        for verb in _STREAM_VERBS:
-            subject = f"STREAM.{verb}.{stream}"
-            stream_exports.service(f"$JS.API.{subject}", SERVICES_ACCOUNT, local=f"{js_api(prefix)}.{subject}")
+        subject = f"STREAM.INFO.{stream}"
+        stream_exports.service(f"$JS.API.{subject}", SERVICES_ACCOUNT, local=f"{js_api(prefix)}.{subject}")
     identity_accounts = {}
-    for identity in sorted(identities, key=lambda i: i.name):
+    agents = sorted((i for i in identities if i.is_agent), key=lambda i: i.name)
+    for identity in sorted((i for i in identities if not i.is_agent), key=lambda i: i.name):
         _stream_access(prefix, stream_exports, identity)
         imports = [
             *({"service": {"account": SERVICES_ACCOUNT, "subject": subject}, "share": True} for subject in commands),
@@ -254,16 +284,19 @@ def nats_config(prefix: str, service_passwords: dict[str, str], identities: list
                 "permissions": identity_permissions(prefix).config()}
         identity_accounts[identity.account] = {"users": [user], "imports": imports}
     services = {
-        "users": [{"user": service, "password": service_passwords[service],
-                   "permissions": service_permissions(prefix, service).config()} for service in SERVICES],
+        "users": [*({"user": service, "password": service_passwords[service],
+                     "permissions": service_permissions(prefix, service).config()} for service in SERVICE_USERS),
+                  *({"user": agent.name, "password": agent.password,
+                     "permissions": agent_permissions(prefix, agent.node).config()} for agent in agents)],
         "exports": [*({"service": subject} for subject in commands),
                     {"service": "$SRV.>", "response_type": "stream"},
                     {"stream": f"{prefix}.events.>"}],
         "imports": stream_exports.imports[SERVICES_ACCOUNT],
     }
+    streams_admin = {"user": STREAMS_ADMIN, "password": service_passwords[STREAMS_ADMIN]}
     return {
         SERVICES_ACCOUNT: services,
-        STREAMS_ACCOUNT: {"jetstream": "enabled", "exports": stream_exports.rendered()},
+        STREAMS_ACCOUNT: {"jetstream": "enabled", "users": [streams_admin], "exports": stream_exports.rendered()},
         **identity_accounts,
     }
 

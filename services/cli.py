@@ -66,7 +66,31 @@ def _catalog_args(args: argparse.Namespace, service: str) -> list[str]:
 
 def _agent_args(state: Path, service: str) -> list[str]:
     """The local machine's agent keeps what it runs in the state folder."""
-    return ["--state", str(state / "agent")] if service == "agent" else []
+    return ["--state", str(state / "agent"), "--node", _local_node()] if service == "agent" else []
+
+
+def _local_node() -> str:
+    """The local machine's node (`berth agent`'s default)."""
+    from services.settings import default_node
+
+    return os.environ.get("BERTH_NODE") or default_node()
+
+
+def _with_local_agent(creds):
+    """The credentials with an identity for the local machine's agent, named after its node (made
+    once, kept: the agent of `berth up` runs as a node agent like any other host's)."""
+    from bus.callers import Role
+
+    node = _local_node()
+    known = creds.agent_of(node)
+    if known is not None:
+        return creds
+    try:
+        creds = creds.with_identity(node, Role.AGENT, node)
+    except ValueError as error:
+        raise SystemExit(f"berth up: the local agent's identity: {error}; start it with BERTH_NODE=<another name>")
+    creds.write()
+    return creds
 
 
 def _services_to_start() -> dict[str, str]:
@@ -95,6 +119,8 @@ def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
     functions = own_redis and redis_version() >= FIRST_VERSION
     creds = (prepare(state / "credentials", args.prefix, redis_functions=functions)
              if not args.no_auth and (own_nats or own_redis) else None)
+    if creds is not None and "agent" in _services_to_start():
+        creds = _with_local_agent(creds)
     nats_config = creds.nats_config if creds else None
     redis_config, redis_admin = (creds.redis_config, creds.redis_admin) if creds else (None, None)
     # TLS (unless --no-tls) with a CA of the deployment's own, made once (services/tls.py).
@@ -117,6 +143,8 @@ def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
             args.redis = servers[-1].url
             if functions:  # before any worker looks for them
                 _load_functions(creds.redis_url(REDIS_ADMIN, args.redis) if creds else args.redis, tls)
+        if creds and own_nats:  # no worker's user may set a stream up (services/streams.py)
+            _set_up_streams(args, creds, tls)
         # The dashboard reads as an identity of its own, a reader (services/credentials.py).
         dashboard_url = creds.nats_url("dashboard", args.nats) if creds and own_nats else args.nats
         js_env = {"BERTH_JS_DOMAIN": args.prefix} if creds and own_nats else {}
@@ -127,7 +155,8 @@ def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
             if creds is None:
                 argv, env = _url_args(args)
             else:  # its own NATS user (a creds file) and Redis user (REDIS_URL in its environment)
-                argv, env = creds.worker_launch(name, args.nats, args.redis, nats_auth=own_nats, redis_auth=own_redis)
+                user = creds.agent_of(_local_node()).name if name == "agent" else name
+                argv, env = creds.worker_launch(user, args.nats, args.redis, nats_auth=own_nats, redis_auth=own_redis)
             # The processes the broker launches inherit the marker: stopped with the deployment.
             env = {**os.environ, **(env or {}), **tls_env, DEPLOYMENT: str(state)}
             metrics = [] if args.no_metrics else _metrics_args(args.metrics_base_port or 0, len(scraped), args.metrics_addr)
@@ -160,6 +189,14 @@ def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
         for server in reversed(servers):
             server.stop()
         print("berth stopped", flush=True)
+
+
+def _set_up_streams(args: argparse.Namespace, creds, tls) -> None:
+    from services.accounts import STREAMS_ADMIN
+    from services.streams import set_up
+
+    asyncio.run(set_up(args.nats, args.prefix, user=STREAMS_ADMIN, password=creds.nats_password(STREAMS_ADMIN),
+                       tls_ca=str(tls.ca) if tls else None))
 
 
 def _load_functions(admin_url: str, tls) -> None:
@@ -234,23 +271,41 @@ def cmd_user(args: argparse.Namespace, extra: list[str]) -> int:
         return 0
     try:
         if args.action == "add":
-            creds = creds.with_identity(args.name, ROLES[args.role])
+            creds = creds.with_identity(args.name, ROLES[args.role], args.node)
         else:
             creds = creds.without_identity(args.name)
     except ValueError as error:
         raise SystemExit(f"berth user: {error}") from None
     except KeyError:
         raise SystemExit(f"berth user: no identity named {args.name!r}") from None
+    was_agent = (before := load(directory).identities.get(args.name)) is not None and before.is_agent
     creds.write()
     told = reload_nats(state)
     running = f"; {told} running nats-server(s) reloaded" if told else "; no nats-server of it runs now"
+    if told and (was_agent or creds.redis_user_of(args.name)):
+        running += _tell_redis(state, creds, args.name)
     if args.action == "add":
         identity = creds.identities[args.name]
-        print(f"{identity.name}: role {identity.role.label}, creds file {creds.nats_creds(identity.name)}{running}")
+        bound = f" of node {identity.node}" if identity.node else ""
+        print(f"{identity.name}: role {identity.role.label}{bound}, creds file {creds.nats_creds(identity.name)}{running}")
         print(f"BERTH_NATS_CREDS={creds.nats_creds(identity.name)}")
     else:
         print(f"{args.name}: removed (what it owns stays; an admin may release it){running}")
     return 0
+
+
+def _tell_redis(state: Path, creds, name: str) -> str:
+    """A node agent's identity is a Redis user too: the running Redis servers learn it (or lose it)."""
+    from services.commands.connection import read_up_env
+    from services.credentials import REDIS_ADMIN
+    from services.servers import set_redis_users
+
+    up = read_up_env(state / UP_ENV) or {}
+    if not up.get("REDIS_URL"):
+        return ""
+    admin = (REDIS_ADMIN, creds.redis_passwords[REDIS_ADMIN])
+    told = set_redis_users(up["REDIS_URL"], admin, {name: creds.redis_user_of(name)}, up.get("BERTH_TLS_CA"))
+    return f", {told} Redis server(s) told"
 
 
 def cmd_worker(args: argparse.Namespace, extra: list[str]) -> int:
@@ -339,8 +394,10 @@ def parser() -> argparse.ArgumentParser:
     actions = user.add_subparsers(dest="action", required=True)
     add = actions.add_parser("add", help="a new identity (or a new role for one), with a creds file of its own")
     add.add_argument("name", help="letters, digits, '_' and '-', at most 64")
-    add.add_argument("--role", required=True, choices=["admin", "tenant", "reader"],
-                     help="admin: everything; tenant: places, releases and reads its own work; reader: reads")
+    add.add_argument("--role", required=True, choices=["admin", "tenant", "reader", "agent"],
+                     help="admin: everything; tenant: places, releases and reads its own work; reader: reads; "
+                          "agent: a host's `berth agent`, for its own node only")
+    add.add_argument("--node", help="an agent's node (default: its name)")
     actions.add_parser("list", help="every identity, its role and creds file")
     remove = actions.add_parser("remove", help="take an identity away (its connections are closed)")
     remove.add_argument("name")

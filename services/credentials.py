@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import secrets
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -36,11 +37,14 @@ from urllib.parse import quote, urlsplit, urlunsplit
 
 from bus.callers import ROLES, Role
 from services import accounts
-from services.accounts import SERVICES, Identity
+from services.accounts import SERVICE_USERS, STREAMS_ADMIN, Identity
 from services.redis_functions import fcall_rules
 
 REDIS_ADMIN = "default"
-REDIS_USERS = (*SERVICES, REDIS_ADMIN)
+NODE_NAME = re.compile(r"[A-Za-z0-9_-]{1,253}")  # schemas.subjects.NodeName: a subject token
+REDIS_USERS = (*SERVICE_USERS, REDIS_ADMIN)
+# The NATS users berth keeps passwords for: the workers', and the streams' administrator.
+NATS_USERS = (*SERVICE_USERS, STREAMS_ADMIN)
 # The identities a first start makes: the operator's, and the reader `berth up`'s dashboard runs as.
 FIRST_IDENTITIES = {"admin": Role.ADMIN, "dashboard": Role.READER}
 
@@ -56,29 +60,45 @@ REDIS_EVAL = ("+eval", "+evalsha", "+script|load", "+script|exists")
 # -- Redis -------------------------------------------------------------------------------------
 
 
-def redis_key_patterns(prefix: str, service: str) -> tuple[str, ...]:
+def redis_key_patterns(prefix: str, service: str, node: str | None = None) -> tuple[str, ...]:
     """The keys of a service's Redis user: its own, and those of the services its processes also
-    run (a `berth agent` is its node's metrics agent too)."""
+    run (a `berth agent` is its node's metrics agent too); `node`: a node agent's, which reaches its
+    node's metrics keys and its node's kept answers only."""
+    if node is not None:
+        return (f"{prefix}:metrics:{{{node}}}:*",  # services/metrics/notifier.py `node_base`
+                *(f"{prefix}:idem:{prefix}-{each}:{accounts.COMMAND_TOKEN[each]}.{node}.*"
+                  for each in accounts.served(service)))
     return tuple(pattern for each in accounts.served(service)
                  for pattern in (f"{prefix}:{each}:*", f"{prefix}:idem:{prefix}-{each}:*"))
 
 
-def redis_rules(prefix: str, user: str, *, functions: bool = False) -> list[str]:
-    """The ACL rules of a user (after `user <name> on #<hash>`); `functions`: the deployment's
-    scripts are Redis Functions the administrator loaded."""
+def redis_rules(prefix: str, user: str, *, functions: bool = False, node: str | None = None) -> list[str]:
+    """The ACL rules of a user (after `user <name> on #<hash>`): a service's, or with `node` that
+    node's agent's; `functions`: the deployment's scripts are Redis Functions the administrator
+    loaded."""
     if user == REDIS_ADMIN:
         return ["~*", "&*", "+@all"]
-    keys = [f"~{pattern}" for pattern in redis_key_patterns(prefix, user)]
-    scripts = fcall_rules(user) if functions else REDIS_EVAL
+    service = "agent" if node is not None else user
+    keys = [f"~{pattern}" for pattern in redis_key_patterns(prefix, service, node)]
+    scripts = fcall_rules(service) if functions else REDIS_EVAL
     return ["resetkeys", *keys, "resetchannels", *REDIS_COMMANDS, *scripts]
 
 
-def redis_acl(prefix: str, passwords: dict[str, str], *, functions: bool = False) -> str:
-    lines = []
-    for user in REDIS_USERS:
-        digest = hashlib.sha256(passwords[user].encode()).hexdigest()
-        lines.append(" ".join(["user", user, "on", f"#{digest}", *redis_rules(prefix, user, functions=functions)]))
+def redis_acl(prefix: str, passwords: dict[str, str], agents: list[Identity] = (), *, functions: bool = False) -> str:
+    """The Redis users: the services', the administrator, and each node agent's (its identity's
+    name and password)."""
+    users = [(user, passwords[user], None) for user in REDIS_USERS]
+    users += [(agent.name, agent.password, agent.node) for agent in agents]
+    lines = [" ".join(["user", user, *redis_user(prefix, user, password, node, functions=functions)])
+             for user, password, node in users]
     return "\n".join(lines) + "\n"
+
+
+def redis_user(prefix: str, user: str, password: str, node: str | None = None, *, functions: bool = False
+               ) -> list[str]:
+    """A Redis user's ACL rules, its password's hash first (`ACL SETUSER <user> reset ...` takes them too)."""
+    digest = hashlib.sha256(password.encode()).hexdigest()
+    return ["on", f"#{digest}", *redis_rules(prefix, user, functions=functions, node=node)]
 
 
 def redis_config(acl_path: Path, admin_password: str) -> str:
@@ -118,7 +138,14 @@ def _with_userinfo(url: str, user: str, password: str) -> str:
 
 
 def read_creds_file(path: str | Path) -> tuple[str, str]:
-    """(user, password) from a `--nats-creds` file: `user=...` and `password=...` lines."""
+    """(user, password) from a `--nats-creds` file."""
+    values = creds_values(path)
+    return values["user"], values["password"]
+
+
+def creds_values(path: str | Path) -> dict[str, str]:
+    """A `--nats-creds` file's values: `user=...` and `password=...` lines, and `node=...` for a
+    node agent's identity."""
     values: dict[str, str] = {}
     for line in Path(path).read_text().splitlines():
         line = line.strip()
@@ -127,7 +154,7 @@ def read_creds_file(path: str | Path) -> tuple[str, str]:
             values[key.strip()] = value.strip()
     if "user" not in values or "password" not in values:
         raise ValueError(f"{path}: expected user=... and password=... lines")
-    return values["user"], values["password"]
+    return values
 
 
 def write_private(path: Path, text: str) -> None:
@@ -149,7 +176,7 @@ def write_private(path: Path, text: str) -> None:
 class Credentials:
     directory: Path
     prefix: str
-    nats_passwords: dict[str, str]  # the services' NATS users
+    nats_passwords: dict[str, str]  # the services' NATS users, and the streams' administrator
     redis_passwords: dict[str, str]
     identities: dict[str, Identity]
     redis_functions: bool = False  # service users may call berth's Redis Functions, and run no other Lua
@@ -181,21 +208,24 @@ class Credentials:
         return nats_url_with(url, user, self.nats_password(user))
 
     def redis_url(self, user: str, url: str) -> str:
-        return redis_url_with(url, user, self.redis_passwords[user])
+        """`url` as Redis user `user`: a service's, or a node agent's identity's."""
+        agent = self.identities.get(user)
+        return redis_url_with(url, user, agent.password if agent is not None else self.redis_passwords[user])
 
     def worker_launch(
-        self, service: str, nats_url: str, redis_url: str, *, nats_auth: bool = True, redis_auth: bool = True
+        self, user: str, nats_url: str, redis_url: str, *, nats_auth: bool = True, redis_auth: bool = True
     ) -> tuple[list[str], dict[str, str]]:
-        """A worker's arguments and extra environment: its NATS user as a creds file (a path on the
-        command line), its Redis URL with credentials in the environment, as any URL that carries a
-        password (a command line is visible to every local user), and where it reaches the streams.
+        """The arguments and extra environment of a worker that runs as `user` (a service's, or a
+        node agent's identity): its NATS user as a creds file (a path on the command line), its
+        Redis URL with credentials in the environment, as any URL that carries a password (a
+        command line is visible to every local user), and where it reaches the streams.
         `nats_auth`/`redis_auth`: False for a server that is not ours (its URL is passed as given)."""
         argv = ["--prefix", self.prefix]
         env: dict[str, str] = {}
         if nats_auth:
-            argv += ["--nats-creds", str(self.nats_creds(service)), "--js-domain", self.prefix]
+            argv += ["--nats-creds", str(self.nats_creds(user)), "--js-domain", self.prefix]
         if redis_auth:
-            redis_url = self.redis_url(service, redis_url)
+            redis_url = self.redis_url(user, redis_url)
         for option, variable, url in (("--nats", "NATS_URL", nats_url), ("--redis", "REDIS_URL", redis_url)):
             if "@" in url:  # it carries a password
                 env[variable] = url
@@ -203,12 +233,33 @@ class Credentials:
                 argv += [option, url]
         return argv, env
 
-    def with_identity(self, name: str, role: Role) -> Credentials:
-        """These credentials with identity `name` added (a new password), or given `role`."""
+    def with_identity(self, name: str, role: Role, node: str | None = None) -> Credentials:
+        """These credentials with identity `name` added (a new password), or given `role`; an
+        agent's is bound to `node` (default: its name)."""
         accounts.check_name(name)
+        if role == Role.AGENT:
+            node = node or name
+            if not NODE_NAME.fullmatch(node):
+                raise ValueError(f"--node {node!r}: a node name is letters, digits, '_' and '-' (a subject token)")
+        elif node is not None:
+            raise ValueError("--node: only an agent's identity is bound to a node")
         known = self.identities.get(name)
-        identity = replace(known, role=role) if known else Identity(name, role, _password())
+        if known and known.is_agent != (role == Role.AGENT):
+            raise ValueError(f"{name!r} is a {known.role.label}'s identity: an agent's and a caller's are never the "
+                             "same (remove it first)")
+        identity = replace(known, role=role, node=node) if known else Identity(name, role, _password(), node)
         return replace(self, identities={**self.identities, name: identity})
+
+    def redis_user_of(self, name: str) -> list[str] | None:
+        """The ACL rules of identity `name`'s Redis user; None: it has none (only agents have one)."""
+        identity = self.identities.get(name)
+        if identity is None or not identity.is_agent:
+            return None
+        return redis_user(self.prefix, name, identity.password, identity.node, functions=self.redis_functions)
+
+    def agent_of(self, node: str) -> Identity | None:
+        """The identity of `node`'s agent, if there is one."""
+        return next((i for i in self.identities.values() if i.is_agent and i.node == node), None)
 
     def without_identity(self, name: str) -> Credentials:
         if name not in self.identities:
@@ -220,17 +271,20 @@ class Credentials:
         user that is gone is removed."""
         self.directory.mkdir(parents=True, exist_ok=True)
         os.chmod(self.directory, 0o700)
-        identities = {i.name: {"role": i.role.label, "password": i.password} for i in self.identities.values()}
+        identities = {i.name: {"role": i.role.label, "password": i.password, **({"node": i.node} if i.node else {})}
+                      for i in self.identities.values()}
         document = {"version": 2, "prefix": self.prefix, "redis_functions": self.redis_functions,
                     "nats": self.nats_passwords, "redis": self.redis_passwords, "identities": identities}
         write_private(self.directory / "credentials.json", json.dumps(document, indent=2) + "\n")
         write_private(self.nats_config, accounts.render(self.prefix, self.nats_passwords, list(self.identities.values())))
-        write_private(self.redis_acl, redis_acl(self.prefix, self.redis_passwords, functions=self.redis_functions))
+        agents = [i for i in self.identities.values() if i.is_agent]
+        write_private(self.redis_acl, redis_acl(self.prefix, self.redis_passwords, agents, functions=self.redis_functions))
         write_private(self.redis_config, redis_config(self.redis_acl, self.redis_passwords[REDIS_ADMIN]))
-        users = {**{service: self.nats_passwords[service] for service in SERVICES},
-                 **{i.name: i.password for i in self.identities.values()}}
-        for user, password in users.items():
-            write_private(self.nats_creds(user), f"user={user}\npassword={password}\n")
+        users = {**{user: (self.nats_passwords[user], None) for user in NATS_USERS},
+                 **{i.name: (i.password, i.node) for i in self.identities.values()}}
+        for user, (password, node) in users.items():
+            bound = f"node={node}\n" if node else ""  # what `berth agent` checks its --node against
+            write_private(self.nats_creds(user), f"user={user}\npassword={password}\n{bound}")
         for stale in self.directory.glob("*.nats"):
             if stale.stem not in users:
                 stale.unlink()
@@ -252,12 +306,13 @@ def load(directory: Path, prefix: str | None = None, redis_functions: bool | Non
     prefix = prefix or stored.get("prefix") or "berth"
     if redis_functions is None:
         redis_functions = bool(stored.get("redis_functions"))
-    nats = {user: stored.get("nats", {}).get(user) or _password() for user in SERVICES}
+    nats = {user: stored.get("nats", {}).get(user) or _password() for user in NATS_USERS}
     redis = {user: stored.get("redis", {}).get(user) or _password() for user in REDIS_USERS}
     kept = stored.get("identities")
     if kept is None:  # a first start (or credentials of a berth before identities)
         kept = {name: {"role": role.label, "password": _password()} for name, role in FIRST_IDENTITIES.items()}
-    identities = {name: Identity(name, ROLES[entry["role"]], entry["password"]) for name, entry in kept.items()}
+    identities = {name: Identity(name, ROLES[entry["role"]], entry["password"], entry.get("node"))
+                  for name, entry in kept.items()}
     return Credentials(directory, prefix, nats, redis, identities, redis_functions)
 
 

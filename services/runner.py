@@ -28,7 +28,7 @@ from nats.aio.client import Client
 from redis.asyncio import Redis
 
 from bus.connection import connect
-from bus.events import EventBus, StreamSpec
+from bus.events import EventBus, StreamMissing, StreamSpec
 from bus.redis import connect_redis, ready
 from bus.service import Command, Service, serve_until_signalled
 from bus.telemetry import MetricsServer
@@ -66,22 +66,31 @@ def _tls_eof_warning(record: logging.LogRecord) -> bool:
     return not str(record.msg).startswith("returning true from eof_received()")
 
 
-def nats_options(common: CommonConfig, service: str) -> dict[str, str]:
-    """The worker's NATS credentials (a creds file first, then user and password) and inbox root.
+def nats_options(common: CommonConfig, service: str, node: str | None = None) -> dict[str, str]:
+    """The worker's NATS credentials (a creds file first, then user and password) and inbox root;
+    `node`: the worker is that node's agent.
 
     The inbox root is the service's own (`services.accounts.inbox_prefix`), not `_INBOX`: with
-    the permissions `berth up` writes, only this service may subscribe to it, so the answers to its
-    requests (JetStream API, calls to other services) are not visible to anyone else."""
+    the permissions `berth up` writes, only this service (a node agent: only this node's) may
+    subscribe to it, so the answers to its requests (JetStream API, calls to other services) are
+    not visible to anyone else. A node agent's identity names its node: an agent started for
+    another node stops here, rather than be refused subject by subject."""
     from services.accounts import inbox_prefix
-    from services.credentials import read_creds_file
+    from services.credentials import creds_values
 
-    options = {"inbox_prefix": common.nats_inbox_prefix or inbox_prefix(common.prefix, service)}
+    options = {"inbox_prefix": common.nats_inbox_prefix or inbox_prefix(common.prefix, service, node)}
     user, password = common.nats_user, common.nats_password
     if common.nats_creds:
         try:
-            user, password = read_creds_file(common.nats_creds)
+            values = creds_values(common.nats_creds)
         except (OSError, ValueError) as error:
             raise SystemExit(f"--nats-creds: {error}") from None
+        user, password, bound = values["user"], values["password"], values.get("node")
+        if bound is not None and bound != node:
+            doing = f"node {node}'s agent" if node else f"a {service} worker"
+            raise SystemExit(f"--nats-creds {common.nats_creds}: identity {user!r} is node {bound}'s agent, and this "
+                             f"is {doing}: give it {'that node' if node else 'its service'}'s own identity"
+                             + (f" (berth user add NAME --role agent --node {node})" if node else ""))
     if user is not None or password is not None:
         options.update(user=user or "", password=password or "")
     return options
@@ -119,16 +128,19 @@ async def run(module: ServiceModule, common: CommonConfig, config: Any) -> None:
         log.info("serving Prometheus metrics on %s", metrics.url)
     try:
         await _serve(module, common, config, metrics)
+    except StreamMissing as error:
+        raise SystemExit(str(error)) from None
     finally:
         if metrics is not None:
             await metrics.close()
 
 
 async def _serve(module: ServiceModule, common: CommonConfig, config: Any, metrics: MetricsServer | None) -> None:
-    nc = await connect(common.nats, name=f"{common.prefix}-{module.NAME}", **nats_options(common, module.NAME))
+    node = config.node if getattr(module, "NODE_SCOPED", False) else None  # a node agent
+    nc = await connect(common.nats, name=f"{common.prefix}-{module.NAME}", **nats_options(common, module.NAME, node))
     redis = await ready(connect_redis(common.redis, max_connections=common.concurrency + 8))
     events = EventBus(nc, prefix=common.prefix, js_domain=common.js_domain)
-    await events.ensure_stream(module.STREAM, memory=common.memory_stream)
+    await events.ensure_stream(module.STREAM, memory=common.memory_stream, create=common.js_domain is None)
     ctx = WorkerContext(common=common, config=config, nc=nc, redis=redis, events=events, prefix=common.prefix)
     try:
         built = await module.build(ctx)

@@ -406,3 +406,34 @@ def _wait(condition, timeout: float = 30.0, failure: str = "the cluster did not 
         if time.monotonic() > deadline:
             raise TimeoutError(failure)
         time.sleep(0.05)
+
+
+
+def set_redis_users(url: str, admin: tuple[str, str], users: dict[str, list[str] | None],
+                    tls_ca: str | None = None) -> int:
+    """Tell every Redis server of `url` (berth up's, single or cluster: each member) of changed
+    users: `name -> ACL SETUSER rules`, or None to delete it (its connections are closed). Not
+    ACL LOAD, which closes every connection of every user it reloads, the workers' too. Returns
+    how many servers were told."""
+    import redis
+
+    scheme, _, rest = url.partition("://")
+    hosts = [host.rsplit("@", 1)[-1].split("/")[0] for host in rest.split(",")]
+    options = {"ssl": True, "ssl_ca_certs": tls_ca} if scheme.startswith("rediss") else {}
+    seen, told = set(hosts), 0
+    while hosts:
+        host, port = hosts.pop().rsplit(":", 1)
+        with redis.Redis(host=host, port=int(port), username=admin[0], password=admin[1], **options) as server:
+            for name, rules in users.items():
+                if rules is None:
+                    server.execute_command("ACL", "DELUSER", name)
+                else:
+                    server.execute_command("ACL", "SETUSER", name, "reset", *rules)
+            told += 1
+            if scheme.endswith("+cluster"):
+                for line in server.execute_command("CLUSTER", "NODES").decode().splitlines():
+                    member = line.split()[1].split("@")[0]
+                    if member not in seen:
+                        seen.add(member)
+                        hosts.append(member)
+    return told

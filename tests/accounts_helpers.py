@@ -26,9 +26,10 @@ from bus.callers import Role
 from bus.client import BusClient
 from bus.connection import connect
 from schemas.errors import BusError
-from services import redis_functions
+from services import redis_functions, streams
+from services.accounts import STREAMS_ADMIN
 from services.credentials import Credentials, prepare
-from services.servers import reload_nats, start_nats, start_redis
+from services.servers import reload_nats, set_redis_users, start_nats, start_redis
 from tests.agent_hosts import fake_host
 from tests.broker_helpers import CATALOG
 from tests.worker_helpers import Worker, start_worker, stop_workers
@@ -72,11 +73,20 @@ class Deployment:
             with self.redis_admin() as admin:  # as `berth up` loads them (sync: a test may run in a loop)
                 for library in redis_functions.every_library():
                     admin.function_load(library.code, replace=True)
+            self.set_up_streams()
         except BaseException:  # no server of a deployment that never started is left behind
             self.nats.stop()
             if hasattr(self, "redis"):
                 self.redis.stop()
             raise
+
+    def set_up_streams(self) -> None:
+        """As `berth up` does before its workers (in memory, as the test workers' `--memory-stream`):
+        no worker's user may set a stream up."""
+        password = self.creds.nats_password(STREAMS_ADMIN)
+        setting_up = streams.set_up(self.nats.url, self.prefix, user=STREAMS_ADMIN, password=password, memory=True)
+        with ThreadPoolExecutor(1) as pool:  # a test may call it from its event loop
+            pool.submit(asyncio.run, setting_up).result()
 
     def start_workers(self, *extra_broker: str) -> None:
         """The three services, each on its own NATS and Redis user, as `berth up` starts them."""
@@ -89,11 +99,11 @@ class Deployment:
         with ThreadPoolExecutor(len(launches)) as pool:
             list(pool.map(lambda launch: self.start_worker(*launch), launches))
 
-    def start_worker(self, service: str, extra: Sequence[str] = (), env: dict[str, str] | None = None
-                     ) -> Worker:
-        """One worker of `service` on the service's own NATS and Redis user (`env`: more of its
-        environment, as `BERTH_FAILPOINTS`); stopped with the deployment."""
-        argv, own_env = self.creds.worker_launch(service, self.nats.url, self.redis.url)
+    def start_worker(self, service: str, extra: Sequence[str] = (), env: dict[str, str] | None = None,
+                     user: str | None = None) -> Worker:
+        """One worker of `service` on the service's own NATS and Redis user, or `user`'s (`env`: more
+        of its environment, as `BERTH_FAILPOINTS`); stopped with the deployment."""
+        argv, own_env = self.creds.worker_launch(user or service, self.nats.url, self.redis.url)
         nats, redis = own_env.pop("NATS_URL", self.nats.url), own_env.pop("REDIS_URL", self.redis.url)
         own = argv[argv.index("--prefix") + 2:]  # worker_launch's options after the prefix
         worker = start_worker(f"services.{service}.worker", nats, redis, self.prefix, *own, *extra,
@@ -101,25 +111,36 @@ class Deployment:
         self.workers.append(worker)  # from the pool's threads too: an append is atomic
         return worker
 
-    def start_agent(self, node: str, *labels: str, **host) -> Worker:
-        """A `berth agent` for `node` on its own NATS and Redis users, on a fake host tree of the
-        shape `host` asks (tests/agent_hosts.py), with `labels` ("city=sz")."""
+    def start_agent(self, node: str, *labels: str, identity: str | None = None, **host) -> Worker:
+        """A `berth agent` for `node` as `identity` (default: `node`'s own agent identity, made if
+        missing), on a fake host tree of the shape `host` asks (tests/agent_hosts.py), with
+        `labels` ("city=sz")."""
+        if identity is None:
+            identity = node
+            if self.creds.agent_of(node) is None:
+                self.add_identity(node, Role.AGENT, node)
         root = fake_host(self.directory / f"{node}-host", **host)
         extra = ["--node", node, "--root", str(root), "--no-cgroups", "--state", str(self.directory / f"{node}-state"),
                  "--catalog", str(CATALOG), "--heartbeat", "0.5", "--interval", "1", "--stop-grace", "1",
                  *(arg for label in labels for arg in ("--label", label))]
-        return self.start_worker("agent", extra)
+        return self.start_worker("agent", extra, user=identity)
 
-    def add_identity(self, name: str, role: Role) -> None:
-        """As `berth user add`: written, and the running server told."""
-        self.creds = self.creds.with_identity(name, role)
+    def add_identity(self, name: str, role: Role, node: str | None = None) -> None:
+        """As `berth user add`: written, and the running servers told."""
+        self.creds = self.creds.with_identity(name, role, node)
         self.creds.write()
+        self.reload(name)
+
+    def reload(self, name: str) -> None:
+        """The servers told of identity `name`, as `berth user` tells them."""
         assert reload_nats(self.directory) == 1
+        admin = self.creds.redis_admin
+        assert set_redis_users(self.redis.url, admin, {name: self.creds.redis_user_of(name)}) == 1
 
     def remove_identity(self, name: str) -> None:
         self.creds = self.creds.without_identity(name)
         self.creds.write()
-        assert reload_nats(self.directory) == 1
+        self.reload(name)
 
     async def connect(self, user: str, errors: Errors | None = None, **options) -> Client:
         """A connection as `user` (an identity, or a service's user)."""
@@ -141,7 +162,10 @@ class Deployment:
         return sync_redis.Redis(port=self.redis_port, username=user, password=password)
 
     def redis_as(self, user: str) -> sync_redis.Redis:
-        return sync_redis.Redis(port=self.redis_port, username=user, password=self.creds.redis_passwords[user])
+        """A connection as Redis user `user`: a service's, or a node agent's identity."""
+        agent = self.creds.identities.get(user)
+        password = agent.password if agent is not None else self.creds.redis_passwords[user]
+        return sync_redis.Redis(port=self.redis_port, username=user, password=password)
 
     @property
     def redis_port(self) -> int:

@@ -81,8 +81,9 @@ def redis_url(server_urls) -> str:
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def nc(nats_url):
-    conn = await connect(nats_url, name="berth-tests", worker=False)
+    conn = await connect(nats_url, name="berth-tests", worker=False, max_reconnect_attempts=-1)
     yield conn
+    await connected(conn)  # a synchronous test may have held the loop past the server's pings
     await conn.drain()
 
 

@@ -21,6 +21,8 @@ import msgpack
 from bus.callers import Role
 from bus.connection import subscriptions_in_place
 from schemas.common import Event
+from services import streams
+from services.accounts import STREAMS_ADMIN
 from services.credentials import prepare
 from services.processes.ports import free_port
 from services.servers import start_nats, start_redis
@@ -453,6 +455,9 @@ def test_as_the_identities_berth_up_gives_out(tmp_path):
     redis = start_redis(tmp_path / "redis", appendonly=False, config=creds.redis_config)
     workers = []
     try:
+        # as `berth up` does before its workers: no worker's user may set a stream up
+        asyncio.run(streams.set_up(nats.url, prefix, user=STREAMS_ADMIN, password=creds.nats_password(STREAMS_ADMIN),
+                                   memory=True))
         workers.append(
             start_worker(
                 ALLOCATION,

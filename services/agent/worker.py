@@ -21,8 +21,9 @@ from services.metrics.worker import MetricsWorker
 from services.processes.catalog import Catalog, CatalogError
 
 NAME = "agent"
+NODE_SCOPED = True  # runs as its node's identity (services/accounts.py `agent_permissions`)
 CONFIG = AgentServiceConfig
-__all__ = ["COMMANDS", "CONFIG", "EVENTS", "NAME", "STREAM", "build", "make_agent"]
+__all__ = ["COMMANDS", "CONFIG", "EVENTS", "NAME", "NODE_SCOPED", "STREAM", "build", "make_agent"]
 
 log = logging.getLogger("berth.agent")
 
@@ -53,7 +54,8 @@ async def build(ctx) -> list[Service]:
                                     concurrency=ctx.common.concurrency)
     except CatalogError as error:
         raise SystemExit(str(error)) from None
-    await ctx.events.ensure_stream(METRICS_STREAM, memory=ctx.common.memory_stream)
+    await ctx.events.ensure_stream(METRICS_STREAM, memory=ctx.common.memory_stream,
+                                   create=ctx.common.js_domain is None)
     metrics = MetricsWorker(ctx.nc, ctx.redis, ctx.prefix, config.metrics, pods=agent.pods,
                             concurrency=ctx.common.concurrency, window=ctx.common.idempotency_window)
     try:

@@ -29,6 +29,7 @@ from services.allocation.errors import (
     node_not_found,
     not_yours,
     reply_too_large,
+    workload_exists,
     workload_not_found,
 )
 from services.allocation.fleet import Fleet
@@ -362,6 +363,8 @@ class AllocationManager:
             earlier = await self._placed_before(request_id, attempt, instances)
             if earlier:
                 return earlier
+        elif given_ids is not None:
+            await self._refuse_held(given_ids)
         cleared = False
 
         async def lost_run_found(error: BerthError) -> list[Allocation] | None:
@@ -517,6 +520,13 @@ class AllocationManager:
     async def give_back(self, ids: list[str], owner: str | None) -> list[str]:
         """Release workloads that no answer named, placed for `owner` (see `Committer.give_back`)."""
         return await self.committer.give_back(ids, owner)
+
+    async def _refuse_held(self, ids: list[str]) -> None:
+        """Workload ids are unique across the platform: an id that any node holds, whoever placed
+        it, is `workload_exists` (a node's own commit refuses one it holds; this finds the others)."""
+        held = await self._held_owners((await self.store.located(ids)).nodes)
+        if held:
+            raise workload_exists(min(held))
 
     async def _held_owners(self, by_node: dict[str, list[str]]) -> dict[str, str | None]:
         """Each of the ids (by the node the index places them on) that its node holds -> its owner."""
