@@ -26,6 +26,7 @@ from services.settings import (
     up_catalog,
     up_tls,
 )
+from services.servers import LOOPBACK
 from services.supervisor import Supervisor, worker_argv
 
 log = logging.getLogger("berth")
@@ -124,19 +125,23 @@ def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
     nats_config = creds.nats_config if creds else None
     redis_config, redis_admin = (creds.redis_config, creds.redis_admin) if creds else (None, None)
     # TLS (unless --no-tls) with a CA of the deployment's own, made once (services/tls.py).
-    tls = _prepare_tls(state) if args.tls and (own_nats or own_redis) else None
+    tls = _prepare_tls(state, args.listen) if args.tls and (own_nats or own_redis) else None
     tls_env = {"BERTH_TLS_CA": str(tls.ca)} if tls else {}
+    _warn_if_open(args, creds, tls)
+    host = args.listen
     servers = []
     up_env: Path | None = None
     try:
         if not args.nats:
-            servers.append(start_nats_cluster(state / "nats-cluster", config=nats_config, tls=tls) if args.cluster
-                           else start_nats(state / "nats", args.nats_port, config=nats_config, tls=tls))
+            servers.append(start_nats_cluster(state / "nats-cluster", config=nats_config, tls=tls, host=host)
+                           if args.cluster
+                           else start_nats(state / "nats", args.nats_port, config=nats_config, tls=tls, host=host))
             args.nats = servers[-1].url
         if not args.redis:
             limit = memory_limit(args.redis_maxmemory)
             servers.append(
-                start_redis_cluster(state / "redis-cluster", config=redis_config, auth=redis_admin, extra=limit, tls=tls)
+                start_redis_cluster(state / "redis-cluster", config=redis_config, auth=redis_admin, extra=limit, tls=tls,
+                                    host=host)
                 if args.cluster
                 else start_redis(state / "redis", args.redis_port, config=redis_config, extra=limit, tls=tls)
             )
@@ -205,10 +210,19 @@ def _load_functions(admin_url: str, tls) -> None:
     asyncio.run(load(admin_url, tls_ca=str(tls.ca) if tls else None))
 
 
-def _prepare_tls(state: Path):
+def _prepare_tls(state: Path, listen: str):
     from services.tls import prepare
 
-    return prepare(state / "tls")
+    return prepare(state / "tls", (listen,))
+
+
+def _warn_if_open(args: argparse.Namespace, creds, tls) -> None:
+    """Servers other hosts reach run with identities and TLS: say so when they do not."""
+    if args.listen == LOOPBACK or (creds and tls):
+        return
+    missing = " and ".join(what for what, on in (("identities", creds), ("TLS", tls)) if not on)
+    print(f"warning: listening on {args.listen} without {missing}: anyone who reaches it acts as an admin "
+          "or reads the traffic; for development only", file=sys.stderr, flush=True)
 
 
 def _print_connection(args: argparse.Namespace, state: Path, creds, tls) -> Path | None:
@@ -262,6 +276,8 @@ def cmd_user(args: argparse.Namespace, extra: list[str]) -> int:
     if not (directory / "credentials.json").exists():
         raise SystemExit(f"berth user: {state} has no credentials yet: start `berth up --state {args.state}` once")
     creds = load(directory)
+    if args.action == "bundle":
+        return _write_bundle(args, state, creds)
     if args.action == "list":
         rows = [(i.name, i.role.label, str(creds.nats_creds(i.name))) for i in sorted(creds.identities.values(),
                                                                                       key=lambda i: i.name)]
@@ -291,6 +307,21 @@ def cmd_user(args: argparse.Namespace, extra: list[str]) -> int:
         print(f"BERTH_NATS_CREDS={creds.nats_creds(identity.name)}")
     else:
         print(f"{args.name}: removed (what it owns stays; an admin may release it){running}")
+    return 0
+
+
+def _write_bundle(args: argparse.Namespace, state: Path, creds) -> int:
+    from services import join
+    from services.commands.connection import read_up_env
+
+    try:
+        bundle = join.make(creds, args.name, read_up_env(state / UP_ENV) or {})
+    except ValueError as error:
+        raise SystemExit(f"berth user bundle: {error}") from None
+    path = Path(args.output or f"{args.name}.bundle")
+    join.write(path, bundle)
+    print(f"{path}: node {bundle['node']}'s agent, servers {bundle['nats_url']}; on the host: "
+          f"berth agent --bundle {path.name} (it holds secrets: move it as a private file)")
     return 0
 
 
@@ -377,6 +408,9 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--no-tls", dest="tls", action="store_false", default=up_tls(),
                     help="start the servers without TLS, for development (env BERTH_TLS=0; default: TLS with a "
                     "CA of the state folder's own, see README)")
+    up.add_argument("--listen", default=os.environ.get("BERTH_LISTEN") or LOOPBACK, metavar="ADDRESS",
+                    help="address the servers listen on, for other hosts' agents and workers (env BERTH_LISTEN; "
+                    "default 127.0.0.1); Redis listens on loopback too; the TLS certificate names it")
     up.add_argument("--cluster", action="store_true",
                     help="a 3-server NATS cluster and a 3-primary, 3-replica Redis Cluster instead of one of each")
     up.add_argument("--no-metrics", action="store_true", help="workers serve no Prometheus metrics")
@@ -401,6 +435,9 @@ def parser() -> argparse.ArgumentParser:
     actions.add_parser("list", help="every identity, its role and creds file")
     remove = actions.add_parser("remove", help="take an identity away (its connections are closed)")
     remove.add_argument("name")
+    bundle = actions.add_parser("bundle", help="a node agent identity's bundle: what its host needs to join")
+    bundle.add_argument("name")
+    bundle.add_argument("-o", "--output", metavar="FILE", help="where to write it (default: NAME.bundle)")
     user.set_defaults(run=cmd_user)
 
     worker = sub.add_parser("worker", help="run N processes of one service")

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 
 NATS_PID = "nats-server.pid"
+LOOPBACK = "127.0.0.1"  # where servers listen unless told otherwise (`berth up --listen`)
 PING_SECONDS, PING_MAX = 2, 2  # nats-server pings its clients this often, and drops one that misses these many
 HASH_VALUE_BYTES = 512  # Redis's hash-max-listpack-value for the servers started here (see start_redis)
 
@@ -81,13 +82,13 @@ def redis_version() -> tuple[int, int]:
     return int(found[1]), int(found[2])
 
 
-def wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 15.0) -> None:
+def wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 15.0, host: str = LOOPBACK) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode} before listening on {port}")
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            with socket.create_connection((host, port), timeout=0.2):
                 return
         except OSError:
             time.sleep(0.05)
@@ -111,29 +112,30 @@ class ServerProcess:
             self.proc.wait()
 
 
-def _spawn(name: str, args: list[str], port: int, log_path: Path) -> subprocess.Popen:
+def _spawn(name: str, args: list[str], port: int, log_path: Path, host: str = LOOPBACK) -> subprocess.Popen:
     log = open(log_path, "ab")
     # Own process group: a Ctrl-C in the terminal reaches `berth up`, which stops servers in order.
     proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     log.close()
-    wait_for_port(port, proc)
+    wait_for_port(port, proc, host=host)
     return proc
 
 
 def start_nats(
     state_dir: Path, port: int | None = None, *, jetstream: bool = True, config: Path | None = None,
-    tls: TlsFiles | None = None,
+    tls: TlsFiles | None = None, host: str = LOOPBACK,
 ) -> ServerProcess:
     """`config`: a nats-server configuration file (users and permissions, see services.credentials);
-    the options given here on the command line take precedence over it."""
+    the options given here on the command line take precedence over it. `host`: the address it
+    listens on (`berth up --listen`)."""
     port = port or free_port()
     state_dir.mkdir(parents=True, exist_ok=True)
-    args = [find_binary("nats-server"), "-a", "127.0.0.1", "-p", str(port), "-P", str(state_dir / NATS_PID)]
+    args = [find_binary("nats-server"), "-a", host, "-p", str(port), "-P", str(state_dir / NATS_PID)]
     if jetstream:
         args += ["-js", "-sd", str(state_dir / "jetstream")]
     args += ["-c", str(_nats_config(state_dir / "nats-base.conf", config, tls, cluster=False))]
-    proc = _spawn("nats-server", args, port, state_dir / "nats-server.log")
-    return ServerProcess("nats", f"{_nats_scheme(tls)}://127.0.0.1:{port}", proc)
+    proc = _spawn("nats-server", args, port, state_dir / "nats-server.log", host)
+    return ServerProcess("nats", f"{_nats_scheme(tls)}://{host}:{port}", proc)
 
 
 def _nats_scheme(tls: TlsFiles | None) -> str:
@@ -217,9 +219,11 @@ def start_redis(
     extra: list[str] | None = None,
     config: Path | None = None,
     tls: TlsFiles | None = None,
+    host: str = LOOPBACK,
 ) -> ServerProcess:
     """`config`: a redis.conf to start from (ACL users, see services.credentials); the options
-    given here on the command line take precedence over it.
+    given here on the command line take precedence over it. `host`: an address it listens on
+    besides loopback (`berth up --listen`), and the one its URL names.
 
     A hash keeps its compact encoding while every value is at most `hash-max-ziplist-value` bytes
     (Redis 7 calls it `hash-max-listpack-value`, and takes the old name too): at Redis's default of
@@ -229,7 +233,7 @@ def start_redis(
     args = [
         find_binary("redis-server"),
         *([str(config)] if config is not None else []),  # redis-server takes the file first
-        "--bind", "127.0.0.1",
+        "--bind", *dict.fromkeys((host, LOOPBACK)),
         *_redis_listen(port, tls),
         "--dir", str(state_dir),
         "--save", "",
@@ -239,7 +243,7 @@ def start_redis(
         *(extra or []),
     ]
     proc = _spawn("redis-server", args, port, state_dir / "redis-server.out")
-    return ServerProcess("redis", f"{'rediss' if tls else 'redis'}://127.0.0.1:{port}/0", proc)
+    return ServerProcess("redis", f"{'rediss' if tls else 'redis'}://{host}:{port}/0", proc)
 
 
 def _redis_listen(port: int, tls: TlsFiles | None) -> list[str]:
@@ -277,28 +281,31 @@ class ServerCluster:
 
 
 def start_nats_cluster(
-    state_dir: Path, size: int = 3, *, config: Path | None = None, tls: TlsFiles | None = None
+    state_dir: Path, size: int = 3, *, config: Path | None = None, tls: TlsFiles | None = None,
+    host: str = LOOPBACK,
 ) -> ServerCluster:
-    """`size` nats-servers routed to each other, with clustered JetStream (replicated streams).
+    """`size` nats-servers routed to each other, with clustered JetStream (replicated streams); each
+    listens for clients and routes on `host`.
 
     Started again on the same folder, the servers keep their names and JetStream folders, so the
     cluster comes back with its streams (on new ports: every route is given on the command line)."""
     ports = [free_port() for _ in range(size)]
     routes = [free_port() for _ in range(size)]
-    route_urls = ",".join(f"nats://127.0.0.1:{port}" for port in routes)  # TLS, if any, is negotiated
+    route_urls = ",".join(f"nats://{host}:{port}" for port in routes)  # TLS, if any, is negotiated
     config = _nats_config(state_dir / "nats-base.conf", config, tls, cluster=True)
     with _stopped_on_failure() as members:
         for i, (port, route) in enumerate(zip(ports, routes)):
             directory = state_dir / f"n{i}"
             directory.mkdir(parents=True, exist_ok=True)
             args = [
-                find_binary("nats-server"), "-a", "127.0.0.1", "-p", str(port), "-n", f"berth-n{i}",
+                find_binary("nats-server"), "-a", host, "-p", str(port), "-n", f"berth-n{i}",
                 "-P", str(directory / NATS_PID),
                 "-js", "-sd", str(directory / "jetstream"),
-                "--cluster_name", "berth", "--cluster", f"nats://127.0.0.1:{route}", "--routes", route_urls,
+                "--cluster_name", "berth", "--cluster", f"nats://{host}:{route}", "--routes", route_urls,
                 "-c", str(config),
             ]
-            members.append(ServerProcess(f"nats-n{i}", f"{_nats_scheme(tls)}://127.0.0.1:{port}", _spawn("nats-server", args, port, directory / "nats-server.log")))
+            proc = _spawn("nats-server", args, port, directory / "nats-server.log", host)
+            members.append(ServerProcess(f"nats-n{i}", f"{_nats_scheme(tls)}://{host}:{port}", proc))
     return ServerCluster("nats", ",".join(m.url for m in members), members)
 
 
@@ -311,6 +318,7 @@ def start_redis_cluster(
     config: Path | None = None,
     auth: tuple[str, str] | None = None,
     tls: TlsFiles | None = None,
+    host: str = LOOPBACK,
 ) -> ServerCluster:
     """A Redis Cluster of `primaries` primaries with `replicas` replicas each, slots split evenly.
 
@@ -330,12 +338,12 @@ def start_redis_cluster(
         for i in range(count):
             directory = state_dir / f"r{i}"
             port = _cluster_node_port(directory / "nodes.conf") or free_cluster_port()
-            server = start_redis(directory, port, appendonly=True, config=config, tls=tls, extra=[
+            server = start_redis(directory, port, appendonly=True, config=config, tls=tls, host=host, extra=[
                 "--cluster-enabled", "yes", "--cluster-config-file", str(directory / "nodes.conf"),
                 "--cluster-node-timeout", "1500", "--repl-diskless-sync-delay", "0", *(extra or []),
             ])
             members.append(ServerProcess(f"redis-r{i}", server.url, server.proc))
-        clients = [sync_redis.Redis(port=_port(m.url), **login, **redis_tls_options(tls)) for m in members]
+        clients = [sync_redis.Redis(host=host, port=_port(m.url), **login, **redis_tls_options(tls)) for m in members]
         try:
             if not int(clients[0].execute_command("CLUSTER INFO")["cluster_slots_assigned"]):
                 _form_cluster(clients, primaries)
@@ -356,7 +364,8 @@ def _form_cluster(clients: list, primaries: int) -> None:
     count = len(clients)
     ids = [client.execute_command("CLUSTER MYID").decode() for client in clients]
     for client in clients[1:]:
-        client.execute_command("CLUSTER MEET", "127.0.0.1", clients[0].connection_pool.connection_kwargs["port"])
+        first = clients[0].connection_pool.connection_kwargs
+        client.execute_command("CLUSTER MEET", first["host"], first["port"])  # the address the others announce
     _wait(lambda: all(len(client.execute_command("CLUSTER NODES")) == count for client in clients))
     for index in range(primaries):
         first, last = 16384 * index // primaries, 16384 * (index + 1) // primaries - 1

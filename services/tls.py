@@ -1,7 +1,8 @@
 """A local certificate authority for `berth up`: the servers it starts speak TLS only.
 
 `prepare(<state>/tls)` makes, once, a CA (`ca.pem`, `ca.key`) and a certificate it signs
-(`server.pem`, `server.key`) for 127.0.0.1, ::1 and localhost, and reuses them on every start, so
+(`server.pem`, `server.key`) for 127.0.0.1, ::1, localhost and the `--listen` address, and reuses
+them on every start (a new `--listen` address gets a new server certificate from the same CA), so
 a client handed `ca.pem` keeps trusting the deployment. The server certificate is made again when
 it is near its end or the CA changed. The one certificate serves every server and also acts as a
 client: nats-server routes authenticate each other with it (route TLS always verifies the peer),
@@ -52,15 +53,25 @@ class TlsFiles:
         return self.directory / "server.key"
 
 
-def prepare(directory: Path) -> TlsFiles:
+def prepare(directory: Path, hosts: tuple[str, ...] = ()) -> TlsFiles:
+    """The deployment's CA and server certificate; `hosts`: more addresses or names the servers are
+    reached at (`berth up --listen`), which the certificate must name too."""
     files = TlsFiles(Path(directory))
     files.directory.mkdir(parents=True, exist_ok=True)
     files.directory.chmod(0o700)
+    names = [_name(host) for host in dict.fromkeys((*HOSTS, *hosts))]
     if not (files.ca.exists() and files.ca_key.exists()):
         _make_ca(files)
-    if not _server_cert_valid(files):
-        _make_server_cert(files)
+    if not _server_cert_valid(files, names):
+        _make_server_cert(files, names)
     return files
+
+
+def _name(host: str) -> x509.GeneralName:
+    try:
+        return x509.IPAddress(ipaddress.ip_address(host))
+    except ValueError:
+        return x509.DNSName(host)
 
 
 def _now() -> datetime.datetime:
@@ -90,11 +101,10 @@ def _make_ca(files: TlsFiles) -> None:
     write_private(files.ca, cert.public_bytes(serialization.Encoding.PEM).decode())
 
 
-def _make_server_cert(files: TlsFiles) -> None:
+def _make_server_cert(files: TlsFiles, names: list[x509.GeneralName]) -> None:
     ca_cert = x509.load_pem_x509_certificate(files.ca.read_bytes())
     ca_key = serialization.load_pem_private_key(files.ca_key.read_bytes(), password=None)
     key = ec.generate_private_key(ec.SECP256R1())
-    names = [x509.IPAddress(ipaddress.ip_address(h)) for h in HOSTS if h != "localhost"] + [x509.DNSName("localhost")]
     cert = (
         x509.CertificateBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "berth server")]))
@@ -112,8 +122,9 @@ def _make_server_cert(files: TlsFiles) -> None:
     write_private(files.cert, cert.public_bytes(serialization.Encoding.PEM).decode())
 
 
-def _server_cert_valid(files: TlsFiles) -> bool:
-    """The server certificate exists, is signed by the current CA and is not near its end."""
+def _server_cert_valid(files: TlsFiles, names: list[x509.GeneralName]) -> bool:
+    """The server certificate exists, names every one of `names`, is signed by the current CA and
+    is not near its end."""
     if not (files.cert.exists() and files.key.exists()):
         return False
     cert = x509.load_pem_x509_certificate(files.cert.read_bytes())
@@ -122,4 +133,5 @@ def _server_cert_valid(files: TlsFiles) -> bool:
         cert.verify_directly_issued_by(ca_cert)
     except Exception:  # InvalidSignature, ValueError: another CA's (the CA was made again)
         return False
-    return cert.not_valid_after_utc - RENEW_BEFORE > _now()
+    named = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    return set(names) <= set(named) and cert.not_valid_after_utc - RENEW_BEFORE > _now()

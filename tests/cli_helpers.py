@@ -7,9 +7,11 @@ import asyncio
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import msgpack
@@ -42,6 +44,21 @@ def read_until(proc: subprocess.Popen, marker: str, timeout: float = 60) -> list
         if marker in line:
             return lines
     raise AssertionError(f"{marker!r} not seen; got {lines}")
+
+
+@contextmanager
+def berth_up(state: Path, *flags: str, env: dict[str, str] | None = None):
+    """`berth up` (no dashboard, no metrics) until it is up: the variables it printed and all it
+    printed; stopped with Ctrl-C afterwards, which it must survive cleanly."""
+    env = {**{k: v for k, v in os.environ.items() if k not in ("NATS_URL", "REDIS_URL", "BERTH_TLS")}, **(env or {})}
+    up = subprocess.Popen([*BERTH, "up", "--no-dashboard", "--no-metrics", "--state", str(state), *flags], cwd=ROOT,
+                          stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        lines = read_until(up, "berth is up")
+        yield printed_variables(lines), "\n".join(lines)
+    finally:
+        os.killpg(up.pid, signal.SIGINT)
+        assert up.wait(60) == 0
 
 
 def printed_variables(lines: list[str]) -> dict[str, str]:

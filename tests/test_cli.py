@@ -12,7 +12,6 @@ import ssl
 import stat
 import subprocess
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import msgpack
@@ -26,6 +25,7 @@ from services.registry import SERVICES, available
 from tests.cli_helpers import (
     BERTH,
     ROOT,
+    berth_up,
     client_options,
     memory_policy,
     nats_call,
@@ -182,20 +182,6 @@ def _cmdline(pid: int) -> str:
 # -- transport security (issue 17 item 6) -----------------------------------------------------------
 
 
-@contextmanager
-def _up(state: Path, *flags: str, env: dict[str, str] | None = None):
-    """`berth up` (no dashboard, no metrics) until it is up: the variables it printed and all it printed."""
-    env = {**{k: v for k, v in os.environ.items() if k not in ("NATS_URL", "REDIS_URL", "BERTH_TLS")}, **(env or {})}
-    up = subprocess.Popen([*BERTH, "up", "--no-dashboard", "--no-metrics", "--state", str(state), *flags], cwd=ROOT,
-                          stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
-    try:
-        lines = read_until(up, "berth is up")
-        yield printed_variables(lines), "\n".join(lines)
-    finally:
-        os.killpg(up.pid, signal.SIGINT)
-        assert up.wait(60) == 0
-
-
 def _host_port(url: str) -> tuple[str, int]:
     host, port = url.split("://", 1)[1].split(",")[0].split("/")[0].rsplit(":", 1)
     return host, int(port)
@@ -239,7 +225,7 @@ async def test_up_serves_over_tls_only_with_its_own_ca(tmp_path):
     import redis
 
     state = tmp_path / "state"
-    with _up(state) as (printed, _):
+    with berth_up(state) as (printed, _):
         ca = printed["BERTH_TLS_CA"]
         assert printed["NATS_URL"].startswith("tls://") and printed["REDIS_URL"].startswith("rediss://")
         assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in Path(ca).parent.iterdir()} == {
@@ -261,7 +247,7 @@ async def test_up_serves_over_tls_only_with_its_own_ca(tmp_path):
             await nats.connect(**{**client_options(printed), "tls": ssl.create_default_context()},
                                max_reconnect_attempts=0, allow_reconnect=False)
         ca_made = Path(ca).read_bytes()
-    with _up(state) as (printed, _):  # the CA is made once: clients handed it keep trusting the deployment
+    with berth_up(state) as (printed, _):  # the CA is made once: clients handed it keep trusting the deployment
         assert Path(printed["BERTH_TLS_CA"]).read_bytes() == ca_made
         nc = await nats.connect(**client_options(printed))
         try:
@@ -275,7 +261,7 @@ async def test_up_serves_over_tls_only_with_its_own_ca(tmp_path):
 async def test_up_without_tls_serves_in_clear(tmp_path, off):
 
     state = tmp_path / "state"
-    with _up(state, *off, env={} if off else {"BERTH_TLS": "0"}) as (printed, _):
+    with berth_up(state, *off, env={} if off else {"BERTH_TLS": "0"}) as (printed, _):
         assert printed["NATS_URL"].startswith("nats://") and printed["REDIS_URL"].startswith("redis://")
         assert "BERTH_TLS_CA" not in printed and not (state / "tls").exists()
         assert _nats_answers_in_clear(printed["NATS_URL"], printed["BERTH_NATS_CREDS"])

@@ -31,7 +31,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "not listed here goes to it: `python -m services.runner services.agent.worker --help` lists them). With --drain: the node takes "
         "no new placement and this command waits until no instance runs on it; --resume undoes it.",
     )
-    parser.add_argument("--node", default=default_node(), help="the node (default: this host's name)")
+    parser.add_argument("--node", default=None, help="the node (default: the bundle's, else this host's name)")
+    parser.add_argument("--bundle", metavar="FILE",
+                        help="run as the node agent identity of this bundle (`berth user bundle NAME`): its servers, "
+                        "identity, CA and node")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--drain", action="store_true", help="stop placing on the node, wait for its instances to end")
     mode.add_argument("--resume", action="store_true", help="place on the node again")
@@ -41,6 +44,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     ask_agent = parser.get_default("run")
 
     def run(args: argparse.Namespace, extra: list[str]) -> int:
+        if args.bundle and (args.drain or args.resume):
+            parser.error("--bundle runs the agent; --drain/--resume ask one as an admin")
+        if not args.bundle:
+            args.node = args.node or default_node()
         if args.drain or args.resume:
             if extra:
                 parser.error(f"unrecognized arguments with --drain/--resume: {' '.join(extra)}")
@@ -52,14 +59,33 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run_agent(args: argparse.Namespace, extra: list[str]) -> int:
     """The agent worker in a process of its own, restarted if it crashes (as `berth worker`)."""
-    args.prefix = args.prefix or os.environ.get("BERTH_PREFIX") or "berth"
-    argv = ["--node", args.node, "--prefix", args.prefix, *(["--nats", args.nats] if args.nats else []),
-            *(["--nats-creds", args.nats_creds] if args.nats_creds else []),
-            *(["--js-domain", args.js_domain] if args.js_domain else []), *extra]
-    env = {**os.environ, **({"BERTH_TLS_CA": args.tls_ca} if args.tls_ca else {})}
+    if args.bundle:
+        argv, env = _from_bundle(args)
+    else:
+        args.prefix = args.prefix or os.environ.get("BERTH_PREFIX") or "berth"
+        argv = ["--node", args.node, "--prefix", args.prefix, *(["--nats", args.nats] if args.nats else []),
+                *(["--nats-creds", args.nats_creds] if args.nats_creds else []),
+                *(["--js-domain", args.js_domain] if args.js_domain else [])]
+        env = {"BERTH_TLS_CA": args.tls_ca} if args.tls_ca else {}
     supervisor = Supervisor()
-    supervisor.add(f"agent {args.node}", worker_argv("services.agent.worker", argv), env)
+    node = argv[argv.index("--node") + 1]
+    supervisor.add(f"agent {node}", worker_argv("services.agent.worker", [*argv, *extra]), {**os.environ, **env})
     return supervisor.run()
+
+
+def _from_bundle(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
+    """The bundle's servers, identity and node (services/join.py); a --node that is not the
+    bundle's is refused here, naming both (the worker would refuse it too)."""
+    from services import join
+
+    try:
+        argv, env = join.unpack(args.bundle)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
+    bound = argv[argv.index("--node") + 1]
+    if args.node and args.node != bound:
+        raise SystemExit(f"--bundle {args.bundle} is node {bound}'s agent identity, not node {args.node}'s")
+    return argv, env
 
 
 async def drain_command(args: argparse.Namespace) -> int:

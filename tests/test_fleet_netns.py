@@ -1,0 +1,163 @@
+"""A fleet over a network (issue 28): `berth up --listen` on a bridge of its own, with identities
+and TLS on (its defaults), and two hosts in network namespaces of their own, each joined with the
+bundle of its own node identity (`berth user bundle`). From host A, A's identity cannot act for B;
+cutting B's link makes B's node down within its TTL while A stays up; restoring it brings B back."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import msgpack
+import nats
+import pytest
+
+from tests.agent_hosts import fake_host
+from tests.cli_helpers import BERTH, ROOT, berth_up, client_options
+from tests.test_agent_netns import ip
+
+pytestmark = pytest.mark.slow
+
+BRIDGE_NET = "10.233.7"
+TTL = 2.0
+
+
+class Bridge:
+    """A bridge here (`BRIDGE_NET.1`) and a namespace per host on it (`BRIDGE_NET.<k+2>`)."""
+
+    def __init__(self) -> None:
+        self.tag = uuid.uuid4().hex[:6]
+        self.name = f"brb{self.tag}"
+        self.address = f"{BRIDGE_NET}.1"
+        self.hosts: dict[str, tuple[str, str, str]] = {}  # host -> (namespace, its link here, its address)
+        ip("link", "add", self.name, "type", "bridge")
+        ip("addr", "add", f"{self.address}/24", "dev", self.name)
+        ip("link", "set", self.name, "up")
+
+    def add(self, host: str) -> str:
+        k = len(self.hosts) + 2
+        namespace, link = f"fl{self.tag}{k}", f"vf{self.tag}{k}"
+        ip("netns", "add", namespace)
+        ip("link", "add", link, "type", "veth", "peer", "name", "eth0", "netns", namespace)
+        ip("link", "set", link, "master", self.name)
+        ip("link", "set", link, "up")
+        ip("-n", namespace, "addr", "add", f"{BRIDGE_NET}.{k}/24", "dev", "eth0")
+        ip("-n", namespace, "link", "set", "eth0", "up")
+        ip("-n", namespace, "link", "set", "lo", "up")
+        self.hosts[host] = (namespace, link, f"{BRIDGE_NET}.{k}")
+        return namespace
+
+    def cut(self, host: str, down: bool) -> None:
+        ip("link", "set", self.hosts[host][1], "down" if down else "up")
+
+    def remove(self) -> None:
+        for namespace, _, _ in self.hosts.values():
+            subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
+        subprocess.run(["ip", "link", "del", self.name], capture_output=True)
+
+
+@pytest.fixture
+def bridge():
+    try:
+        made = Bridge()
+    except subprocess.CalledProcessError as error:
+        pytest.skip(f"no bridge or network namespace here: {error.stderr.strip()}")
+    yield made
+    made.remove()
+
+
+def berth_user(state: Path, *args: str) -> str:
+    done = subprocess.run([*BERTH, "user", "--state", str(state), *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def join(state: Path, bridge: Bridge, host: str) -> subprocess.Popen:
+    """`berth user add` and `bundle` on the control plane, then `berth agent --bundle` on the host."""
+    berth_user(state, "add", host, "--role", "agent", "--node", host)
+    bundle = state / f"{host}.bundle"
+    berth_user(state, "bundle", host, "-o", str(bundle))
+    namespace = bridge.hosts[host][0]
+    root = fake_host(state / f"{host}-host", cpus=2)
+    return subprocess.Popen(
+        ["ip", "netns", "exec", namespace, *BERTH, "agent", "--bundle", str(bundle), "--root", str(root),
+         "--state", str(state / f"{host}-state"), "--no-cgroups", "--heartbeat", "0.5", "--ttl", str(TTL),
+         "--address", bridge.hosts[host][2]],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+ATTACK = """
+import asyncio, sys, nats
+async def main():
+    said = []
+    async def error(e): said.append(str(e))
+    user, password = [line.split("=", 1)[1] for line in open(sys.argv[2]).read().splitlines()[:2]]
+    import ssl
+    nc = await nats.connect(sys.argv[1], user=user, password=password, error_cb=error,
+                            tls=ssl.create_default_context(cafile=sys.argv[3]))
+    await nc.publish(sys.argv[4], b"\\x80")
+    await nc.flush()
+    await asyncio.sleep(1)
+    print("|".join(said))
+    await nc.close()
+asyncio.run(main())
+"""
+
+
+async def statuses(options: dict, nodes: list[str]) -> dict[str, str]:
+    nc = await nats.connect(**options)
+    try:
+        msg = await nc.request("berth.resource.list-nodes", msgpack.packb({"nodenames": nodes}), timeout=5)
+        return {n["nodename"]: n["status"] for n in msgpack.unpackb(msg.data)["nodes"]}
+    finally:
+        await nc.close()
+
+
+async def until(options: dict, nodes: list[str], wanted: dict[str, str], timeout: float) -> float:
+    started = time.monotonic()
+    while (seen := await statuses(options, nodes)) != wanted:
+        assert time.monotonic() - started < timeout, seen
+        await asyncio.sleep(0.2)
+    return time.monotonic() - started
+
+
+def test_hosts_join_with_their_own_identities_over_tls_and_act_for_their_own_node_only(bridge, tmp_path):
+    a, b = bridge.add("host-a"), bridge.add("host-b")
+    state = tmp_path / "control"
+    env = {"BERTH_NODE": "control"}
+    with berth_up(state, "--listen", bridge.address, env=env) as (printed, _):
+        assert printed["NATS_URL"].startswith(f"tls://{bridge.address}:")
+        agents = [join(state, bridge, host) for host in ("host-a", "host-b")]
+        try:
+            options = client_options(printed)
+            asyncio.run(until(options, ["host-a", "host-b"], {"host-a": "up", "host-b": "up"}, 30))
+
+            # from host A's network, A's identity may not heartbeat B (nor anything but its own node)
+            creds = Path(f"{state / 'host-a.bundle'}.d") / "host-a.nats"
+            ca = Path(f"{state / 'host-a.bundle'}.d") / "ca.pem"
+            attack = subprocess.run(
+                ["ip", "netns", "exec", a, sys.executable, "-c", ATTACK, printed["NATS_URL"], str(creds), str(ca),
+                 "berth.resource.node.host-b.node-heartbeat"], capture_output=True, text=True, timeout=60)
+            assert "permissions violation for publish" in attack.stdout.lower(), (attack.stdout, attack.stderr)
+
+            # B's link cut: its node is down within its TTL (and the sweep), A stays up
+            bridge.cut("host-b", True)
+            took = asyncio.run(until(options, ["host-a", "host-b"], {"host-a": "up", "host-b": "down"}, TTL + 5))
+            assert took <= TTL + 3
+            bridge.cut("host-b", False)
+            asyncio.run(until(options, ["host-a", "host-b"], {"host-a": "up", "host-b": "up"}, 30))
+        finally:
+            for agent in agents:
+                os.killpg(agent.pid, 15)
+                agent.wait(30)
+    bundle = json.loads((state / "host-b.bundle").read_text())
+    assert bundle["node"] == "host-b" and bundle["nats_url"] == printed["NATS_URL"]
+    assert oct((state / "host-b.bundle").stat().st_mode & 0o777) == "0o600"
+    assert b  # both namespaces were made
