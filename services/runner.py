@@ -48,6 +48,9 @@ class WorkerContext:
     events: EventBus
     prefix: str
     cleanups: list[Callable[[], Awaitable[Any]]] = field(default_factory=list)
+    # What to run once every service serves (an agent registers its node then: a node is up only
+    # when its agent answers).
+    on_serving: list[Callable[[], Awaitable[Any]]] = field(default_factory=list)
 
 
 def configure_logging(level: str = "INFO") -> None:
@@ -147,6 +150,8 @@ async def _serve(module: ServiceModule, common: CommonConfig, config: Any, metri
         services = built if isinstance(built, list) else [built]  # a process may run several
         for service in services:
             await service.start(nc)
+        for step in ctx.on_serving:
+            await step()
         tail = f" metrics={metrics.url}" if metrics is not None else ""
         first = services[0]
         print(f"ready {first.name} {first.id}{tail}", flush=True)  # the supervisor and tests wait for this line

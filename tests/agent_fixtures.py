@@ -53,6 +53,7 @@ async def start_agent(serve, nc, events, prefix, tmp_path, agent_processes):
         service, agent = make_agent(config, nc=nc, events=events, prefix=prefix)
         await agent.open()
         await serve(service)
+        await agent.come_up()
         agents.append(agent)
         return agent
 

@@ -63,11 +63,15 @@ class HostAgent:
     # -- life ----------------------------------------------------------------------------------------
 
     async def open(self) -> None:
-        """Adopt what runs, then register the host, take the lease and stop what was released
-        meanwhile: at once if the allocation service answers, else as soon as it does."""
+        """Adopt what runs (before the agent serves: a start or stop must find it)."""
         await self.instances.open()
         for info in self.instances.list():
             self._note_pod(info)
+
+    async def come_up(self) -> None:
+        """Once the agent serves: register the host, take the lease and stop what was released
+        meanwhile, at once if the allocation service answers, else as soon as it does. Not before
+        it serves: a node is up only when its agent answers."""
         await self._beat()
         self._loops = [
             asyncio.create_task(every(self.config.heartbeat, self._beat, "heartbeat"), name="heartbeat"),

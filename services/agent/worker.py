@@ -62,6 +62,7 @@ async def build(ctx) -> list[Service]:
         await agent.open()
     except (StateLocked, HostUnreadable) as error:
         raise SystemExit(f"agent {config.node}: {error}") from None
+    ctx.on_serving.append(agent.come_up)  # the node is up once its agent answers
     ctx.cleanups.append(agent.close)
     metrics.start()
     ctx.cleanups.append(metrics.stop)
