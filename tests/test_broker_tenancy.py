@@ -9,7 +9,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import pytest
 import pytest_asyncio
+from nats.errors import Error as NatsError
+from nats.errors import NoRespondersError
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from tests.accounts_helpers import deployed, refused
 from tests.broker_helpers import FAST_ARGS, const_broker, kill_marked, param
@@ -211,3 +215,35 @@ async def test_only_an_admin_runs_and_stops_processes_on_a_host(as_):
     listed = await watcher("status", {"instances": [start["instance"]]}, f"agent.{NODE}")
     assert [i["pid"] for i in listed["instances"]] == [started["pid"]]
     assert (await admin("stop", {"instance": start["instance"]}, f"agent.{NODE}"))["stopped"] is True
+
+
+async def test_a_tenant_receives_its_own_broker_events_and_none_of_another_tenants(deployment, as_):
+    """By subscription and through a consumer of its own: bob's `init` event arrives, and alice's
+    `init`, made before it, never does (each check waits for bob's positive event, which comes
+    after alice's, rather than for a quiet moment)."""
+    d = deployment
+    bob_nc = await d.connect("bob")
+    live = await bob_nc.subscribe(f"{d.prefix}.events.>")
+    await bob_nc.flush()
+    alice, bob = await as_("alice"), await as_("bob")
+    hers, his = rid("hers"), rid("his")
+    await alice("init", ref("alice", hers, param=param()))
+    await bob("init", ref("bob", his, param=param()))
+    mine = f"{d.prefix}.events.broker.resource.bob.{his}.init"
+    seen = []
+    while not seen or seen[-1] != mine:  # up to bob's own event, which came after alice's
+        seen.append((await live.next_msg(timeout=10)).subject)
+    assert not [subject for subject in seen if ".alice." in subject], seen
+    js = d.jetstream(bob_nc)
+    stream = f"{d.prefix}-events"
+    await js.add_consumer(stream, ConsumerConfig(name="bob-3", filter_subject=f"{d.prefix}.events.broker.resource.bob.>",
+                                                 ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL))
+    try:
+        pull = await js.pull_subscribe_bind("bob-3", stream=stream)
+        fetched = [msg.subject for msg in await pull.fetch(1000, timeout=5)]
+        assert mine in fetched and not [s for s in fetched if ".alice." in s]
+    finally:
+        await js.delete_consumer(stream, "bob-3")
+    for subject in (f"{d.prefix}.events.broker.resource.alice.>", f"{d.prefix}.events.broker.alice.>"):
+        with pytest.raises((NoRespondersError, NatsError)):  # his slots filter only what he may see
+            await js.add_consumer(stream, ConsumerConfig(name="bob-4", filter_subject=subject))
