@@ -40,6 +40,7 @@ class Ledger:
         self.refused: dict[str, int] = {}  # error code -> how many
         self.retries = 0
         self.retried: set[str] = set()  # request ids sent more than once
+        self.timed_out: list[float] = []  # when a request went unanswered (time.monotonic())
         self.held: dict[int, list[str]] = {}  # client -> the ids it holds
 
 
@@ -51,6 +52,8 @@ async def call_until_answered(client, subject: str, payload: dict, book: Ledger,
         except BusError as error:
             if error.code not in RETRIED:
                 return error.code
+            if error.code == "timeout":
+                book.timed_out.append(time.monotonic())
             book.retries += 1
             book.retried.add(payload["request_id"])
         if time.monotonic() > deadline + 60:
@@ -92,19 +95,19 @@ async def one_client(client, index: int, book: Ledger, stop_at: float) -> None:
             held.append(placed["workload_id"])
 
 
-async def chaos(spawn_worker, workers: list, stop_at: float, stall: bool, faults: list[str]) -> None:
+async def chaos(spawn_worker, workers: list, stop_at: float, stall: bool, faults: list[float]) -> None:
     rng = random.Random(16)
     await asyncio.sleep(1.5)
     while time.monotonic() < stop_at - 3:
         victim = rng.choice([w for w in workers if w.proc.poll() is None])
         if stall:
             victim.signal(signal.SIGSTOP)
-            faults.append("stop")
+            faults.append(time.monotonic())
             await asyncio.sleep(3.0)
             victim.signal(signal.SIGCONT)
         else:
             victim.signal(signal.SIGKILL)
-            faults.append("kill")
+            faults.append(time.monotonic())
             workers.remove(victim)
             workers.append(await asyncio.to_thread(spawn_worker, "services.allocation.worker"))
         await asyncio.sleep(rng.uniform(1.0, 2.0))
@@ -117,14 +120,17 @@ async def run_under_faults(spawn_worker, client, *, stall: bool, seconds: float)
             "resource.add-node", {"nodename": node, "resource": {"cpumem": {"cpu": CORES, "memory": "8G"}}}
         )
     book = Ledger()
-    faults: list[str] = []
+    faults: list[float] = []  # when each fault hit
     stop_at = time.monotonic() + seconds
     await asyncio.gather(
         chaos(spawn_worker, workers, stop_at, stall, faults),
         *(one_client(client, i, book, stop_at) for i in range(CLIENTS)),
     )
-    # The faults hit: workers died or stalled with requests in flight, and clients had to retry.
+    # The faults hit: each killed or stopped worker held requests, which went unanswered (a client's
+    # timeout within its patience after the fault), and clients had to retry.
     assert faults and book.retries > 0, (faults, book.retries)
+    unfelt = [at for at in faults if not any(at <= t <= at + TIMEOUT + 1.5 for t in book.timed_out)]
+    assert not unfelt, f"faults after which no request timed out: {unfelt} ({len(faults)} faults)"
     assert book.answered and book.refused.get("insufficient_capacity", 0) > len(book.answered), book.refused
     assert set(book.refused) <= {"insufficient_capacity"}, book.refused
     return book
