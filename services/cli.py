@@ -339,6 +339,29 @@ def _tell_redis(state: Path, creds, name: str) -> str:
     return f", {told} Redis server(s) told"
 
 
+def cmd_prepare(args: argparse.Namespace, extra: list[str]) -> int:
+    from services.prepare import prepare
+
+    state = Path(args.state).resolve()
+    prepare(state, args.prefix, agents=args.agents, nats_url=args.nats_url, redis_url=args.redis_url)
+    print(f"{state}: credentials, TLS, nats/nats.conf and env/<process>.env for {args.agents} agent(s)")
+    return 0
+
+
+def cmd_setup_streams(args: argparse.Namespace, extra: list[str]) -> int:
+    from services.credentials import read_creds_file
+    from services.streams import set_up
+
+    try:
+        user, password = read_creds_file(os.environ["BERTH_NATS_CREDS"])
+        url, prefix = os.environ["NATS_URL"], os.environ.get("BERTH_PREFIX", "berth")
+    except (KeyError, OSError, ValueError) as error:
+        raise SystemExit(f"berth setup-streams: {error!r}: give NATS_URL and BERTH_NATS_CREDS") from None
+    asyncio.run(set_up(url, prefix, user=user, password=password, tls_ca=os.environ.get("BERTH_TLS_CA")))
+    print(f"streams of {prefix} set up", flush=True)
+    return 0
+
+
 def cmd_worker(args: argparse.Namespace, extra: list[str]) -> int:
     modules = available()
     if args.service not in modules:
@@ -439,6 +462,19 @@ def parser() -> argparse.ArgumentParser:
     bundle.add_argument("name")
     bundle.add_argument("-o", "--output", metavar="FILE", help="where to write it (default: NAME.bundle)")
     user.set_defaults(run=cmd_user)
+
+    prep = sub.add_parser("prepare", help="write a deployment's credentials, TLS and server and worker "
+                          "configuration into a state folder, for servers berth up does not start (compose.yaml)")
+    prep.add_argument("--state", default=state_dir(), help="the folder to write (default: BERTH_STATE or .berth)")
+    prep.add_argument("--prefix", default=os.environ.get("BERTH_PREFIX") or "berth", help="subject and key prefix")
+    prep.add_argument("--agents", type=int, default=1, metavar="N", help="node agent identities node-1 ... node-N")
+    prep.add_argument("--nats-url", default="tls://nats:4222", help="where the workers reach NATS")
+    prep.add_argument("--redis-url", default="rediss://redis:6379/0", help="where the workers reach Redis")
+    prep.set_defaults(run=cmd_prepare)
+
+    streams = sub.add_parser("setup-streams", help="create the events streams (or add missing subjects) as the "
+                             "streams' administrator: NATS_URL, BERTH_NATS_CREDS (streams-admin's), BERTH_PREFIX")
+    streams.set_defaults(run=cmd_setup_streams)
 
     worker = sub.add_parser("worker", help="run N processes of one service")
     worker.add_argument("service", choices=sorted(SERVICES))

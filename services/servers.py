@@ -133,7 +133,7 @@ def start_nats(
     args = [find_binary("nats-server"), "-a", host, "-p", str(port), "-P", str(state_dir / NATS_PID)]
     if jetstream:
         args += ["-js", "-sd", str(state_dir / "jetstream")]
-    args += ["-c", str(_nats_config(state_dir / "nats-base.conf", config, tls, cluster=False))]
+    args += ["-c", str(nats_config_file(state_dir / "nats-base.conf", config, tls, cluster=False))]
     proc = _spawn("nats-server", args, port, state_dir / "nats-server.log", host)
     return ServerProcess("nats", f"{_nats_scheme(tls)}://{host}:{port}", proc)
 
@@ -142,7 +142,7 @@ def _nats_scheme(tls: TlsFiles | None) -> str:
     return "tls" if tls else "nats"
 
 
-def _nats_config(path: Path, config: Path | None, tls: TlsFiles | None, *, cluster: bool) -> Path:
+def nats_config_file(path: Path, config: Path | None, tls: TlsFiles | None, *, cluster: bool) -> Path:
     """The server's settings, with `tls` blocks where given, in a file of its own that includes
     `config` (nats-server takes one `-c`, and a reload reads the included file again). Route TLS
     always verifies the other server's certificate.
@@ -292,7 +292,7 @@ def start_nats_cluster(
     ports = [free_port() for _ in range(size)]
     routes = [free_port() for _ in range(size)]
     route_urls = ",".join(f"nats://{host}:{port}" for port in routes)  # TLS, if any, is negotiated
-    config = _nats_config(state_dir / "nats-base.conf", config, tls, cluster=True)
+    config = nats_config_file(state_dir / "nats-base.conf", config, tls, cluster=True)
     with _stopped_on_failure() as members:
         for i, (port, route) in enumerate(zip(ports, routes)):
             directory = state_dir / f"n{i}"

@@ -17,11 +17,9 @@ from pathlib import Path
 import msgpack
 import nats
 import pytest
-import yaml
 
-from services.cli import parser
 from services.redis_functions import every_library
-from services.registry import SERVICES, available
+from services.registry import SERVICES
 from tests.cli_helpers import (
     BERTH,
     ROOT,
@@ -34,26 +32,6 @@ from tests.cli_helpers import (
     read_until,
     redis_admin,
 )
-
-
-def test_every_compose_service_command_exists_in_the_cli():
-    compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
-    for profile, suffix, redis_scheme in ((None, "", "redis://"), ("cluster", "-cluster", "redis+cluster://")):
-        workers = {
-            name.removesuffix(suffix): spec for name, spec in compose["services"].items()
-            if "build" in spec and spec.get("profiles", [None])[0] == profile
-        }
-        assert set(workers) == set(available()), profile
-        for name, spec in workers.items():
-            args, extra = parser().parse_known_args(spec["command"])
-            assert (args.command, args.service, extra) == ("worker", name, [])
-            assert spec["environment"]["NATS_URL"].startswith("nats://")
-            assert spec["environment"]["REDIS_URL"].startswith(redis_scheme)
-    assert "-js" in compose["services"]["nats"]["command"]
-    assert "--appendonly" in compose["services"]["redis"]["command"]
-    cluster_nats = [spec for name, spec in compose["services"].items() if name.startswith("nats-")]
-    assert len(cluster_nats) == 3 and all("--routes" in spec["command"] for spec in cluster_nats)
-    assert sum(name.startswith("redis-") and name[-1].isdigit() for name in compose["services"]) == 6
 
 
 def test_up_starts_everything_status_lists_it_and_ctrl_c_leaves_nothing(tmp_path):
@@ -296,18 +274,3 @@ def test_redis_functions_loads_every_library_and_prints_rules_a_service_user_wor
         server.stop()
 
 
-def test_compose_requires_auth_and_keeps_redis_off_the_host():
-    compose = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]
-    redis_servers = {name: spec for name, spec in compose.items() if spec.get("image", "").startswith("redis")}
-    nats_servers = {name: spec for name, spec in compose.items() if spec.get("image", "").startswith("nats")}
-    assert len(redis_servers) == 8 and len(nats_servers) == 4  # redis, redis-1..6, the cluster init; nats, nats-1..3
-    assert not any("ports" in spec for spec in redis_servers.values())
-    for name, spec in redis_servers.items():
-        if "redis-server" in spec["command"]:  # a server, not the init job
-            assert "--requirepass" in spec["command"] and "--masterauth" in spec["command"], name
-    for name, spec in nats_servers.items():
-        assert "--user" in spec["command"] and "--pass" in spec["command"], name
-    workers = [spec for spec in compose.values() if "build" in spec]
-    for spec in workers:  # and the workers log in
-        nats_url, redis_url = spec["environment"]["NATS_URL"], spec["environment"]["REDIS_URL"]
-        assert "${BERTH_NATS_PASSWORD" in nats_url and "${BERTH_REDIS_PASSWORD" in redis_url, spec["command"]

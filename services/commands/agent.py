@@ -31,7 +31,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "not listed here goes to it: `python -m services.runner services.agent.worker --help` lists them). With --drain: the node takes "
         "no new placement and this command waits until no instance runs on it; --resume undoes it.",
     )
-    parser.add_argument("--node", default=None, help="the node (default: the bundle's, else this host's name)")
+    parser.add_argument("--node", default=None,
+                        help="the node (default: the bundle's, else BERTH_NODE, else this host's name)")
     parser.add_argument("--bundle", metavar="FILE",
                         help="run as the node agent identity of this bundle (`berth user bundle NAME`): its servers, "
                         "identity, CA and node")
@@ -47,7 +48,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         if args.bundle and (args.drain or args.resume):
             parser.error("--bundle runs the agent; --drain/--resume ask one as an admin")
         if not args.bundle:
-            args.node = args.node or default_node()
+            args.node = args.node or os.environ.get("BERTH_NODE") or default_node()
         if args.drain or args.resume:
             if extra:
                 parser.error(f"unrecognized arguments with --drain/--resume: {' '.join(extra)}")
