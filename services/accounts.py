@@ -47,6 +47,10 @@ SERVICES_ACCOUNT = "SERVICES"
 STREAMS_ACCOUNT = "STREAMS"
 # The user of `STREAMS` that sets the streams up (`berth up`, before any worker starts).
 STREAMS_ADMIN = "streams-admin"
+# Joining hosts (services/join.py): `berth up`'s join service answers `P.join.redeem` as this user of
+# `SERVICES`; a host asks as the public user `join` of account `JOIN`, which may ask nothing else.
+JOIN_SERVICE = "join-service"
+JOIN_ACCOUNT = "JOIN"
 # Pull consumers an identity may hold on each stream at once.
 CONSUMER_SLOTS = 8
 
@@ -72,7 +76,7 @@ NODE_EVENT_KINDS = ("added", "removed", "capacity", "labels", "down", "up", "dra
 # Names an identity may not take: the workers' users, `resource`, which as a broker user would make
 # `P.events.broker.resource.>` (every resource's status events) its own broker events, and the
 # streams' administrator.
-RESERVED_NAMES = frozenset((*SERVICES, "resource", STREAMS_ADMIN))
+RESERVED_NAMES = frozenset((*SERVICES, "resource", STREAMS_ADMIN, JOIN_SERVICE, "join"))
 
 
 def inbox_prefix(prefix: str, service: str, node: str | None = None) -> str:
@@ -294,9 +298,17 @@ def nats_config(prefix: str, service_passwords: dict[str, str], identities: list
         "imports": stream_exports.imports[SERVICES_ACCOUNT],
     }
     streams_admin = {"user": STREAMS_ADMIN, "password": service_passwords[STREAMS_ADMIN]}
+    redeem = f"{prefix}.join.redeem"
+    services["users"].append({"user": JOIN_SERVICE, "password": service_passwords[JOIN_SERVICE],
+                              "permissions": Permissions(("_R_.>",), (redeem,)).config()})
+    services["exports"].append({"service": redeem, "accounts": [JOIN_ACCOUNT]})
+    joining = {"users": [{"user": "join", "password": "join",  # public: it may only ask to redeem a token
+                          "permissions": Permissions((redeem,), ("_INBOX.>",)).config()}],
+               "imports": [{"service": {"account": SERVICES_ACCOUNT, "subject": redeem}}]}
     return {
         SERVICES_ACCOUNT: services,
         STREAMS_ACCOUNT: {"jetstream": "enabled", "users": [streams_admin], "exports": stream_exports.rendered()},
+        JOIN_ACCOUNT: joining,
         **identity_accounts,
     }
 

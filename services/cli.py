@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -170,6 +171,10 @@ def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
             supervisor.add(name, worker_argv(module, argv + metrics + own), env)
         if not supervisor.children:
             print("no service is installed yet; serving NATS and Redis only", flush=True)
+        if creds and own_nats:  # hosts that join with a one-time token (services/join.py)
+            join_env = {**os.environ, **tls_env, "NATS_URL": args.nats}
+            supervisor.add("join", [sys.executable, "-m", "services.cli", "join-service", "--state", str(state)],
+                           join_env, client=True)
         if not args.no_dashboard:  # the live dashboard (services/dashboard/), a bus client as the client user
             from services.servers import free_port
 
@@ -278,6 +283,8 @@ def cmd_user(args: argparse.Namespace, extra: list[str]) -> int:
     creds = load(directory)
     if args.action == "bundle":
         return _write_bundle(args, state, creds)
+    if args.action == "join-token":
+        return _join_token(args, state, creds)
     if args.action == "list":
         rows = [(i.name, i.role.label, str(creds.nats_creds(i.name))) for i in sorted(creds.identities.values(),
                                                                                       key=lambda i: i.name)]
@@ -294,12 +301,7 @@ def cmd_user(args: argparse.Namespace, extra: list[str]) -> int:
         raise SystemExit(f"berth user: {error}") from None
     except KeyError:
         raise SystemExit(f"berth user: no identity named {args.name!r}") from None
-    was_agent = (before := load(directory).identities.get(args.name)) is not None and before.is_agent
-    creds.write()
-    told = reload_nats(state)
-    running = f"; {told} running nats-server(s) reloaded" if told else "; no nats-server of it runs now"
-    if told and (was_agent or creds.redis_user_of(args.name)):
-        running += _tell_redis(state, creds, args.name)
+    running = _written(state, creds, args.name)
     if args.action == "add":
         identity = creds.identities[args.name]
         bound = f" of node {identity.node}" if identity.node else ""
@@ -307,6 +309,45 @@ def cmd_user(args: argparse.Namespace, extra: list[str]) -> int:
         print(f"BERTH_NATS_CREDS={creds.nats_creds(identity.name)}")
     else:
         print(f"{args.name}: removed (what it owns stays; an admin may release it){running}")
+    return 0
+
+
+def _written(state: Path, creds, name: str) -> str:
+    """Write the credentials after a change of identity `name`, and tell the running servers."""
+    from services.credentials import load
+    from services.servers import reload_nats
+
+    was_agent = (before := load(creds.directory).identities.get(name)) is not None and before.is_agent
+    creds.write()
+    told = reload_nats(state)
+    running = f"; {told} running nats-server(s) reloaded" if told else "; no nats-server of it runs now"
+    if told and (was_agent or creds.redis_user_of(name)):
+        running += _tell_redis(state, creds, name)
+    return running
+
+
+def _join_token(args: argparse.Namespace, state: Path, creds) -> int:
+    """A one-time token for agent identity NAME (made, bound to --node or NAME, if it is new)."""
+    from bus.callers import Role
+    from services import join
+    from services.commands.connection import read_up_env
+
+    up = read_up_env(state / UP_ENV) or {}
+    if not up.get("NATS_URL"):
+        raise SystemExit("berth user join-token: the deployment is not running (no up.env): start `berth up` first")
+    if args.name not in creds.identities:
+        try:
+            creds = creds.with_identity(args.name, Role.AGENT, args.node)
+        except ValueError as error:
+            raise SystemExit(f"berth user join-token: {error}") from None
+        print(f"{args.name}: a new agent identity of node {creds.identities[args.name].node}"
+              f"{_written(state, creds, args.name)}")
+    try:
+        token = join.issue(creds, args.name, args.ttl)
+    except ValueError as error:
+        raise SystemExit(f"berth user join-token: {error}") from None
+    print(f"valid once, for {args.ttl:g} s; on the host:\n"
+          f"berth agent --join {up['NATS_URL']} --token {token} --prefix {creds.prefix}")
     return 0
 
 
@@ -345,6 +386,30 @@ def cmd_prepare(args: argparse.Namespace, extra: list[str]) -> int:
     state = Path(args.state).resolve()
     prepare(state, args.prefix, agents=args.agents, nats_url=args.nats_url, redis_url=args.redis_url)
     print(f"{state}: credentials, TLS, nats/nats.conf and env/<process>.env for {args.agents} agent(s)")
+    return 0
+
+
+def cmd_join_service(args: argparse.Namespace, extra: list[str]) -> int:
+    """`berth up`'s join service: as user `join-service`, until stopped."""
+    from bus.connection import connect
+    from services import join
+    from services.accounts import JOIN_SERVICE
+    from services.credentials import load
+
+    state = Path(args.state).resolve()
+    creds = load(state / "credentials")
+
+    async def serve() -> None:
+        nc = await connect(os.environ["NATS_URL"], name=f"{creds.prefix}-join", user=JOIN_SERVICE,
+                           password=creds.nats_password(JOIN_SERVICE))
+        await join.serve(nc, creds.directory, state, creds.prefix)
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await nc.drain()
+
+    asyncio.run(serve())
     return 0
 
 
@@ -458,6 +523,11 @@ def parser() -> argparse.ArgumentParser:
     actions.add_parser("list", help="every identity, its role and creds file")
     remove = actions.add_parser("remove", help="take an identity away (its connections are closed)")
     remove.add_argument("name")
+    token = actions.add_parser("join-token", help="a one-time token with which a host joins as agent NAME "
+                               "(the identity is made if it is new)")
+    token.add_argument("name")
+    token.add_argument("--node", help="a new identity's node (default: its name)")
+    token.add_argument("--ttl", type=float, default=600.0, metavar="SECONDS", help="how long it is valid (default 600)")
     bundle = actions.add_parser("bundle", help="a node agent identity's bundle: what its host needs to join")
     bundle.add_argument("name")
     bundle.add_argument("-o", "--output", metavar="FILE", help="where to write it (default: NAME.bundle)")
@@ -471,6 +541,10 @@ def parser() -> argparse.ArgumentParser:
     prep.add_argument("--nats-url", default="tls://nats:4222", help="where the workers reach NATS")
     prep.add_argument("--redis-url", default="rediss://redis:6379/0", help="where the workers reach Redis")
     prep.set_defaults(run=cmd_prepare)
+
+    joining = sub.add_parser("join-service", help="(run by `berth up`) answer the hosts that join with a token")
+    joining.add_argument("--state", default=state_dir(), help="the state folder of `berth up`")
+    joining.set_defaults(run=cmd_join_service)
 
     streams = sub.add_parser("setup-streams", help="create the events streams (or add missing subjects) as the "
                              "streams' administrator: NATS_URL, BERTH_NATS_CREDS (streams-admin's), BERTH_PREFIX")

@@ -37,14 +37,14 @@ from urllib.parse import quote, urlsplit, urlunsplit
 
 from bus.callers import ROLES, Role
 from services import accounts
-from services.accounts import SERVICE_USERS, STREAMS_ADMIN, Identity
+from services.accounts import JOIN_SERVICE, SERVICE_USERS, STREAMS_ADMIN, Identity
 from services.redis_functions import fcall_rules
 
 REDIS_ADMIN = "default"
 NODE_NAME = re.compile(r"[A-Za-z0-9_-]{1,253}")  # schemas.subjects.NodeName: a subject token
 REDIS_USERS = (*SERVICE_USERS, REDIS_ADMIN)
-# The NATS users berth keeps passwords for: the workers', and the streams' administrator.
-NATS_USERS = (*SERVICE_USERS, STREAMS_ADMIN)
+# The NATS users berth keeps passwords for: the workers', the streams' administrator, the join service.
+NATS_USERS = (*SERVICE_USERS, STREAMS_ADMIN, JOIN_SERVICE)
 # The identities a first start makes: the operator's, and the reader `berth up`'s dashboard runs as.
 FIRST_IDENTITIES = {"admin": Role.ADMIN, "dashboard": Role.READER}
 
@@ -65,7 +65,7 @@ def redis_key_patterns(prefix: str, service: str, node: str | None = None) -> tu
     run (a `berth agent` is its node's metrics agent too); `node`: a node agent's, which reaches its
     node's metrics keys and its node's kept answers only."""
     if node is not None:
-        return (f"{prefix}:metrics:{{{node}}}:*",  # services/metrics/notifier.py `node_base`
+        return (f"{prefix}:metrics:{{{node}}}:*",  # services/metrics/notifier_store.py `node_base`
                 *(f"{prefix}:idem:{prefix}-{each}:{accounts.COMMAND_TOKEN[each]}.{node}.*"
                   for each in accounts.served(service)))
     return tuple(pattern for each in accounts.served(service)

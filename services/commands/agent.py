@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import os
 import time
+from pathlib import Path
 
 from bus.client import BusClient
 from schemas.errors import BusError, NoResponders, RequestTimeout
@@ -36,6 +37,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--bundle", metavar="FILE",
                         help="run as the node agent identity of this bundle (`berth user bundle NAME`): its servers, "
                         "identity, CA and node")
+    parser.add_argument("--join", metavar="URL",
+                        help="with --token: fetch this host's bundle from the deployment at URL (`berth user "
+                        "join-token`), keep it as .berth/agent/<node>.bundle, and run as it")
+    parser.add_argument("--token", help="a one-time join token, ID.SECRET")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--drain", action="store_true", help="stop placing on the node, wait for its instances to end")
     mode.add_argument("--resume", action="store_true", help="place on the node again")
@@ -45,8 +50,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     ask_agent = parser.get_default("run")
 
     def run(args: argparse.Namespace, extra: list[str]) -> int:
-        if args.bundle and (args.drain or args.resume):
-            parser.error("--bundle runs the agent; --drain/--resume ask one as an admin")
+        if (args.bundle or args.join) and (args.drain or args.resume):
+            parser.error("--bundle and --join run the agent; --drain/--resume ask one as an admin")
+        if bool(args.join) != bool(args.token):
+            parser.error("--join URL and --token ID.SECRET go together")
+        if args.join:
+            args.bundle = _joined(args)
         if not args.bundle:
             args.node = args.node or os.environ.get("BERTH_NODE") or default_node()
         if args.drain or args.resume:
@@ -72,6 +81,27 @@ def run_agent(args: argparse.Namespace, extra: list[str]) -> int:
     node = argv[argv.index("--node") + 1]
     supervisor.add(f"agent {node}", worker_argv("services.agent.worker", [*argv, *extra]), {**os.environ, **env})
     return supervisor.run()
+
+
+def _joined(args: argparse.Namespace) -> str:
+    """Redeem the join token for this host's bundle (services/join.py); its path, in `.berth/agent/`."""
+    from services import join
+
+    prefix = args.prefix or os.environ.get("BERTH_PREFIX") or "berth"
+    try:
+        bundle = asyncio.run(join.fetch(args.join, prefix, args.token))
+    except join.TokenRefused as error:
+        raise SystemExit(f"berth agent --join: {error}") from None
+    except Exception as error:  # no server there, no join service, a timeout
+        raise SystemExit(f"berth agent --join {args.join}: {error!r}") from None
+    if args.node and args.node != bundle["node"]:
+        raise SystemExit(f"--token is node {bundle['node']}'s agent identity, not node {args.node}'s")
+    folder = os.path.join(".berth", "agent")
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    path = os.path.join(folder, f"{bundle['node']}.bundle")
+    join.write(Path(path), bundle)
+    print(f"joined as node {bundle['node']}'s agent; its bundle is {path} (next time: --bundle {path})", flush=True)
+    return path
 
 
 def _from_bundle(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
