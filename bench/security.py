@@ -14,7 +14,9 @@ and one allocation worker, as `berth up` starts them:
 In each: `allocate` spread by a label (1.5 bound CPUs + 2 GiB, a unique request_id per call) from
 `--clients` concurrent clients, and one client's sequential round trip; beside them, the anchor of
 the same deployment: a bare echo responder on the same path (for accounts, served by the
-allocation service's own NATS user, so a tenant reaches it through the same import). The rounds
+allocation service's own NATS user, so a tenant reaches it through the same import); and node
+`n0`'s heartbeats on its own subject (`resource.node.n0.node-heartbeat`), as its agent identity
+where there are identities (bound to its node by its permissions). The rounds
 alternate the deployments, so that a noisy neighbour spreads over all of them. Everything stops by
 itself.
 """
@@ -35,6 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import msgpack  # noqa: E402
 from bench.allocation import LABELS, REQUEST, EchoResponders, Requests, Table, add_nodes, load, ms  # noqa: E402
 from bench.stats import percentile  # noqa: E402
 from bus.callers import Role  # noqa: E402
@@ -47,12 +50,15 @@ from services.tls import prepare as prepare_tls  # noqa: E402
 
 PREFIX = "sec"
 ECHO_SUBJECT = f"{PREFIX}.resource.echo-anchor"
+HEARTBEAT_NODE = "n0"  # the node whose agent identity beats (its own node's subject only)
+HEARTBEAT = f"{PREFIX}.resource.node.{HEARTBEAT_NODE}.node-heartbeat"
 @dataclass
 class Deployment:
     name: str
     servers: list[ServerProcess]
     client_url: str  # the load's identity (a tenant), or no user at all
     admin_url: str  # who adds the nodes
+    agent_url: str  # node HEARTBEAT_NODE's agent identity, or no user at all
     tls_ca: str | None
     worker: subprocess.Popen
     echo: EchoResponders
@@ -70,6 +76,7 @@ def start(name: str, state: Path, accounts: bool, tls: bool) -> Deployment:
     creds: Credentials | None = None
     if accounts:
         creds = prepare(state / "credentials", PREFIX).with_identity("loadgen", Role.TENANT)
+        creds = creds.with_identity("bench-agent", Role.AGENT, HEARTBEAT_NODE)
         creds.write()
     nats = start_nats(state / "nats", config=creds.nats_config if creds else None, tls=files)
     redis = start_redis(state / "redis", appendonly=False, config=creds.redis_config if creds else None, tls=files)
@@ -81,9 +88,10 @@ def start(name: str, state: Path, accounts: bool, tls: bool) -> Deployment:
         env.update(extra)
         service_url = creds.nats_url("allocation", nats.url)
         client_url, admin_url = creds.nats_url("loadgen", nats.url), creds.nats_url("admin", nats.url)
+        agent_url = creds.nats_url("bench-agent", nats.url)
     else:
         argv = ["--prefix", PREFIX, "--nats", nats.url, "--redis", redis.url]
-        service_url = client_url = admin_url = nats.url
+        service_url = client_url = admin_url = agent_url = nats.url
     worker = subprocess.Popen(
         [sys.executable, "-m", "services.runner", "services.allocation.worker", "--memory-stream", *argv],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
@@ -92,7 +100,8 @@ def start(name: str, state: Path, accounts: bool, tls: bool) -> Deployment:
     # served by allocation's own NATS user (its inbox root), so a tenant reaches it as it reaches allocation
     echo = EchoResponders(service_url, ECHO_SUBJECT, inbox_prefix=inbox_prefix(PREFIX, "allocation"), env=env)
     echo.scale(1)
-    return Deployment(name, [nats, redis], client_url, admin_url, str(files.ca) if files else None, worker, echo)
+    return Deployment(name, [nats, redis], client_url, admin_url, agent_url, str(files.ca) if files else None, worker,
+                      echo)
 
 
 async def sequential(nc, subject: str, make, count: int) -> list[float]:
@@ -119,11 +128,26 @@ async def measure(d: Deployment, args) -> dict:
         run = await load(nc, subject, requests.next, args.placements, args.clients)
         raw_rtt = await sequential(nc, echo, Requests({"labels": LABELS}).next, 300)
         rtt = await sequential(nc, subject, requests.next, 300)
+        beats = await heartbeats(d, args)
         return {"rate": run.rate, "p99": percentile(run.latencies, .99), "errors": sum(run.errors.values()),
-                "raw": raw.rate, "rtt": rtt, "raw_rtt": raw_rtt}
+                "raw": raw.rate, "rtt": rtt, "raw_rtt": raw_rtt, **beats}
     finally:
         await nc.close()
         await admin.close()
+
+
+async def heartbeats(d: Deployment, args) -> dict:
+    """Node HEARTBEAT_NODE's heartbeats on its own subject, as its agent identity where there are
+    identities (its node-bound permissions, the subject's node checked against the request's)."""
+    inbox = inbox_prefix(PREFIX, "agent", HEARTBEAT_NODE)
+    agent = await connect(d.agent_url, name="bench-agent", worker=False, tls_ca=d.tls_ca, inbox_prefix=inbox)
+    try:
+        beat = msgpack.packb({"nodename": HEARTBEAT_NODE, "ttl_seconds": 30})
+        run = await load(agent, HEARTBEAT, lambda: beat, args.placements, 16)
+        rtt = await sequential(agent, HEARTBEAT, lambda: beat, 300)
+        return {"beats": run.rate, "beat_errors": sum(run.errors.values()), "beat_rtt": rtt}
+    finally:
+        await agent.close()
 
 
 def main() -> None:
@@ -148,6 +172,7 @@ def main() -> None:
             print(f"round {round_ + 1}, {name}: allocate {figures['rate']:,.0f}/s, echo {figures['raw']:,.0f}/s",
                   file=sys.stderr, flush=True)
     plain = mean([r["rate"] for r in results["plain"]])
+    plain_beats = mean([r["beats"] for r in results["plain"]])
     for name, _, _ in modes:
         runs = results[name]
         rates, raws = [r["rate"] for r in runs], [r["raw"] for r in runs]
@@ -159,6 +184,11 @@ def main() -> None:
         table.add(f"{name}: allocate, one client, round trip p50/p99",
                   f"{ms(percentile(rtt, .5))}/{ms(percentile(rtt, .99))} ms",
                   f"echo {ms(percentile(raw_rtt, .5))}/{ms(percentile(raw_rtt, .99))} ms")
+        beats, beat_rtt = [r["beats"] for r in runs], [x for r in runs for x in r["beat_rtt"]]
+        table.add(f"{name}: heartbeats of one node, 16 at once / one at a time p50",
+                  f"{mean(beats):,.0f}/s, errors {sum(r['beat_errors'] for r in runs)}; "
+                  f"{mean(beats) / plain_beats:.2f} of plain / {ms(percentile(beat_rtt, .5))} ms",
+                  f"echo {mean(raws):,.0f}/s / {ms(percentile(raw_rtt, .5))} ms")
     table.print()
 
 
