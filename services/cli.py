@@ -155,6 +155,8 @@ def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
         dashboard_url = creds.nats_url("dashboard", args.nats) if creds and own_nats else args.nats
         js_env = {"BERTH_JS_DOMAIN": args.prefix} if creds and own_nats else {}
         up_env = _print_connection(args, state, creds if own_nats else None, tls)
+        if creds and own_nats:  # each identity's NATS context, for standard NATS clients
+            creds.write_contexts(args.nats, str(tls.ca) if tls else None)
         supervisor = Supervisor()
         scraped: list[str] = []  # the workers serving Prometheus metrics, in start order
         for name, module in _services_to_start().items():
@@ -306,6 +308,8 @@ def cmd_user(args: argparse.Namespace, extra: list[str]) -> int:
         identity = creds.identities[args.name]
         bound = f" of node {identity.node}" if identity.node else ""
         print(f"{identity.name}: role {identity.role.label}{bound}, creds file {creds.nats_creds(identity.name)}{running}")
+        if creds.context(identity.name).exists():
+            print(f"NATS context (nats CLI and other standard clients): {creds.context(identity.name)}")
         print(f"BERTH_NATS_CREDS={creds.nats_creds(identity.name)}")
     else:
         print(f"{args.name}: removed (what it owns stays; an admin may release it){running}")
@@ -317,8 +321,13 @@ def _written(state: Path, creds, name: str) -> str:
     from services.credentials import load
     from services.servers import reload_nats
 
+    from services.commands.connection import read_up_env
+
     was_agent = (before := load(creds.directory).identities.get(name)) is not None and before.is_agent
     creds.write()
+    up = read_up_env(state / UP_ENV) or {}
+    if up.get("NATS_URL"):
+        creds.write_contexts(up["NATS_URL"], up.get("BERTH_TLS_CA"))
     told = reload_nats(state)
     running = f"; {told} running nats-server(s) reloaded" if told else "; no nats-server of it runs now"
     if told and (was_agent or creds.redis_user_of(name)):

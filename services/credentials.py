@@ -289,6 +289,26 @@ class Credentials:
             if stale.stem not in users:
                 stale.unlink()
 
+    def context(self, name: str) -> Path:
+        """Identity `name`'s NATS context: a file the nats CLI reads (`nats --context <file>`)."""
+        return self.directory / f"{name}.context.json"
+
+    def write_contexts(self, nats_url: str, ca: str | None) -> None:
+        """Every identity's NATS context (ADR-21's fields: url, user, password, ca, jetstream_domain,
+        inbox_prefix) for the servers at `nats_url`: what a standard NATS client needs to connect as
+        it, in a file of the standard shape (berth's own creds files are `user=`/`password=` lines)."""
+        for identity in self.identities.values():
+            context = {"description": f"berth {self.prefix}: {identity.role.label} {identity.name}", "url": nats_url,
+                       "user": identity.name, "password": identity.password, "ca": ca or ""}
+            if identity.is_agent:
+                context["inbox_prefix"] = accounts.inbox_prefix(self.prefix, "agent", identity.node)
+            else:
+                context["jetstream_domain"] = self.prefix
+            write_private(self.context(identity.name), json.dumps(context, indent=1) + "\n")
+        for stale in self.directory.glob("*.context.json"):
+            if stale.name.removesuffix(".context.json") not in self.identities:
+                stale.unlink()
+
 
 def _password() -> str:
     return secrets.token_urlsafe(24)  # 192 bits; URL-safe, so it goes into URLs unescaped

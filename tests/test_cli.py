@@ -23,6 +23,7 @@ from services.registry import SERVICES
 from tests.cli_helpers import (
     BERTH,
     ROOT,
+    answered,
     berth_up,
     client_options,
     memory_policy,
@@ -274,3 +275,38 @@ def test_redis_functions_loads_every_library_and_prints_rules_a_service_user_wor
         server.stop()
 
 
+
+
+def test_every_identity_has_a_standard_nats_context_that_connects_as_it(tmp_path):
+    """ADR-21's context fields (url, user, password, ca, jetstream_domain, inbox_prefix), read as a
+    standard client reads them: the admin reaches the streams, an agent its own node's subjects."""
+    state = tmp_path / "state"
+    with berth_up(state, env={"BERTH_NODE": "ctx-node"}) as (printed, _):
+        added = subprocess.run([*BERTH, "user", "--state", str(state), "add", "web-9", "--role", "agent"],
+                               cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert added.returncode == 0 and "web-9.context.json" in added.stdout, added.stderr
+
+        async def as_context(name: str):
+            context = json.loads((state / "credentials" / f"{name}.context.json").read_text())
+            assert context["url"] == printed["NATS_URL"]
+            options = {"inbox_prefix": context["inbox_prefix"]} if "inbox_prefix" in context else {}
+            nc = await nats.connect(context["url"], user=context["user"], password=context["password"],
+                                    tls=ssl.create_default_context(cafile=context["ca"]), **options)
+            return nc, context
+
+        async def check() -> None:
+            admin, context = await as_context("admin")
+            try:
+                info = await admin.jetstream(domain=context["jetstream_domain"]).stream_info("berth-events")
+                assert info.config.name == "berth-events"
+            finally:
+                await admin.close()
+            agent, _ = await as_context("web-9")
+            try:
+                msg = await answered(agent, "berth.resource.node.web-9.get-allocations", {"nodename": "web-9"})
+                reply = msgpack.unpackb(msg.data)  # its own node's subject answers: the node is not added yet
+                assert reply["error"]["code"] == "node_not_found", reply
+            finally:
+                await agent.close()
+
+        asyncio.run(check())
