@@ -67,6 +67,18 @@ class Caller:
         """Whether this caller may change or release anyone's work: then no owner needs reading."""
         return self.role == Role.ADMIN
 
+    def holds(self, owner: str | None) -> bool:
+        """Whether this caller may release or change a workload that `owner` placed: what it `owns`,
+        but the services' own account (no identity: the broker, the one service that releases) only
+        what the services placed, so that no service credential reaches a tenant's workloads.
+        Without accounts nobody has an identity and no workload an owner: nothing changes there."""
+        return owner is None if self.name is None else self.owns(owner)
+
+    @property
+    def holds_everything(self) -> bool:
+        """Whether `holds` is true of every owner: then no owner needs reading."""
+        return self.owns_everything and self.name is not None
+
     def qualified(self, request_id: str) -> str:
         """A request id in this caller's own space: two tenants using the same id are two requests
         (their answers are kept apart, and so are the workload ids derived from them)."""

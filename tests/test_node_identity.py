@@ -227,3 +227,22 @@ async def test_a_workload_id_is_unique_across_the_platform(d):
     assert held["allocations"] == []
     released = await alice.request("resource.release", {"workload_ids": [wid]})
     assert released["released"] == [wid]
+
+
+async def test_the_brokers_identity_releases_only_what_the_services_placed(d):
+    """The broker allocates and releases its own placements; a tenant's workload is not its to
+    release, though its credential may send `release` (before, it acted as an admin)."""
+    admin, alice = await d.client("admin"), await d.client("alice")
+    node = f"b-{time.monotonic_ns()}"
+    await admin.request("resource.add-node", {"nodename": node, "resource": NODE_4})
+    hers = (await alice.request("resource.allocate", {"nodename": node, "deploy_count": 1,
+                                                      "workload_resource_request": ONE_CPU}))["allocations"]
+    broker = BusClient(await d.connect("broker", inbox_prefix=inbox_prefix(d.prefix, "broker")), prefix=d.prefix)
+    own = (await broker.request("resource.allocate", {"nodename": node, "deploy_count": 1,
+                                                      "workload_resource_request": ONE_CPU}))["allocations"]
+    error = await refused(broker.request("resource.release", {"workload_ids": [hers[0]["workload_id"]]}))
+    assert error.details["field"] == "workload_ids[0]"
+    released = await broker.request("resource.release", {"workload_ids": [own[0]["workload_id"]]})
+    assert released["released"] == [own[0]["workload_id"]]
+    held = await admin.request("resource.get-allocations", {"nodename": node})
+    assert [a["workload_id"] for a in held["allocations"]] == [hers[0]["workload_id"]]

@@ -513,9 +513,9 @@ class AllocationManager:
         (released, and placed again by another) stays its new owner's: each commit re-checks owners."""
         caller = current_caller.get()
         located = await self.store.located(ids)
-        if not caller.owns_everything:
+        if not caller.holds_everything:
             refuse_unowned(caller, ids, await self._held_owners(located.nodes))
-        return await self.committer.release(ids, located, caller.owns, once=True)
+        return await self.committer.release(ids, located, caller.holds, once=True)
 
     async def give_back(self, ids: list[str], owner: str | None) -> list[str]:
         """Release workloads that no answer named, placed for `owner` (see `Committer.give_back`)."""
@@ -545,7 +545,7 @@ class AllocationManager:
             record, ledger = await self.store.load_with_ledger(node, [workload_id])
             if record is None or workload_id not in ledger.resources:
                 raise workload_not_found(workload_id)
-            if not caller.owns(ledger.owner(workload_id)):
+            if not caller.holds(ledger.owner(workload_id)):
                 raise not_yours("workload_id", workload_id)
             states = self.plugins.states(record, names)
             current = ledger.resources[workload_id]
@@ -583,7 +583,7 @@ def refuse_unowned(caller: Caller, ids: list[str], owners: dict[str, str | None]
     """Refuse the first of `ids` that a node holds (`owners`: each held id's owner, None for none)
     for an owner `caller` may not act on."""
     for i, wid in enumerate(ids):
-        if wid in owners and not caller.owns(owners[wid]):
+        if wid in owners and not caller.holds(owners[wid]):
             raise not_yours(f"workload_ids[{i}]", wid)
 
 
