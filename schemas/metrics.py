@@ -98,7 +98,7 @@ class Put(MetricRef, kw_only=True):
 
     With `request_id`, a retry replays the first answer (the same sample time) instead of storing
     the value again; every agent of the node keeps its own answers (`put` reaches all of them), and
-    without `time` they all take the sample time the first of them took (`put_times`)."""
+    without `time` they all take the sample time the first of them took (`PutTimes`)."""
 
     value: float
     time: float | UnsetType = UNSET

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from services.broker.config import Timing
-from services.broker.operators.process import ProcessTable
+from services.broker.operators.process_store import ProcessTable
 from services.processes import procfs
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -12,7 +12,8 @@ import sys
 
 from schemas.broker import ResourceParam
 from services.broker.operators.base import LaunchSpec
-from services.broker.operators.process import ProcessOperator, ProcessTable, Slot
+from services.broker.operators.process import ProcessOperator
+from services.broker.operators.process_store import ProcessTable, Slot
 from services.processes import procfs
 from services.processes.catalog import Catalog
 from services.processes.ports import free_port

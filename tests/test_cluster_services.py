@@ -29,7 +29,7 @@ from bus.client import BusClient
 from bus.redis import connect_redis
 from schemas.errors import BusError
 from services.broker.layout import key_base
-from services.metrics.notifier import node_base
+from services.metrics.notifier_store import node_base
 from services.servers import ServerCluster, ServerProcess, start_redis_cluster
 from tests.broker_fixtures import Broker
 from tests.broker_helpers import FAST_ARGS, const_broker, kill_marked, marked, param

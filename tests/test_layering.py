@@ -32,6 +32,8 @@ CONTRACT_MODULES = ("commands",)
 SHARED_PARTS = {
     ("agent", "metrics"): ("parsers", "cgroups", "provisioners", "worker"),
 }
+# The packages whose Redis keys are kept by store modules only; a `worker` module wires the connection.
+STORE_KEEPING = ("services.broker", "services.metrics", "services.agent")
 # Allocation's calculation core: pure and synchronous, unit-tested without a server (README "Layout").
 PURE_ALLOCATION = ("plugins", "placement", "quantity", "records", "selection", "view")
 IO_MODULES = ("services.allocation.store", "redis", "nats")
@@ -141,3 +143,28 @@ def test_messagepack_goes_through_the_codec(module):
                                           and m != "services.allocation.store"))
 def test_only_allocations_store_talks_to_redis(module):
     assert not {i for i in imports(module) if within(i, "redis", "bus.redis", "bus.cas", "bus.scripts")}
+
+
+def may_import_redis(module: str) -> bool:
+    """A worker (it connects, and hands the connection to the stores) or a store (`store`,
+    `process_store`, `notifier_store`...: a module whose last name part ends with `store`)."""
+    last = module.rsplit(".", 1)[-1]
+    return last == "worker" or last.endswith("store")
+
+
+def test_the_redis_rule_sees_redis_imports():
+    """The rule below sees an import of `redis` (the workers' are), and checks the modules that
+    once talked to Redis themselves before their stores were split off."""
+    assert "redis.asyncio" in imports("services.broker.worker")
+    assert "redis.asyncio" in imports("services.metrics.notifier_store")
+    for module in ("services.broker.operators.process", "services.broker.operators.allocation",
+                   "services.metrics.notifier", "services.metrics.telemetry"):
+        assert within(module, *STORE_KEEPING) and not may_import_redis(module)
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if within(m, *STORE_KEEPING)
+                                          and not may_import_redis(m)))
+def test_only_stores_talk_to_redis_in_the_broker_metrics_and_agent(module):
+    """As in allocation: the keys, and how they are read and written, are in store modules; the
+    operators, the notifier and the rest use those and never a connection of their own."""
+    assert not {i for i in imports(module) if within(i, "redis")}

@@ -44,7 +44,7 @@ def unanswered(nc, prefix) -> MetricsClient:
 
 
 async def registrations(redis, prefix: str) -> set[str]:
-    """The node's registration keys, as Redis holds them (`services.metrics.notifier.node_base`)."""
+    """The node's registration keys, as Redis holds them (`services.metrics.notifier_store.node_base`)."""
     return {key.decode() for key in await redis.smembers(f"{prefix}:metrics:{{{NODE}}}:notifiers")}
 
 

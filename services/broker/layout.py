@@ -23,7 +23,8 @@ Redis Cluster hash slot. Base `<p>:broker:{<p>}`:
   outbox                       hash   events of committed changes not yet acknowledged by the
                                       stream (`bus.outbox.Journal`)
 The operators keep their own keys beside these, under the same base and tag (`proc:<user>:<id>`,
-`proc-slots`, `ports`, `alloc:<user>:<id>`).
+`proc-slots`, `ports`: operators/process_store.py; `alloc:<user>:<id>`, `on-node:<node>`:
+operators/allocation_store.py).
 
 Why one tag for the whole deployment: the scripts and transactions need it. `commit` writes a
 record together with the deployment-wide index, reservations (`blocks`, whose `fits` guard is a

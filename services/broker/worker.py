@@ -16,8 +16,10 @@ from services.broker.config import BrokerServiceConfig, InstanceTypes
 from services.broker.endpoints import BrokerEndpoints, for_callers
 from services.broker.failover import Failover
 from services.broker.operators.allocation import AllocationOperator
+from services.broker.operators.allocation_store import PlacementTable
 from services.broker.operators.base import Operator
-from services.broker.operators.process import ProcessOperator, ProcessTable
+from services.broker.operators.process import ProcessOperator
+from services.broker.operators.process_store import ProcessTable
 from services.broker.pools import PoolKeeper
 from services.broker.publisher import Publisher
 from services.broker.replica import Replica
@@ -46,8 +48,7 @@ def make_operator(
             catalog=catalog,
         )
     return AllocationOperator(
-        redis,
-        prefix,
+        PlacementTable(redis, prefix),
         BusClient(nc, prefix=prefix, timeout=settings.allocation_timeout),
         types,
         catalog=catalog,

@@ -27,7 +27,7 @@ from schemas.metrics import (
 )
 from services.metrics.agent import Agent
 from services.metrics.notifier import Notifier
-from services.metrics.put_times import PutTimes
+from services.metrics.notifier_store import PutTimes
 from services.metrics.store import MetricValue, Store
 
 

@@ -5,12 +5,11 @@ provisioner (katalyst-metrics.md §2.4). Here the agent only wakes the publisher
 the publisher publishes on core NATS, which never waits for subscribers (the server cuts a slow one
 off). What a subscriber misses, it reads with `get`: the store always has the latest value.
 
-- Registrations live in Redis under the node's hash tag: a hash per registration (the watched
-  metric and its lease) that expires unless renewed, plus a set indexing them. Every key of the
-  node starts with `<prefix>:metrics:{<node>}:` (see `node_base`): one ACL pattern
-  (`~<prefix>:metrics:*`) covers the service, and every script and transaction touches one node's
-  keys only, so one Redis Cluster slot. Every agent of the
-  node sees the same registrations, so any of them can register, renew or deregister.
+- Registrations live in Redis under the node's hash tag: one per registration (the watched metric
+  and its lease) that expires unless renewed, plus an index of them. Every agent of the node sees
+  the same registrations, so any of them can register, renew or deregister. They, the publisher
+  lease and the record of what was published are in notifier_store.py (`Registrations`,
+  `Publishing`), with their keys: this module talks to Redis only through those.
 - One agent per node publishes: the one holding the node's publisher lease. Once a second it
   renews that lease, re-reads the registrations with their remaining lease (to learn what other
   agents changed) and records what it has published. A publishing pass itself reads no Redis: it
@@ -30,152 +29,31 @@ off). What a subscriber misses, it reads with `get`: the store always has the la
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
-import uuid
 
 import msgspec
 from nats.aio.client import Client
-from redis.asyncio import Redis
 
-from bus import scripts
-from bus.codec import decode_stored, encode
+from bus.codec import encode
 from bus.failpoints import failpoint
-from bus.idempotency import current_claim
-from bus.lease import Leases
-from bus.outcome import deciding
-from schemas.errors import BerthError, InvalidArgument
+from schemas.errors import BerthError
 from schemas.metrics import Lease, MetricEvent, MetricRef, checked_subject
 from services.metrics import telemetry
+from services.metrics.notifier_store import Publishing, Registrations
 from services.metrics.store import Store
 
 log = logging.getLogger("berth.metrics.notifier")
 
-SYNC_SECONDS = 1.0  # how often the publisher lease, the registrations and the record are synced
-PUBLISHER_LEASE_SECONDS = 3.0  # a publisher that stops syncing is replaced this long after
-SENT_RECORD_SECONDS = 24 * 3600  # the record of a node that is gone disappears after this
-
-# Scripts: notifier_live.lua, notifier_renew.lua and notifier_remove.lua beside this module; the
-# publisher lease is a `bus.lease` lease.
-
-
-def node_base(prefix: str, node: str) -> str:
-    """The start of every Redis key of one node's agents; the hash tag `{<node>}` puts them in one
-    Redis Cluster slot. Keys: `notifiers` (set of registration keys), `notifier:<key>` (hash:
-    ref, lease_ms; expires with its lease), `publisher` (string: the publishing agent, a lease),
-    `sent` (hash: subject -> sample time last published), `removed:<request>` (string: whether
-    that deregister-notifier request removed its registration)."""
-    return f"{prefix}:metrics:{{{node}}}"
+# How often the publisher lease, the registrations and the record are synced; well within the
+# publisher lease (notifier_store.PUBLISHER_LEASE_SECONDS), which lapses when syncs stop.
+SYNC_SECONDS = 1.0
 
 
 class NotifierNotFound(BerthError):
     """The registration is unknown: deregistered, or its lease ended. Register again."""
 
     code = "notifier_not_found"
-
-
-class Registrations:
-    """The node's notifier registrations in Redis."""
-
-    def __init__(self, redis: Redis, prefix: str, node: str) -> None:
-        self.redis = redis
-        self.base = node_base(prefix, node)  # one hash tag: Redis-Cluster-safe scripts
-        self.index = f"{self.base}:notifiers"
-        self._add = scripts.register(redis, "services.metrics", "notifier_add")
-        self._live = scripts.register(redis, "services.metrics", "notifier_live")
-        self._renew = scripts.register(redis, "services.metrics", "notifier_renew")
-        self._remove = scripts.register(redis, "services.metrics", "notifier_remove")
-
-    def _key(self, key: str) -> str:
-        return f"{self.base}:notifier:{key}"
-
-    async def add(self, ref: MetricRef, lease_seconds: float, most: int) -> str:
-        """Register; doing it again under the same request id rewrites the same registration. A node
-        holding `most` live registrations takes no more: each costs the publisher work every round."""
-        key = _registration_key()
-        lease_ms = int(lease_seconds * 1000)
-        args = [key, encode(ref), lease_ms, most, f"{self.base}:notifier:"]
-        if not await deciding(self._add(keys=[self._key(key), self.index], args=args)):
-            raise InvalidArgument(
-                "$", f"this node already has {most} notifier registrations, the most it takes "
-                "(--max-notifiers): deregister some first", limit=most,
-            )
-        return key
-
-    async def renew(self, key: str) -> float | None:
-        """The lease in seconds, restarted now; None if the registration has ended."""
-        lease_ms = await deciding(self._renew(keys=[self._key(key)]))
-        return None if lease_ms is None else int(lease_ms) / 1000
-
-    async def remove(self, key: str) -> bool:
-        """True if this request removed the registration (under a request id, also when a retry
-        finds that its dead first run did)."""
-        keys, args = [self._key(key), self.index], [key]
-        claim = current_claim.get()
-        if claim is not None:
-            keys.append(f"{self.base}:removed:{claim.marker}")
-            args.append(claim.window)  # as long as the answer to the request id
-        return bool(await deciding(self._remove(keys=keys, args=args)))
-
-    async def live(self) -> dict[str, float]:
-        """Live registration key -> unix time its lease ends at the latest."""
-        asked = time.time()  # the lease cannot end before asked + remaining time
-        flat = await self._live(keys=[self.index], args=[f"{self.base}:notifier:"])
-        return {flat[i].decode(): asked + int(flat[i + 1]) / 1000 for i in range(0, len(flat), 2)}
-
-    async def refs(self, keys: list[str]) -> dict[str, MetricRef]:
-        """What each registration watches (those that ended meanwhile are left out)."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for key in keys:
-                pipe.hget(self._key(key), "ref")
-            bodies = await pipe.execute()
-        return {key: decode_stored(body, MetricRef) for key, body in zip(keys, bodies) if body}
-
-
-def _registration_key() -> str:
-    """A new registration's key. Under a request id it is derived from the request: a retry whose
-    first run died after registering (its answer lost) finds that registration again instead of
-    adding a second one that nobody knows the key of, so nobody can deregister."""
-    claim = current_claim.get()
-    if claim is None:
-        return uuid.uuid4().hex
-    return hashlib.sha256(claim.marker.encode()).hexdigest()[:32]
-
-
-class Publishing:
-    """Which agent of the node publishes events (whoever holds the lease key), and the sample time
-    last published on each subject (a hash, so that a new publisher does not repeat samples)."""
-
-    def __init__(
-        self, redis: Redis, prefix: str, node: str, seconds: float = PUBLISHER_LEASE_SECONDS
-    ) -> None:
-        self.redis = redis
-        self.lease_key = f"{node_base(prefix, node)}:publisher"
-        self.sent_key = f"{node_base(prefix, node)}:sent"
-        self.holder = uuid.uuid4().hex
-        self.seconds = seconds
-        self._leases = Leases(redis)
-
-    async def hold(self) -> bool:
-        """Take or extend the lease; True if this agent holds it now."""
-        return await self._leases.hold(self.lease_key, self.holder, self.seconds)
-
-    async def release(self) -> None:
-        await self._leases.release(self.lease_key, self.holder)
-
-    async def last_sent(self) -> dict[str, float]:
-        record = await self.redis.hgetall(self.sent_key)
-        return {subject.decode(): float(t) for subject, t in record.items()}
-
-    async def record(self, sent: dict[str, float], unwatched: set[str]) -> None:
-        async with self.redis.pipeline(transaction=True) as pipe:
-            if sent:
-                pipe.hset(self.sent_key, mapping={subject: repr(t) for subject, t in sent.items()})
-            if unwatched:
-                pipe.hdel(self.sent_key, *unwatched)
-            pipe.expire(self.sent_key, SENT_RECORD_SECONDS)
-            await pipe.execute()
 
 
 class _Watch(msgspec.Struct):

@@ -1,4 +1,4 @@
--- Add a notifier registration unless the node holds its most (services/metrics/notifier.py,
+-- Add a notifier registration unless the node holds its most (services/metrics/notifier_store.py,
 -- Registrations.add). Registering again under the same key (a retried request) rewrites it.
 -- KEYS[1] the registration, a hash: ref, lease_ms; KEYS[2] the node's index of registrations (a set).
 -- ARGV[1] the registration key, ARGV[2] ref, ARGV[3] lease in ms, ARGV[4] the most registrations,

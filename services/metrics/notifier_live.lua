@@ -1,5 +1,5 @@
 -- The live notifier registrations and their remaining lease; those that expired leave the index
--- (services/metrics/notifier.py, Registrations.live).
+-- (services/metrics/notifier_store.py, Registrations.live).
 -- KEYS[1] the node's index of registrations, a set of registration keys.
 -- ARGV[1] the prefix of a registration's hash key (the registration key follows it); the hashes
 --   share KEYS[1]'s hash tag.

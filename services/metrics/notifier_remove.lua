@@ -1,6 +1,6 @@
--- Remove a notifier registration (services/metrics/notifier.py, Registrations.remove), and under a
--- request id keep whether it was there, in the same step: a retry whose first run removed it and
--- died before answering must answer what that run found, not "it was not registered".
+-- Remove a notifier registration (services/metrics/notifier_store.py, Registrations.remove), and
+-- under a request id keep whether it was there, in the same step: a retry whose first run removed
+-- it and died before answering must answer what that run found, not "it was not registered".
 -- KEYS[1] the registration, a hash.
 -- KEYS[2] the node's index of registrations, a set of registration keys.
 -- KEYS[3] (only under a request id) where the request's answer is kept; same hash tag as the others.

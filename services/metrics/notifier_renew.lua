@@ -1,4 +1,5 @@
--- Extend a notifier registration by its own lease (services/metrics/notifier.py, Registrations.renew).
+-- Extend a notifier registration by its own lease (services/metrics/notifier_store.py,
+-- Registrations.renew).
 -- KEYS[1] the registration, a hash: ref, lease_ms; it expires with its lease.
 -- No ARGV.
 -- Returns the lease in ms, or false if the registration has ended.

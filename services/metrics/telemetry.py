@@ -31,8 +31,8 @@ REGISTRATIONS = GaugeTable(
 
 class RegistrationCount:
     def __init__(self, registrations, node: str) -> None:
-        self.registrations = registrations  # notifier.Registrations
+        self.registrations = registrations  # notifier_store.Registrations
         self.node = node
 
     async def refresh(self) -> None:
-        REGISTRATIONS.replace({(self.node,): await self.registrations.redis.scard(self.registrations.index)})
+        REGISTRATIONS.replace({(self.node,): await self.registrations.count()})

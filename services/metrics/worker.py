@@ -24,10 +24,10 @@ from services.metrics.cgroups import PodCgroups
 from services.metrics.commands import COMMANDS, EVENTS, STREAM, commands
 from services.metrics.config import MetricsServiceConfig
 from services.metrics.endpoints import MetricsEndpoints
-from services.metrics.notifier import Notifier, Publishing, Registrations
+from services.metrics.notifier import Notifier
+from services.metrics.notifier_store import Publishing, PutTimes, Registrations
 from services.metrics.provisioners import PROVISIONERS, CgroupProvisioner, Provisioner
 from services.metrics.provisioners.base import Roots
-from services.metrics.put_times import PutTimes
 from services.metrics.store import Store
 from services.metrics.telemetry import RegistrationCount
 

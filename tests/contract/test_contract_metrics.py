@@ -90,7 +90,7 @@ class Ctx:
     async def quiet_since(self, mark: int) -> list[tuple[str, dict]]:
         return (await self.cap.before(await self.sentinel()))[mark:]
 
-    # Redis keys of the agent (services/metrics/notifier.py), for the corruption tests.
+    # Redis keys of the agent (services/metrics/notifier_store.py), for the corruption tests.
     @property
     def index_key(self) -> str:
         return f"{self.ns}:metrics:{{{self.node}}}:notifiers"

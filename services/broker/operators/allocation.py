@@ -14,10 +14,11 @@ of the node each was placed on (`berth agent`, README "Agents").
   does not answer while its node is up fails the release (retried); on a node that is down, the
   instance is left to its agent, which stops it when it comes back (the workload is gone).
 
-Placements are kept in Redis (`alloc:<user>:<id>`: index -> node, CPUs, NUMA nodes, memory), and
-each node's resources in `on-node:<node>` (for the node's `down` event). Each allocate carries a
-`request_id` derived from the instances it places, so a launch retried after a crash gets the same
-placement back instead of a second one; an agent's start is idempotent by instance id.
+Placements are kept in Redis (index -> node, CPUs, NUMA nodes, memory), and each node's resources
+(for the node's `down` event): `PlacementTable` in allocation_store.py keeps them and their keys.
+Each allocate carries a `request_id` derived from the instances it places, so a launch retried after
+a crash gets the same placement back instead of a second one; an agent's start is idempotent by
+instance id.
 """
 
 from __future__ import annotations
@@ -27,11 +28,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
-from redis.asyncio import Redis
-
 from bus.client import BusClient
-from bus.codec import decode_stored, encode
 from schemas.agent import (
     InstanceInfo,
     InstanceParam,
@@ -45,7 +42,7 @@ from schemas.allocation import AllocateReply, ListNodesReply, NodeSummary
 from schemas.broker import BlockDetail, Endpoint, ResourceParam, ServiceInfo
 from schemas.errors import BusError
 from services.broker.config import InstanceTypes
-from services.broker.layout import key_base
+from services.broker.operators.allocation_store import Placement, PlacementTable
 from services.broker.operators.base import LaunchSpec, OperatorError, service_info
 from services.broker.views import unreserved
 from services.processes.catalog import Catalog, check_command
@@ -54,13 +51,6 @@ PAGE = 1000
 # An agent's error codes that say "nobody answers there", not "it refused".
 UNREACHABLE = ("no_responders", "timeout")
 RUNNING_STATES = ("starting", "ready", "unready")
-
-
-class Placement(msgspec.Struct):
-    nodename: str
-    cpus: list[int] = []
-    mems: list[int] = []
-    memory: int = 0
 
 
 def workload_id(user: str, resource_id: str, index: int) -> str:
@@ -102,8 +92,7 @@ class AllocationOperator:
 
     def __init__(
         self,
-        redis: Redis,
-        prefix: str,
+        table: PlacementTable,
         client: BusClient,
         types: InstanceTypes,
         *,
@@ -114,8 +103,7 @@ class AllocationOperator:
         placement: str = "spread",
         agent_timeout: float = 5.0,
     ) -> None:
-        self.redis = redis
-        self.base = key_base(prefix)
+        self.table = table
         self.client = client
         self.types = types
         self.catalog = catalog or Catalog.load(None)
@@ -209,21 +197,9 @@ class AllocationOperator:
 
     # -- placements ------------------------------------------------------------------------------
 
-    def _key(self, user: str, resource_id: str) -> str:
-        return f"{self.base}:alloc:{user}:{resource_id}"
-
-    def _on_node_key(self, node: str) -> str:
-        return f"{self.base}:on-node:{node}"
-
-    async def _placements(self, user: str, resource_id: str) -> dict[int, Placement]:
-        raw = await self.redis.hgetall(self._key(user, resource_id))
-        placed = {int(k): decode_stored(v, Placement) for k, v in raw.items()}
-        return dict(sorted(placed.items()))
-
     async def resources_on(self, node: str) -> list[tuple[str, str]]:
         """(user, resource id) of the resources with an instance placed on `node`."""
-        members = await self.redis.smembers(self._on_node_key(node))
-        return sorted(tuple(m.decode().split("/", 1)) for m in members)  # type: ignore[misc]
+        return await self.table.resources_on(node)
 
     async def _allocate(self, spec: LaunchSpec, indexes: list[int]) -> dict[int, Placement]:
         param = spec.param
@@ -246,13 +222,7 @@ class AllocationOperator:
         by_id = {a.workload_id: a for a in reply.allocations}
         placed = {i: Placement(by_id[wid].nodename, *bound(by_id[wid].engine_params), memory)
                   for i, wid in zip(indexes, ids)}
-        member = f"{spec.user}/{spec.resource_id}"
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.hset(self._key(spec.user, spec.resource_id),
-                  mapping={str(i): encode(p) for i, p in placed.items()})
-        for node in {p.nodename for p in placed.values()}:
-            pipe.sadd(self._on_node_key(node), member)
-        await pipe.execute()
+        await self.table.record(spec.user, spec.resource_id, placed)
         return placed
 
     # -- the agents ------------------------------------------------------------------------------
@@ -311,14 +281,14 @@ class AllocationOperator:
     # -- the operator interface ------------------------------------------------------------------
 
     async def launch(self, spec: LaunchSpec) -> None:
-        placed = await self._placements(spec.user, spec.resource_id)
+        placed = await self.table.load(spec.user, spec.resource_id)
         missing = [i for i in range(spec.instances) if i not in placed]
         if missing:
             placed.update(await self._allocate(spec, missing))
         await asyncio.gather(*(self._start(spec, i, placed[i]) for i in range(spec.instances)))
 
     async def status(self, user: str, resource_id: str) -> ServiceInfo:
-        placed = await self._placements(user, resource_id)
+        placed = await self.table.load(user, resource_id)
         states = await self._states(user, resource_id, placed)
         endpoints = [
             Endpoint(ip=info.address, ports=dict(info.ports), name=f"{resource_id}-{index}")
@@ -332,14 +302,14 @@ class AllocationOperator:
 
     async def running_instances(self, user: str, resource_ids: list[str]) -> list[int]:
         async def running(resource_id: str) -> int:
-            states = await self._states(user, resource_id, await self._placements(user, resource_id))
+            states = await self._states(user, resource_id, await self.table.load(user, resource_id))
             return sum(1 for info in states.values()
                        if info == "unknown" or (isinstance(info, InstanceInfo) and info.state in RUNNING_STATES))
 
         return list(await asyncio.gather(*(running(rid) for rid in resource_ids)))
 
     async def release(self, user: str, resource_id: str, instances: int) -> None:
-        placed = await self._placements(user, resource_id)
+        placed = await self.table.load(user, resource_id)
         stopped = await asyncio.gather(*(
             self._agent(p.nodename, "stop", {"instance": workload_id(user, resource_id, i)}, Stopped)
             for i, p in placed.items()
@@ -352,9 +322,4 @@ class AllocationOperator:
         ids = sorted({workload_id(user, resource_id, i) for i in set(placed) | set(range(instances))})
         if ids:
             await self._call("release", {"workload_ids": ids}, dict)
-        member = f"{user}/{resource_id}"
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.delete(self._key(user, resource_id))
-        for node in {p.nodename for p in placed.values()}:
-            pipe.srem(self._on_node_key(node), member)
-        await pipe.execute()
+        await self.table.forget(user, resource_id, {p.nodename for p in placed.values()})

@@ -18,7 +18,8 @@ returns; the intent is recorded before the process starts, so that a broker that
 is followed by one that finds the process by its marker instead of starting a second one. Two
 launches of one resource may overlap (one paused past its launch lease, and the one that took it
 over): each records its intent and its process only over the slot it started from, so one keeps
-the instance and the other stops the process it started (`set_slot.lua`).
+the instance and the other stops the process it started (`set_slot.lua`). The records and their
+keys are in process_store.py (`ProcessTable`); this module only uses them.
 """
 
 from __future__ import annotations
@@ -28,13 +29,10 @@ import os
 import subprocess
 
 import msgspec
-from redis.asyncio import Redis
 
-from bus import scripts
-from bus.codec import decode_stored, encode
 from schemas.broker import BlockDetail, Endpoint, ResourceParam, ServiceInfo
-from services.broker.layout import key_base
 from services.broker.operators.base import LaunchSpec, OperatorError, service_info
+from services.broker.operators.process_store import ProcessTable, Slot
 from services.broker.views import unreserved
 from services.processes import procfs
 from services.processes.catalog import Catalog, check_command
@@ -42,16 +40,6 @@ from services.processes.ports import free_port
 from services.processes.spawn import SpawnError, spawn
 
 BLOCK = "local"
-
-
-class Slot(msgspec.Struct):
-    """One instance. `pid` is 0 while only the intent to start it is recorded."""
-
-    ports: dict[str, int]
-    cpus: list[int] = []
-    pid: int = 0
-    pgid: int = 0
-    start_time: int = 0
 
 
 def alive(slot: Slot) -> bool:
@@ -71,75 +59,6 @@ async def stop_deployment(deployment: str, grace: float = 5.0) -> int:
             continue
     await asyncio.gather(*(procfs.stop_group(pgid, procfs.start_time(pgid) or 0, grace) for pgid in groups))
     return len(groups)
-
-
-class ProcessTable:
-    """The processes each resource runs, in Redis: `proc:<user>:<id>` maps instance index -> Slot.
-
-    The keys share the broker's base and hash tag (`services.broker.store`): `put` and `delete`
-    change a resource's key and the deployment-wide sets in one transaction, so one slot."""
-
-    def __init__(self, redis: Redis, prefix: str) -> None:
-        self.redis = redis
-        self.base = key_base(prefix)
-        self.slots_key = f"{self.base}:proc-slots"  # "<user>/<id>/<index>" of every instance
-        self.ports_key = f"{self.base}:ports"  # ports handed out and not yet freed
-        self._set_slot = scripts.register(redis, "services.broker.operators", "set_slot")
-
-    def _key(self, user: str, resource_id: str) -> str:
-        return f"{self.base}:proc:{user}:{resource_id}"
-
-    async def load(self, user: str, resource_id: str) -> dict[int, Slot]:
-        return self._decode(await self.redis.hgetall(self._key(user, resource_id)))
-
-    async def load_many(self, user: str, resource_ids: list[str]) -> list[dict[int, Slot]]:
-        pipe = self.redis.pipeline(transaction=False)
-        for resource_id in resource_ids:
-            pipe.hgetall(self._key(user, resource_id))
-        return [self._decode(raw) for raw in await pipe.execute()]
-
-    @staticmethod
-    def _decode(raw: dict[bytes, bytes]) -> dict[int, Slot]:
-        return {
-            int(k): decode_stored(v, Slot)
-            for k, v in sorted(raw.items(), key=lambda kv: int(kv[0]))
-        }
-
-    async def set_slot(
-        self, user: str, resource_id: str, index: int, seen: Slot | None, slot: Slot
-    ) -> Slot | None:
-        """Set instance `index` to `slot` if it is still `seen` (None: no slot); the slot as it is
-        now (`slot` when set; None once the resource was released)."""
-        now = await self._set_slot(
-            keys=[self._key(user, resource_id), self.slots_key],
-            args=[
-                str(index),
-                f"{user}/{resource_id}/{index}",
-                encode(seen) if seen is not None else b"",
-                encode(slot),
-            ],
-        )
-        return decode_stored(now, Slot) if now else None
-
-    async def delete(self, user: str, resource_id: str, slots: dict[int, Slot]) -> None:
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.delete(self._key(user, resource_id))
-        if slots:
-            pipe.srem(self.slots_key, *(f"{user}/{resource_id}/{i}" for i in slots))
-            ports = [p for slot in slots.values() for p in slot.ports.values()]
-            if ports:
-                pipe.srem(self.ports_key, *ports)
-        await pipe.execute()
-
-    async def free_ports(self, ports: list[int]) -> None:
-        if ports:
-            await self.redis.srem(self.ports_key, *ports)
-
-    async def count(self) -> int:
-        return await self.redis.scard(self.slots_key)
-
-    async def claim_port(self, port: int) -> bool:
-        return bool(await self.redis.sadd(self.ports_key, port))
 
 
 class ProcessOperator:

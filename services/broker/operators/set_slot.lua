@@ -1,8 +1,8 @@
 -- Set one instance's slot if it is still as its launcher last saw it
--- (services/broker/operators/process.py, ProcessTable.set_slot). Two launches of one resource can
--- overlap (one paused past its launch lease, and the one that took it over): an instance's intent
--- and its process are recorded only over what the launcher started from, so one of them keeps the
--- instance and the other stops what it started.
+-- (services/broker/operators/process_store.py, ProcessTable.set_slot). Two launches of one
+-- resource can overlap (one paused past its launch lease, and the one that took it over): an
+-- instance's intent and its process are recorded only over what the launcher started from, so one
+-- of them keeps the instance and the other stops what it started.
 -- KEYS[1] the resource's hash of slots, KEYS[2] the set of every instance.
 -- ARGV[1] the instance index, ARGV[2] its member in KEYS[2], ARGV[3] the slot as the launcher saw
 -- it ('' for none), ARGV[4] the new slot.
