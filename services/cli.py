@@ -144,7 +144,7 @@ def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
                 start_redis_cluster(state / "redis-cluster", config=redis_config, auth=redis_admin, extra=limit, tls=tls,
                                     host=host)
                 if args.cluster
-                else start_redis(state / "redis", args.redis_port, config=redis_config, extra=limit, tls=tls)
+                else start_redis(state / "redis", args.redis_port, config=redis_config, extra=limit, tls=tls, host=host)
             )
             args.redis = servers[-1].url
             if functions:  # before any worker looks for them

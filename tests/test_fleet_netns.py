@@ -19,6 +19,7 @@ import nats
 import pytest
 
 from tests.agent_hosts import fake_host
+from tests.broker_helpers import CATALOG, param
 from tests.cli_helpers import BERTH, ROOT, berth_up, client_options
 from tests.test_agent_netns import ip
 
@@ -79,7 +80,7 @@ def berth_user(state: Path, *args: str) -> str:
     return done.stdout
 
 
-def join(state: Path, bridge: Bridge, host: str) -> subprocess.Popen:
+def join(state: Path, bridge: Bridge, host: str, *labels: str) -> subprocess.Popen:
     """`berth user add` and `bundle` on the control plane, then `berth agent --bundle` on the host."""
     berth_user(state, "add", host, "--role", "agent", "--node", host)
     bundle = state / f"{host}.bundle"
@@ -89,8 +90,10 @@ def join(state: Path, bridge: Bridge, host: str) -> subprocess.Popen:
     return subprocess.Popen(
         ["ip", "netns", "exec", namespace, *BERTH, "agent", "--bundle", str(bundle), "--root", str(root),
          "--state", str(state / f"{host}-state"), "--no-cgroups", "--heartbeat", "0.5", "--ttl", str(TTL),
-         "--address", bridge.hosts[host][2]],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+         "--address", bridge.hosts[host][2], "--catalog", str(CATALOG),
+         *(arg for label in labels for arg in ("--label", label))],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(state / f"{host}.log", "w"), text=True,
+        start_new_session=True)
 
 
 ATTACK = """
@@ -159,5 +162,92 @@ def test_hosts_join_with_their_own_identities_over_tls_and_act_for_their_own_nod
                 agent.wait(30)
     bundle = json.loads((state / "host-b.bundle").read_text())
     assert bundle["node"] == "host-b" and bundle["nats_url"] == printed["NATS_URL"]
+    assert f"@{bridge.address}:" in bundle["redis_url"]  # the host reaches Redis too, as its own user
+    assert "StoreNotReached" not in (state / "host-b.log").read_text()
     assert oct((state / "host-b.bundle").stat().st_mode & 0o777) == "0o600"
     assert b  # both namespaces were made
+
+
+TYPES = '[{"platform": "linux", "group": "sz", "cpu_per_instance": 1, "mem_per_instance": 268435456}]'
+
+
+async def call(options: dict, subject: str, payload: dict) -> dict:
+    nc = await nats.connect(**options)
+    try:
+        reply = msgpack.unpackb((await nc.request(f"berth.{subject}", msgpack.packb(payload), timeout=10)).data)
+    finally:
+        await nc.close()
+    assert "error" not in reply, reply
+    return reply
+
+
+async def running(options: dict, node: str) -> dict[str, int]:
+    """Instance -> pid of what runs on `node`'s agent."""
+    listed = await call(options, f"agent.{node}.list", {"limit": 100})
+    return {i["instance"]: i["pid"] for i in listed["instances"] if i["state"] != "exited"}
+
+
+async def eventually_(check, timeout: float, *seen):
+    """`check()`'s truthy result, within `timeout`; else fail naming the check and `seen()`."""
+    deadline = time.monotonic() + timeout
+    while not (result := await check()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{check.__name__}: not within {timeout} s; {[await s() for s in seen]}")
+        await asyncio.sleep(0.3)
+    return result
+
+
+def test_a_cut_host_s_warm_servers_are_relaunched_elsewhere_and_stopped_when_it_returns(bridge, tmp_path):
+    bridge.add("host-a"), bridge.add("host-b")
+    state = tmp_path / "control"
+    env = {"BERTH_NODE": "control", "BERTH_BROKER_OPERATOR": "allocation", "BERTH_BROKER_INSTANCE_TYPES": TYPES,
+           "BERTH_CATALOG": str(CATALOG)}
+    with berth_up(state, "--listen", bridge.address, env=env) as (printed, _):
+        agents = [join(state, bridge, host, "city=sz", "platform=linux") for host in ("host-a", "host-b")]
+        try:
+            options = client_options(printed)
+            asyncio.run(scenario(options, bridge))
+        finally:
+            for agent in agents:
+                os.killpg(agent.pid, 15)
+                agent.wait(30)
+
+
+async def scenario(options: dict, bridge: Bridge) -> None:
+    await until(options, ["host-a", "host-b"], {"host-a": "up", "host-b": "up"}, 30)
+    await call(options, "broker.add-broker", {"user": "team-f", "name": "warm", "param": param(),
+                                              "strategy": {"type": "const", "num": 2}})
+
+    async def pool():
+        return (await call(options, "broker.list-brokers", {"user": "team-f"}))["brokers"]
+
+    async def one_on_each():  # and the pool warm: a server still warming when its node goes is a failed launch
+        a, b = await running(options, "host-a"), await running(options, "host-b")
+        idle = (await pool())[0]["idle"]
+        return (a, b) if len(a) == 1 and len(b) == 1 and idle == 2 else None
+
+    async def on_both():
+        return await running(options, "host-a"), await running(options, "host-b")
+
+    before_a, before_b = await eventually_(one_on_each, 60, on_both, pool)
+    bridge.cut("host-b", True)
+    await until(options, ["host-a", "host-b"], {"host-a": "up", "host-b": "down"}, TTL + 5)
+
+    async def replaced_on_a():
+        a = await running(options, "host-a")
+        ledger = await call(options, "resource.get-allocations", {"nodename": "host-b"})
+        return a if len(a) == 2 and not ledger["allocations"] else None
+
+    async def on_a_and_b_ledger():
+        return await running(options, "host-a"), await call(options, "resource.get-allocations", {"nodename": "host-b"})
+
+    after_a = await eventually_(replaced_on_a, 60, on_a_and_b_ledger, pool)
+    assert all(after_a[instance] == pid for instance, pid in before_a.items())  # A's own server untouched
+    bridge.cut("host-b", False)
+    await until(options, ["host-a", "host-b"], {"host-a": "up", "host-b": "up"}, 30)
+
+    async def b_stopped_what_was_replaced():
+        return not await running(options, "host-b")
+
+    await eventually_(b_stopped_what_was_replaced, 30, on_both)
+    assert await running(options, "host-a") == after_a  # and nothing else changed
