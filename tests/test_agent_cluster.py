@@ -7,12 +7,14 @@ processes, and stops those whose workload was released while it was away."""
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import pytest_asyncio
 
 from schemas.errors import BusError
 from services.agent.cgroups import CgroupRoot
@@ -266,3 +268,96 @@ async def test_a_node_is_up_only_once_its_agent_answers(spawn_worker, spawn_agen
     finally:
         await subscription.unsubscribe()
     assert isinstance(first, dict) and first["node"] == "early", first
+
+
+# -- the broker's failover paths, with only the event path able to pass ------------------------------
+
+SLOW_POOL = ["--pool-interval", "600"]  # longer than each test: only an event can make the pool act
+
+
+@pytest_asyncio.fixture
+async def warm_pool(spawn_worker, spawn_agent, client, broker_call):
+    """Two agents (left, right), a warm pool of 2 filled by a broker with a fast pool loop, which is
+    then replaced by one whose loop waits 600 s: what happens next is the events' doing."""
+
+    made = []
+
+    async def make() -> dict:
+        made.append(True)
+        spawn_worker("services.allocation.worker", "--lease-interval", "0.05")
+        agents = {node: spawn_agent(node, "--label", "city=sz", "--label", "platform=linux", cpus=2)
+                  for node in ("left", "right")}
+        await registered(client, "left", "right")
+        broker = spawn_worker("services.broker.worker", "--operator", "allocation", "--instance-types", TYPES,
+                              "--allocation-timeout", "2", *FAST_ARGS)
+        await broker_call("add-broker", {"user": U, "name": "warm", "strategy": {"type": "const", "num": 2},
+                                         "param": param()})
+        await broker_call.wait_idle(U, "warm", 2, timeout=30)
+        broker.signal(signal.SIGTERM)  # its leases go back at once
+        broker.wait(30)
+        spawn_worker("services.broker.worker", "--operator", "allocation", "--instance-types", TYPES,
+                     "--allocation-timeout", "2", *FAST_ARGS, *SLOW_POOL)
+        return agents
+
+    yield make
+    if made:  # the pool's servers go with it (a test leaves no process behind)
+        await broker_call("remove-broker", {"user": U, "name": "warm"})
+        await eventually(lambda: _empty(client, "left", "right"), timeout=30)
+
+
+async def idle_on(client, broker_call, node: str) -> dict[str, int]:
+    """The pool's idle servers on `node`: instance -> pid."""
+    listed = (await client.request(f"agent.{node}.list", {"limit": 100}, dict))["instances"]
+    return {i["instance"]: i["pid"] for i in listed if i["state"] != "exited"}
+
+
+async def test_a_draining_node_s_idle_pool_servers_are_recycled_elsewhere_at_once(warm_pool, client, broker_call):
+    await warm_pool()
+    on_left = await idle_on(client, broker_call, "left")
+    assert on_left  # spread: one on each node
+    await client.request("agent.left.drain", {"draining": True}, dict)
+
+    async def moved():
+        pool = await broker_call.pool(U, "warm")
+        left, right = await idle_on(client, broker_call, "left"), await idle_on(client, broker_call, "right")
+        return pool["idle"] == 2 and not left and len(right) == 2
+
+    await eventually(moved, timeout=30)
+
+
+async def test_a_sold_resource_on_a_node_that_goes_down_reports_failed(warm_pool, client, broker_call, events,
+                                                                        spawn_agent, tmp_path):
+    agents = await warm_pool()
+    sold = await broker_call("apply", {"user": U, "resource_id": "job", "param": param(),
+                                       "filter": {"least_instance": 1, "request_instance": 1}})
+    mine = f"broker/{U}/{sold['broker_resource_id']}/"
+    node = [n for n in ("left", "right") if any(i.startswith(mine) for i in await idle_on(client, broker_call, n))][0]
+    down = await events.subscribe(f"resource.{node}.down")
+    try:
+        agents[node].proc.send_signal(signal.SIGKILL)
+        await down.next(timeout=TTL + 10)
+    finally:
+        await down.close()
+
+    async def failed():
+        info = await broker_call("get-service-info", {"user": U, "resource_id": sold["broker_resource_id"]})
+        return info["status"] == "failed"
+
+    await eventually(failed, timeout=20)
+    # its caller lets it go; the node's agent, back, stops what it ran (nothing runs that nothing will release)
+    await broker_call("release", {"user": U, "resource_id": sold["broker_resource_id"]})
+    spawn_agent(node, "--label", "city=sz", "--label", "platform=linux", state=tmp_path / f"{node}-state", cpus=2)
+
+
+async def test_an_instance_that_exits_on_an_agent_is_replaced_at_once(warm_pool, client, broker_call):
+    await warm_pool()
+    before = {**await idle_on(client, broker_call, "left"), **await idle_on(client, broker_call, "right")}
+    victim, pid = next(iter(before.items()))
+    os.kill(pid, signal.SIGKILL)
+
+    async def replaced():
+        pool = await broker_call.pool(U, "warm")
+        now = {**await idle_on(client, broker_call, "left"), **await idle_on(client, broker_call, "right")}
+        return pool["idle"] == 2 and victim not in now and len(now) == 2
+
+    await eventually(replaced, timeout=30)

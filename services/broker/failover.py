@@ -1,20 +1,24 @@
 """Reacting to what the agents and the allocation service say of instances and nodes, so that a
-warm pool replaces a lost server at once instead of at its next look (`PoolKeeper.instances_lost`):
+warm pool replaces a lost server, and takes a new one in, at once instead of at its next look
+(`PoolKeeper.instances_changed`):
 
+- `agent.<node>.ready`: an instance of a resource answers: a warming pool server may join the pool;
 - `agent.<node>.exited` / `agent.<node>.unready`: an instance of a resource stopped, or stopped
   answering;
 - `resource.<node>.down`: the node's agent's lease lapsed: every resource with an instance there;
 - `resource.<node>.draining`: the node takes no new work: its idle pool resources are recycled.
 
-Each event reaches one replica (a queue group). An event that is lost costs only time: the pool
-loops look at their resources every round anyway (`running_instances` asks the agents, and counts
-an instance on a down node as lost).
+The pools concerned are then refilled at once by the replica that leads them (`refill`), not at
+the next round of their loop. Each event reaches one replica (a queue group). An event that is lost
+costs only time: the pool loops look at their resources every round anyway (`running_instances`
+asks the agents, and counts an instance on a down node as lost).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 
 from nats.aio.subscription import Subscription
 
@@ -33,9 +37,12 @@ class Failover:
         self.queue = queue
         self._subscriptions: list[Subscription] = []
         self._work: set[asyncio.Task] = set()
+        # Runs one round of a pool now, if this replica leads it (set by the replica: `Replica.refill`).
+        self.refill: Callable[[str, str], Awaitable[None]] | None = None
 
     async def start(self) -> None:
-        for pattern, handler in (("agent.*.exited", self._instance), ("agent.*.unready", self._instance),
+        for pattern, handler in (("agent.*.ready", self._instance), ("agent.*.exited", self._instance),
+                                 ("agent.*.unready", self._instance),
                                  ("resource.*.down", self._node), ("resource.*.draining", self._node)):
             self._subscriptions.append(await self.events.subscribe(pattern, cb=handler, queue=self.queue))
 
@@ -64,7 +71,9 @@ class Failover:
 
         async def react() -> None:
             try:
-                await self.keeper.instances_lost(user, resource_ids, draining=draining)
+                pools = await self.keeper.instances_changed(user, resource_ids, draining=draining)
+                for name in pools if self.refill is not None else ():
+                    await self.refill(user, name)
             except Exception:
                 log.exception("reacting to %s failed (the pool loops look again)", why)
 

@@ -189,12 +189,13 @@ class PoolKeeper:
                 )
                 await self._release_idle(broker, resource_id)
 
-    async def instances_lost(self, user: str, resource_ids: list[str], *, draining: bool = False) -> None:
-        """Some instances of these resources exited, stopped answering, or their node went down
-        (`draining`: their node stops taking work). Warming ones are judged now (a failed one is
-        rejected), idle ones that no longer pass the gate go, and with `draining` every idle one
-        goes: the pool loop launches their replacements elsewhere. Sold ones stay their callers'
-        (their service info says `failed`)."""
+    async def instances_changed(self, user: str, resource_ids: list[str], *, draining: bool = False) -> list[str]:
+        """Some instances of these resources became ready, exited, stopped answering, or their node
+        went down (`draining`: their node stops taking work). Warming ones are judged now (a ready
+        one joins the idle pool, a failed one is rejected), idle ones that no longer pass the gate
+        go, and with `draining` every idle one goes. Sold ones stay their callers' (their service info says `failed`). Returns the names
+        of the pools concerned: the caller refills them now (`Replica.refill`) rather than at the
+        next round of their loop."""
         records = await self.store.load_many((user, rid) for rid in resource_ids)
         by_broker: dict[str, list[Resource]] = {}
         for record in records:
@@ -214,6 +215,7 @@ class PoolKeeper:
                     await self._release_idle(broker, resource_id)
             else:
                 await self._drop_dead(broker, lost)
+        return list(by_broker)
 
     async def _recycle(self, broker: BrokerConfig, state: BrokerState) -> None:
         t = now()

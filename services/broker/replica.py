@@ -37,6 +37,10 @@ class Replica:
     ) -> None:
         self.id = replica_id()
         self.failover = failover  # reacts to instance and node events (the `allocation` operator's)
+        if failover is not None:
+            failover.refill = self.refill
+        # One round at a time per pool: the loop's and an event's refill never launch for the same deficit.
+        self._rounds: dict[tuple[str, str], asyncio.Lock] = {}
         self.resources = resources
         self.keeper = keeper
         self.store = resources.store
@@ -74,6 +78,19 @@ class Replica:
                     "timer %s failed (retried after %.0f s): %r", timer, self.timing.claim_seconds, result
                 )
 
+    async def refill(self, user: str, name: str) -> None:
+        """One round of pool `user`/`name` now (a server of it was lost), if this replica leads it or
+        takes the lead; else the replica that leads it does at its next round."""
+        broker = await self.store.broker(user, name)
+        if broker is None or not await self.store.hold_lease(user, name, self.id, self.timing.lease_seconds):
+            return
+        self._held.add((user, name))
+        await self._round(broker)
+
+    async def _round(self, broker) -> None:
+        async with self._rounds.setdefault((broker.user, broker.name), asyncio.Lock()):
+            await self.keeper.tick(broker)
+
     async def run_pools(self) -> None:
         mine = []
         for broker in await self.store.brokers():
@@ -85,7 +102,8 @@ class Replica:
                 mine.append(broker)
             else:
                 self._held.discard(key)
-        results = await asyncio.gather(*(self.keeper.tick(b) for b in mine), return_exceptions=True)
+                self._rounds.pop(key, None)
+        results = await asyncio.gather(*(self._round(b) for b in mine), return_exceptions=True)
         for broker, result in zip(mine, results):
             if isinstance(result, Exception):
                 log.error("pool loop of %s/%s failed: %r", broker.user, broker.name, result)
