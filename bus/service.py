@@ -42,7 +42,10 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.micro import ServiceConfig
+from nats.micro.service import DEFAULT_QUEUE_GROUP
 from nats.micro.request import ERROR_CODE_HEADER, ERROR_HEADER, Request
 from redis import exceptions as redis_errors
 
@@ -73,6 +76,17 @@ STORE_UNREACHABLE = (
 # write, so a refused commit wrote nothing; the answer is `unavailable` (503), not kept for a retry.
 STORE_FULL = (redis_errors.OutOfMemoryError,)
 REPLY_HEADROOM = 4096  # of the server's max payload, left for a reply's headers
+
+
+class _PlainRequest:
+    """A message of a scoped command's subscription, answered as a micro request is (headers too)."""
+
+    def __init__(self, nc: Client, msg: Msg) -> None:
+        self._nc, self._reply = nc, msg.reply
+        self.subject, self.data, self.headers = msg.subject, msg.data, msg.headers
+
+    async def respond(self, data: bytes, headers: dict[str, str] | None = None) -> None:
+        await self._nc.publish(self._reply, data, headers=headers)
 
 
 @dataclass(frozen=True)
@@ -123,6 +137,9 @@ class Command:
     # The request field that the subject's `*` token must equal: the subject names what the request
     # acts on (`resource.node.*.node-heartbeat`, field `nodename`), so that NATS permissions on
     # subjects bound an identity to its own (a node agent may publish only on its node's subjects).
+    # Such a command is another subject of a command that has an endpoint of its own: it is served by
+    # a queue subscription of the same group, not a micro endpoint (one endpoint per command, none
+    # with a wildcard: `$SRV.INFO` lists every command's subject).
     scope: str | None = None
 
     @property
@@ -180,6 +197,7 @@ class Service:
         self._slots = asyncio.Semaphore(concurrency)
         self._tasks: set[asyncio.Task] = set()
         self._meters: dict[str, EndpointMeter] = {}  # Prometheus request metrics (bus.telemetry)
+        self._scoped: list[Subscription] = []  # the scoped commands' subscriptions (`Command.scope`)
 
     # -- declaring endpoints -------------------------------------------------------------
 
@@ -241,9 +259,12 @@ class Service:
         )
         self._micro = await MicroService.start(nc, config)
         for spec in self.specs:
-            await self._micro.add_endpoint(
-                spec.name, f"{self.prefix}.{spec.subject}", self._dispatcher(spec), spec.broadcast
-            )
+            subject = f"{self.prefix}.{spec.subject}"
+            if spec.scope is not None:
+                # nats.micro's queue group: one instance gets each request, as an endpoint's
+                self._scoped.append(await nc.subscribe(subject, queue=DEFAULT_QUEUE_GROUP, cb=self._plain(spec)))
+            else:
+                await self._micro.add_endpoint(spec.name, subject, self._dispatcher(spec), spec.broadcast)
             self._meters[spec.name] = EndpointMeter(self.name, spec.subject)
         await subscriptions_in_place(nc)  # so that "started" means every endpoint answers
         log.info("%s serving %d endpoints under %s (id %s)", self.name, len(self.specs), self.prefix, self.id)
@@ -263,6 +284,9 @@ class Service:
             return
         deadline = time.monotonic() + timeout
         await self._micro.drain(deadline)
+        for subscription in self._scoped:
+            await subscription.drain()
+        self._scoped.clear()
         if self._tasks:
             _, pending = await asyncio.wait(set(self._tasks), timeout=max(0.1, deadline - time.monotonic()))
             if pending:
@@ -287,6 +311,15 @@ class Service:
             task.add_done_callback(self._finished)
 
         return dispatch
+
+    def _plain(self, spec: EndpointSpec) -> Callable[[Msg], Awaitable[None]]:
+        """A scoped command's subscription callback: the message answered as a micro request is."""
+        dispatch = self._dispatcher(spec)
+
+        async def deliver(msg: Msg) -> None:
+            await dispatch(_PlainRequest(self._nc, msg))
+
+        return deliver
 
     def _finished(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)

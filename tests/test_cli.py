@@ -53,7 +53,8 @@ def test_up_starts_everything_status_lists_it_and_ctrl_c_leaves_nothing(tmp_path
         passwords = [*stored["nats"].values(), *stored["redis"].values(),
                      *(identity["password"] for identity in stored["identities"].values())]
         printed = "\n".join(lines)
-        assert len(passwords) == 11 and not any(p in printed for p in passwords)
+        # NATS: 3 workers, streams-admin, join-service; Redis: 3 workers, default; admin, dashboard, the local agent
+        assert len(passwords) == 12 and not any(p in printed for p in passwords)
         assert memory_policy(state, urls["REDIS_URL"]) == (1 << 30, "noeviction")  # full: refuse, never evict
         assert processes_mentioning(str(state))  # the embedded servers run from the state folder
         expected = {f"berth-{name}" for name in SERVICES if (ROOT / "services" / name / "worker.py").exists()}

@@ -1,7 +1,9 @@
 """A fleet over a network (issue 28): `berth up --listen` on a bridge of its own, with identities
-and TLS on (its defaults), and two hosts in network namespaces of their own, each joined with the
-bundle of its own node identity (`berth user bundle`). From host A, A's identity cannot act for B;
-cutting B's link makes B's node down within its TTL while A stays up; restoring it brings B back."""
+and TLS on (its defaults), and three hosts in network namespaces of their own, each joined with
+the bundle of its own node identity (`berth user bundle`). From host A, A's identity cannot act
+for B (every probe of item 1); cutting B's link makes B's node down within its TTL while A and C
+stay up; restoring it brings B back. With a warm pool on A and B, B's server is relaunched on A
+while B is cut, and B, back, stops it."""
 
 from __future__ import annotations
 
@@ -96,22 +98,31 @@ def join(state: Path, bridge: Bridge, host: str, *labels: str) -> subprocess.Pop
         start_new_session=True)
 
 
+# Run on host A with A's identity: publish on each subject given, subscribe to each `sub:` one, and
+# print what the server said of each, one line each.
 ATTACK = """
-import asyncio, sys, nats
+import asyncio, ssl, sys, nats
 async def main():
     said = []
     async def error(e): said.append(str(e))
     user, password = [line.split("=", 1)[1] for line in open(sys.argv[2]).read().splitlines()[:2]]
-    import ssl
     nc = await nats.connect(sys.argv[1], user=user, password=password, error_cb=error,
                             tls=ssl.create_default_context(cafile=sys.argv[3]))
-    await nc.publish(sys.argv[4], b"\\x80")
-    await nc.flush()
+    for subject in sys.argv[4:]:
+        if subject.startswith("sub:"):
+            await nc.subscribe(subject[4:])
+        else:
+            await nc.publish(subject, b"\\x80")
+        await nc.flush()
     await asyncio.sleep(1)
-    print("|".join(said))
+    print("\\n".join(said))
     await nc.close()
 asyncio.run(main())
 """
+# What host A tries against host B (issue 28 item 1's probes).
+AGAINST_B = ["berth.resource.node.host-b.node-heartbeat", "berth.resource.add-node", "berth.resource.remove-node",
+             "berth.resource.release", "berth.events.agent.host-b.exited", "berth.agent.host-b.start",
+             "$JS.berth.API.STREAM.UPDATE.berth-events", "sub:berth.agent.host-b.>", "sub:berth.metrics.host-b.>"]
 
 
 async def statuses(options: dict, nodes: list[str]) -> dict[str, str]:
@@ -132,30 +143,35 @@ async def until(options: dict, nodes: list[str], wanted: dict[str, str], timeout
 
 
 def test_hosts_join_with_their_own_identities_over_tls_and_act_for_their_own_node_only(bridge, tmp_path):
-    a, b = bridge.add("host-a"), bridge.add("host-b")
+    a, b, c = bridge.add("host-a"), bridge.add("host-b"), bridge.add("host-c")
+    everyone = ["host-a", "host-b", "host-c"]
     state = tmp_path / "control"
     env = {"BERTH_NODE": "control"}
     with berth_up(state, "--listen", bridge.address, env=env) as (printed, _):
         assert printed["NATS_URL"].startswith(f"tls://{bridge.address}:")
-        agents = [join(state, bridge, host) for host in ("host-a", "host-b")]
+        agents = [join(state, bridge, host) for host in everyone]
         try:
             options = client_options(printed)
-            asyncio.run(until(options, ["host-a", "host-b"], {"host-a": "up", "host-b": "up"}, 30))
+            asyncio.run(until(options, everyone, dict.fromkeys(everyone, "up"), 30))
 
             # from host A's network, A's identity may not heartbeat B (nor anything but its own node)
             creds = Path(f"{state / 'host-a.bundle'}.d") / "host-a.nats"
             ca = Path(f"{state / 'host-a.bundle'}.d") / "ca.pem"
             attack = subprocess.run(
                 ["ip", "netns", "exec", a, sys.executable, "-c", ATTACK, printed["NATS_URL"], str(creds), str(ca),
-                 "berth.resource.node.host-b.node-heartbeat"], capture_output=True, text=True, timeout=60)
-            assert "permissions violation for publish" in attack.stdout.lower(), (attack.stdout, attack.stderr)
+                 *AGAINST_B], capture_output=True, text=True, timeout=60)
+            said = attack.stdout.lower()
+            for probe in AGAINST_B:
+                kind = "subscription" if probe.startswith("sub:") else "publish"
+                assert f'permissions violation for {kind} to "{probe.removeprefix("sub:").lower()}"' in said, (
+                    probe, attack.stdout, attack.stderr)
 
-            # B's link cut: its node is down within its TTL (and the sweep), A stays up
+            # B's link cut: its node is down within its TTL (and the sweep), A and C stay up
             bridge.cut("host-b", True)
-            took = asyncio.run(until(options, ["host-a", "host-b"], {"host-a": "up", "host-b": "down"}, TTL + 5))
+            took = asyncio.run(until(options, everyone, {**dict.fromkeys(everyone, "up"), "host-b": "down"}, TTL + 5))
             assert took <= TTL + 3
             bridge.cut("host-b", False)
-            asyncio.run(until(options, ["host-a", "host-b"], {"host-a": "up", "host-b": "up"}, 30))
+            asyncio.run(until(options, everyone, dict.fromkeys(everyone, "up"), 30))
         finally:
             for agent in agents:
                 os.killpg(agent.pid, 15)
@@ -165,7 +181,7 @@ def test_hosts_join_with_their_own_identities_over_tls_and_act_for_their_own_nod
     assert f"@{bridge.address}:" in bundle["redis_url"]  # the host reaches Redis too, as its own user
     assert "StoreNotReached" not in (state / "host-b.log").read_text()
     assert oct((state / "host-b.bundle").stat().st_mode & 0o777) == "0o600"
-    assert b  # both namespaces were made
+    assert a and b and c  # the three namespaces were made
 
 
 TYPES = '[{"platform": "linux", "group": "sz", "cpu_per_instance": 1, "mem_per_instance": 268435456}]'
