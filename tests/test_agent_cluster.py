@@ -361,3 +361,45 @@ async def test_an_instance_that_exits_on_an_agent_is_replaced_at_once(warm_pool,
         return pool["idle"] == 2 and victim not in now and len(now) == 2
 
     await eventually(replaced, timeout=30)
+
+
+async def test_an_agent_whose_link_went_silent_stops_what_was_released_meanwhile(
+    spawn_worker, spawn_agent, client, nats_url, events
+):
+    """The agent's link stalls past its TTL (a link that is down: nothing is lost, all is late): its
+    node goes down, and the instance's workload is released meanwhile. When the link heals, the
+    beats it held back reach allocation at once; the one that finds the node down is answered to a request that timed out long before. The
+    agent still compares what it runs with the ledger, and stops the released instance, at once
+    (not at its next periodic reconcile, a minute later)."""
+    from urllib.parse import urlsplit
+
+    from tests.tcp_proxy import TcpProxy
+
+    spawn_worker("services.allocation.worker", "--lease-interval", "0.05")
+    target = urlsplit(nats_url)
+    proxy = await TcpProxy.start(target.hostname, target.port)
+    try:
+        # in a thread: the proxy relays on this loop while the agent starts
+        await asyncio.to_thread(spawn_agent, "silent", "--nats", proxy.url("nats"), "--reconcile-interval", "600",
+                                cpus=2)
+        await registered(client, "silent")
+        await client.request("resource.allocate", {"nodename": "silent", "deploy_count": 1, "workload_ids": ["w"]},
+                             dict)
+        await client.request("agent.silent.start", {
+            "instance": "one", "param": {"image": "http-server", "ports": {"http": "http"}}, "workload_id": "w"}, dict)
+        down = await events.subscribe("resource.silent.down")
+        try:
+            proxy.cut("stall")  # as a link that is down: TCP holds the bytes, and delivers them when it is up
+            await down.next(timeout=TTL + 10)  # the fault hit: the node's lease lapsed
+        finally:
+            await down.close()
+        await client.request("resource.release", {"workload_ids": ["w"]}, dict)
+        stopped = await events.subscribe("agent.silent.stopped")
+        try:
+            proxy.restore()
+            _, event = await stopped.next(timeout=20)
+        finally:
+            await stopped.close()
+        assert event["instance"] == "one"
+    finally:
+        await proxy.close()

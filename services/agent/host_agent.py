@@ -141,8 +141,9 @@ class HostAgent:
 
     async def _beat(self) -> None:
         """Offer the host if it changed (or was never offered), renew the lease; the first time the
-        node is known, stop what was released while no agent watched. The allocation service away
-        (starting, restarting) is said in one line: the next beat tries again."""
+        node is known, and after any beat that went unanswered, stop what was released while no
+        agent watched. The allocation service away (starting, restarting, a cut link) is said in
+        one line: the next beat tries again."""
         try:
             await self.register()
             await self.heartbeat()
@@ -152,6 +153,10 @@ class HostAgent:
         except BusError as error:
             if not answered_nothing(error):
                 raise
+            # The beat that finds the node down may be the one whose answer is lost (sent when the
+            # link comes back, answered to a request that timed out): after any silence, the next
+            # beat that is answered compares instances with the ledger.
+            self._reconciled = False
             log.warning("node %s: the allocation service does not answer (%s); trying again in %.1f s",
                         self.node, error.code, self.config.heartbeat)
 
