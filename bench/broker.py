@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -35,11 +33,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.servers import stop_workers  # noqa: E402
 from bench.stats import percentile  # noqa: E402
 from bus.client import BusClient  # noqa: E402
 from bus.connection import connect  # noqa: E402
 from bus.redis import connect_redis  # noqa: E402
-from services.processes import procfs  # noqa: E402
 
 USER = "bench"
 PARAM = {
@@ -82,16 +80,6 @@ def start_workers(count: int, nats: str, redis: str, prefix: str) -> list[subpro
             raise RuntimeError("a broker worker did not start")
         workers.append(proc)
     return workers
-
-
-def stop_workers(workers: list[subprocess.Popen]) -> None:
-    for proc in workers:
-        proc.send_signal(signal.SIGTERM)
-    for proc in workers:
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 async def wait_pool(client: BusClient, size: int, timeout: float = 60.0) -> None:
@@ -222,9 +210,7 @@ async def measure(nats: str, redis: str, replicas: int, args) -> dict[str, float
         cold_times = await cold(client, args.cold)
     finally:
         await nc.close()
-        stop_workers(workers)
-        for pid in procfs.marked_processes(f"{prefix}/").values():  # nothing should be left; be sure
-            os.killpg(pid, signal.SIGKILL)
+        stop_workers(workers, prefix)  # and what they launched, if anything is left
     return {
         "warm_p50": percentile(paced, 0.5),
         "warm_p99": percentile(paced, 0.99),
