@@ -131,3 +131,27 @@ async def test_a_run_paused_past_its_lease_writes_nothing_after_its_retry_answer
     ledger = await client.request("resource.get-allocations", {"nodename": "d1"}, dict)
     assert {a["workload_id"] for a in ledger["allocations"]} == set(node) | placed
     await log.close()
+
+
+async def test_a_run_paused_before_it_looked_leaves_its_takeovers_placement_alone(node, spawn_worker, client, nc):
+    """A run paused (SIGSTOP) at its start, past its lease, resumes after the run that took it over
+    placed and answered: looking for earlier runs' placements it finds that one, and when its own
+    answer cannot be kept it gives back only what it placed itself: the placement the caller was
+    answered stays (the chaos test once saw a stalled run release it)."""
+    paused = spawn_worker("services.allocation.worker", env={"BERTH_FAILPOINTS": "run-start:stop"})
+    payload = {"nodename": "d1", "deploy_count": 1, "workload_resource_request": ONE_CORE, "request_id": "looked-late"}
+    late = await nc.subscribe(nc.new_inbox())
+    await nc.publish(client.subject("resource.allocate"), encode(payload), reply=late.subject)
+    await eventually(lambda: asyncio.sleep(0, stopped(paused.proc.pid)))  # it paused at its start
+
+    spawn_worker("services.allocation.worker")
+    answer = await retried(client, "resource.allocate", payload)  # a healthy worker takes the claim over
+    placed = {a["workload_id"] for a in answer["allocations"]}
+    paused.signal(signal.SIGCONT)
+    first = await late.next_msg(timeout=10)  # the paused run found the placement, and could not keep it
+    assert first.headers[ERROR_CODE_HEADER] == "429" and b"taken over" in first.data
+
+    ledger = await client.request("resource.get-allocations", {"nodename": "d1"}, dict)
+    assert {a["workload_id"] for a in ledger["allocations"]} == set(node) | placed
+    again = await client.request("resource.allocate", payload, dict)  # and the caller's answer still holds
+    assert {a["workload_id"] for a in again["allocations"]} == placed

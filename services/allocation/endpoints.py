@@ -344,9 +344,16 @@ class AllocationEndpoints:
         return ReleaseReply(sorted({req.workload_ids[i] for i in decode_stored(kept, list[int])}))
 
     async def undo_allocate(self, req: AllocateWire, answer: bytes) -> None:
-        """Give back what an allocate placed when its answer could not be kept (see Command.undo)."""
-        placed = decode_stored(answer, AllocateReply).allocations
-        await self.manager.give_back([a.workload_id for a in placed], current_caller.get().name)
+        """Give back what this run placed when its answer could not be kept (see Command.undo).
+        Only this run's own ids: an answer found placed by another run of the request (a run
+        stalled before it looked, and resumed after the run that took it over had placed) is that
+        run's, and may be the one its caller was answered."""
+        placed = [a.workload_id for a in decode_stored(answer, AllocateReply).allocations]
+        if req.workload_ids is None:
+            claim = current_claim.get()
+            mine = set(workload_ids(len(placed), None, req.request_id, claim.attempt if claim is not None else 0))
+            placed = [wid for wid in placed if wid in mine]
+        await self.manager.give_back(placed, current_caller.get().name)
 
     async def release(self, req: ReleaseWorkloads) -> ReleaseReply:
         return ReleaseReply(await self.manager.release(req.workload_ids))

@@ -17,6 +17,7 @@ from typing import Any, Callable
 from bus.callers import Caller, current_caller
 from bus.codec import encode
 from bus.events import EventBus
+from bus.failpoints import failpoint
 from bus.idempotency import current_claim
 from bus.outbox import VersionedOutboxes
 from bus.tasks import cancel_and_wait, every
@@ -357,6 +358,7 @@ class AllocationManager:
         attempt = run.attempt if run is not None and run.request_id == request_id else 0
         own_ids = given_ids is None and bool(request_id)  # ids derived from this request and its runs
         if own_ids:
+            failpoint("run-start")
             instances = await self._instances(nodes, strategy, count)
             if attempt:
                 await self.committer.forget_runs(request_id, attempt, instances)
