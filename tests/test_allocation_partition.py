@@ -341,7 +341,10 @@ async def test_after_every_unavailable_answer_the_change_did_not_happen(
     assert proxy.cut_live > 0 and (proxy.refused + proxy.held + proxy.swallowed) > 0  # the cuts hit live links
     assert {"outcome_unknown", "timeout", "unavailable"} & set(load.codes)  # and requests met them
 
-    held = await eventually(lambda: settled(client, load), timeout=30)
+    try:
+        [held] = await eventually(lambda: settled(client, load), timeout=30)
+    except AssertionError:
+        raise AssertionError(f"orphans that never went: {await orphans(client, load)}") from None
     for request_id, (command, ids) in load.not_applied.items():
         if command == "allocate":  # none of the ids any run of it could have placed
             derived = {w for run in range(4) for w in workload_ids(1, None, request_id, run)}
@@ -355,12 +358,27 @@ async def test_after_every_unavailable_answer_the_change_did_not_happen(
     await check_invariants(client, NODES)
 
 
-async def settled(client, load: Honest) -> set[str] | None:
-    """What the ledgers hold, once the runs that never answered have given back what they placed
-    (their claims expire in 2 s, and a takeover or the worker's own resolution cleans up)."""
+async def settled(client, load: Honest) -> list[set[str]] | None:
+    """[what the ledgers hold] (a list: it may be empty), once the runs that never answered have
+    given back what they placed (their claims expire in 2 s, and a takeover or the worker's own
+    resolution cleans up)."""
     held = {w for ids in (await ledgers(client)).values() for w in ids}
     answered = {w for ids in load.placed.values() for w in ids}
-    return held if held <= answered else None
+    return [held] if held <= answered else None
+
+
+async def orphans(client, load: Honest) -> dict[str, tuple[str, int, object]]:
+    """Each ledger entry no answer named: (the request and run that derive it, what it was answered)."""
+    answered = {w for ids in load.placed.values() for w in ids}
+    stray = {w for ids in (await ledgers(client)).values() for w in ids} - answered
+    asked = {f"a{n}-{i}" for n in range(16) for i in range(400)}
+    found = {}
+    for request_id in asked:
+        for run in range(4):
+            [wid] = workload_ids(1, None, request_id, run)
+            if wid in stray:
+                found[wid] = (request_id, run, load.placed.get(request_id, load.not_applied.get(request_id)))
+    return found
 
 
 # -- a silent NATS link ----------------------------------------------------------------------
