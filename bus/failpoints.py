@@ -7,6 +7,7 @@ runs on from there when it gets SIGCONT) or `lose` (the store's reply to what wa
 lost: `bus.redis.ReplyLost` is raised there, as when a link fails while the reply is in flight).
 Each fires once per process. The points:
 - `run-start`: a run of a request began, before it looks for what earlier runs placed;
+- `recall`: a retry found its request's answer kept, and is about to rebuild it;
 - `before-commit`: a state change is computed and about to be committed;
 - `after-commit`: it is committed, its answer neither kept nor sent.
 Tests set the variable on a worker process they start; nothing else does. Unset (the default),

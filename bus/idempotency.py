@@ -55,6 +55,7 @@ from redis import exceptions as redis_errors
 
 from bus import outcome, scripts
 from bus.codec import decoder, encode
+from bus.failpoints import failpoint
 from bus.redis import Pipelined
 from bus.replicas import ReplicaWait, landed
 from bus.telemetry import OUTCOMES_RESOLVED
@@ -242,7 +243,7 @@ class IdempotencyStore:
         while True:
             if isinstance(taken, bytes):
                 await self._replicated(key)  # the first run may have answered unavailable for want of it
-                return await replayed(taken, recall)
+                return await self._replayed(request_id, taken, recall)
             run = Claim(self, key, token, request_id, scope, *taken)
             try:
                 reply = await self._claimed(run, call)
@@ -264,6 +265,19 @@ class IdempotencyStore:
             if resolving is not None:
                 OUTCOMES_RESOLVED.inc()
             return answer
+
+    @staticmethod
+    async def _replayed(request_id: str, kept: bytes, recall: Recall | None) -> Reply:
+        """The kept answer, rebuilt. The request was made: a store that fails while the answer is
+        rebuilt from it (an allocate's placements are read from the ledger) is no `unavailable`."""
+        try:
+            failpoint("recall")
+            return await replayed(kept, recall)
+        except STORE_ERRORS as error:
+            raise OutcomeUnknown(
+                f"request {request_id} was made, and reading its answer failed ({error!r}): send it again with "
+                "the same request_id for the answer", field="request_id",
+            ) from None
 
     async def _first_take(self, key: str, token: str, digest: bytes, request_id: str) -> tuple[int, int] | bytes:
         """Claim the request (or find its answer). A store that cannot be reached cannot say whether

@@ -204,3 +204,19 @@ async def test_a_metric_put_whose_answer_could_not_be_kept_at_first_is_answered_
     assert answer["value"] == 7.0
     assert await client.request("metrics.m1.get", {"scope": "node", "metric": "lost.reply"}, dict) == answer
     assert await client.request("metrics.m1.put", payload, dict, timeout=10) == answer  # the same sample
+
+
+async def test_a_retry_whose_answer_cannot_be_read_back_is_no_unavailable(spawn_worker, client):
+    """A retry finds its request's answer kept; the store fails while the answer is rebuilt (an
+    allocate's placements are read from the ledger): the request was made, so the answer is
+    `outcome_unknown`, never `unavailable` (a partition test once saw that, and its client took
+    the placement for not made). The same request_id then answers the placement."""
+    spawn_worker(ALLOCATION, env={"BERTH_FAILPOINTS": "recall:lose"})
+    call = requester(client)
+    await add_node(call, "r1", cpu=4)
+    payload = {"nodename": "r1", "deploy_count": 1, "workload_resource_request": ONE_CORE, "request_id": "read-back"}
+    first = await call("allocate", payload)
+    with pytest.raises(BusError) as unread:
+        await call("allocate", payload)
+    assert unread.value.code == "outcome_unknown" and unread.value.details.get("field") == "request_id"
+    assert await call("allocate", payload) == first
