@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -28,15 +30,30 @@ def test_growth_prints_every_measure_at_each_size(nats_url, redis_url):
         assert measure in table, measure
 
 
-def test_scaling_prints_the_efficiency_of_capped_workers_or_says_why_it_cannot(nats_url, redis_url):
+def cannot_cap_workers() -> str | None:
+    """Why bench/scaling.py could not cap its workers here, found as it finds it (its `CpuCaps`
+    makes and removes a group of its own under the cgroup cpu controller), or None when it can."""
+    from bench.scaling import CpuCaps
+
+    try:
+        caps = CpuCaps(0.5)
+    except SystemExit as refusal:
+        return str(refusal)
+    caps.close()
+    return None
+
+
+def test_scaling_prints_the_efficiency_of_capped_workers(nats_url, redis_url):
+    """Skipped, with the reason, on a host without a writable cgroup cpu controller (decided before
+    the run); anywhere else the bench must run capped and print its table: failing is failing."""
+    if (why := cannot_cap_workers()) is not None:
+        pytest.skip(f"bench/scaling.py: {why}")
     done = subprocess.run(
         [sys.executable, "bench/scaling.py", "--nats", nats_url, "--redis", redis_url, "--workers", "1,2",
          "--nodes", "40", "--placements", "32", "--clients", "4", "--cpu-quota", "0.5"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
-    if done.returncode != 0:  # a host without a writable cgroup cpu controller: it must say so
-        assert "cannot cap the workers" in done.stderr, done.stderr[-3000:]
-        return
+    assert done.returncode == 0, done.stderr[-3000:]
     assert "| allocate | 1 worker | 2 workers | efficiency at 2 |" in done.stdout
     rows = [line for line in done.stdout.splitlines() if line.startswith(("| spread", "| pack"))]
     assert len(rows) == 4 and "errors:" not in done.stdout

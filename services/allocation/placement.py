@@ -1,8 +1,6 @@
-"""Pure manager-level arithmetic: merging plugin answers and choosing nodes for instances.
-
-Merges follow eru core (reference §5.2) with its deliberate fixes: deploy capacity takes the nodes
-every plugin can serve, the minimum capacity and a proper weighted mean of rate and usage; totals
-saturate. Strategies place `count` instances over nodes whose per-node capacity is known.
+"""Pure manager-level arithmetic over nodes whose merged capacity is known: totals (saturating) and
+the refusals of placing `count` instances on them. Merging the plugins' answers for one node is the
+plugin set's (plugins/plugin_set.py), so that plugins/ imports nothing of this level.
 """
 
 from __future__ import annotations
@@ -11,17 +9,6 @@ from schemas.errors import BerthError
 from schemas.sizes import MAX_INT
 from services.allocation.plugins.interface import DeployCapacity
 from services.allocation.quantity import saturating_add
-
-
-def merge(entries: list[DeployCapacity]) -> DeployCapacity:
-    """One node's capacity over all plugins: the minimum, with weight-averaged rate and usage."""
-    weight = sum(e.weight for e in entries)
-    return DeployCapacity(
-        capacity=min(e.capacity for e in entries),
-        usage=sum(e.usage * e.weight for e in entries) / weight if weight else 0.0,
-        rate=sum(e.rate * e.weight for e in entries) / weight if weight else 0.0,
-        weight=weight,
-    )
 
 
 def total_capacity(capacities: dict[str, DeployCapacity]) -> int:
@@ -48,8 +35,3 @@ def each(room: dict[str, int], count: int) -> None:
                 code="insufficient_capacity",
                 details={"nodename": node, "wanted": count, "available": have, "unit": "instances"},
             )
-
-
-def most_idle(loads: dict[str, float]) -> str:
-    """The node with the smallest load; ties go to the smallest name."""
-    return min(loads.items(), key=lambda item: (item[1], item[0]))[0]

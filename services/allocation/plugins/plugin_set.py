@@ -19,7 +19,6 @@ from typing import Any, Callable, Iterable, Iterator
 from msgspec import Struct
 
 from bus.caches import Memo
-from services.allocation import placement
 from services.allocation.errors import node_not_found
 from services.allocation.plugins.interface import DeployCapacity, EngineInfo, NamingPlugin, ResourcePlugin
 from services.allocation.records import NodeRecord, PluginState, decode_state, encode_state
@@ -190,7 +189,7 @@ class PluginSet:
                 if capacity.capacity <= 0:
                     return None
                 entries.append(capacity)
-            return placement.merge(entries)
+            return merge_capacities(entries)
 
         return compute
 
@@ -202,7 +201,7 @@ class PluginSet:
             plugin = self.plugins[name]
             loads = {node: plugin.load(states[name].capacity, states[name].usage) for node, states in nodes.items()}
             if best is None or plugin.priority > best[1]:
-                best = (placement.most_idle(loads), plugin.priority)
+                best = (least_loaded(loads), plugin.priority)
         assert best is not None
         return best
 
@@ -278,6 +277,23 @@ def per_instance(count: int, answers: list[tuple[str, list[Raw], list[Raw]]]) ->
             engines[i][name] = params[i]
             workloads[i][name] = resources[i]
     return Deployment(engines, workloads)
+
+
+def merge_capacities(entries: list[DeployCapacity]) -> DeployCapacity:
+    """One node's capacity over the plugins, as eru core merges it (reference §5.2) with its
+    deliberate fixes: the minimum capacity, and a proper weighted mean of rate and usage."""
+    weight = sum(e.weight for e in entries)
+    return DeployCapacity(
+        capacity=min(e.capacity for e in entries),
+        usage=sum(e.usage * e.weight for e in entries) / weight if weight else 0.0,
+        rate=sum(e.rate * e.weight for e in entries) / weight if weight else 0.0,
+        weight=weight,
+    )
+
+
+def least_loaded(loads: dict[str, float]) -> str:
+    """The node with the smallest load; ties go to the smallest name."""
+    return min(loads.items(), key=lambda item: (item[1], item[0]))[0]
 
 
 def split(workloads: Iterable[Raw | None], name: str) -> list[Raw]:
