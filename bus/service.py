@@ -21,7 +21,8 @@ What the runtime adds to `nats.micro`:
 - the caller's identity and role (`bus.callers`): a command above the caller's role is refused
   `permission_denied` before anything else; handlers read the caller from `current_caller`, and a
   `request_id` is the caller's own (two tenants' ids never meet);
-- optional idempotency by `request_id` (see `bus.idempotency`);
+- optional idempotency by `request_id` (see `bus.idempotency`); a request whose `dry_run` is true
+  changes nothing, so its id is neither claimed nor its answer kept;
 - optional durable answers: the Redis writes a request noted are on N replicas before it is
   answered, else it answers `unavailable` (see `bus.replicas`);
 - drain: queued requests finish and their replies flush before the connection closes;
@@ -350,7 +351,7 @@ class Service:
             req = decode(data, spec.request)
             if spec.scope is not None:
                 self._in_scope(spec, req, subject)
-            if spec.idempotent and getattr(req, "request_id", None):
+            if spec.idempotent and getattr(req, "request_id", None) and not getattr(req, "dry_run", False):
                 self.idempotency.check(req.request_id)
                 req.request_id = caller.qualified(req.request_id)
                 undo = (lambda reply: spec.undo(req, reply.body)) if spec.undo else None

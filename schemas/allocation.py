@@ -201,7 +201,9 @@ class MetricsReply(Struct):
 
 class Allocate(Struct, omit_defaults=True):
     """One `nodename`; or `nodenames` and/or `labels` (the listed nodes, those whose labels match, or
-    the listed ones that match); or neither: every node."""
+    the listed ones that match); or neither: every node. `dry_run`: answer the plan (the nodes and
+    the resources each instance would get) and commit nothing; its request id is neither claimed
+    nor kept, and no workload id is minted (`workload_id` is the given one, else "")."""
 
     deploy_count: DeployCount
     nodename: NodeName | None = None
@@ -211,6 +213,7 @@ class Allocate(Struct, omit_defaults=True):
     workload_resource_request: Raw | None = None
     workload_ids: list[WorkloadId] | None = None
     request_id: RequestId = ""
+    dry_run: bool = False
 
 
 class AllocateWire(Allocate):

@@ -311,7 +311,7 @@ class AllocationEndpoints:
             nodes = selection(req.nodenames, req.labels)
         placed = await self.manager.allocate(
             nodes, req.strategy, req.deploy_count, self._in(req.workload_resource_request, "workload_resource_request"),
-            req.workload_ids, req.request_id, reply_bytes=self.reply_bytes,
+            req.workload_ids, req.request_id, dry_run=req.dry_run, reply_bytes=self.reply_bytes,
         )
         return AllocateReply(placed)
 

@@ -41,6 +41,16 @@ class DeployCapacity(msgspec.Struct):
     weight: float
 
 
+class Shortfall(msgspec.Struct, frozen=True):
+    """How much of one resource a node misses for a deploy, in the resource's own `unit` (`cores`,
+    `bytes`, `cards`): what the instances ask for of it, less what the node has free of it; where
+    the node has enough free in all but not in the shape asked (cores split into fragments or over
+    NUMA nodes, a volume per device, IO quota), what the instances that do not fit ask for."""
+
+    amount: int | float
+    unit: str
+
+
 class ResourcePlugin(Protocol):
     name: str
     # Most-idle priority: the highest-priority plugin decides the most idle node (cpumem/gpu 100, storage 1).
@@ -74,6 +84,11 @@ class ResourcePlugin(Protocol):
         """workload id -> new engine params, for the workloads whose binding changes."""
 
     def deploy_capacity(self, capacity: Raw, usage: Raw, request: Raw | None) -> DeployCapacity: ...
+
+    def shortfalls(self, capacity: Raw, usage: Raw, request: Raw | None, count: int) -> dict[str, Shortfall]:
+        """Which of the plugin's resources (`cpu`, `memory`, `storage`, `volumes`, `gpu`...) keep
+        `count` instances of `request` off the node, and by how much; {} when they fit. Asked only
+        to explain a refusal (services/allocation/refusal.py), never on the placing path."""
 
     def set_capacity(
         self, capacity: Raw, usage: Raw, resource: Raw | None, request: Raw | None, delta: bool, incr: bool

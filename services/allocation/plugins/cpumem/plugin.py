@@ -11,7 +11,7 @@ from typing import Any
 
 from schemas.errors import InvalidArgument
 from schemas.sizes import MAX_INT
-from services.allocation.plugins.interface import DeployCapacity, EngineInfo, Raw
+from services.allocation.plugins.interface import DeployCapacity, EngineInfo, Raw, Shortfall
 from services.allocation.plugins.kit import (
     MatrixUpdates,
     chosen_source,
@@ -180,6 +180,37 @@ class CpuMemPlugin(MatrixUpdates[NodeResource]):
         return DeployCapacity(
             count, usage_ratio, divide(want.memory_request, node_capacity.memory), UNBOUND_WEIGHT
         )
+
+    def shortfalls(self, capacity: Raw, usage: Raw, request: Raw | None, count: int) -> dict[str, Shortfall]:
+        """`cpu` (cores) and `memory` (bytes) that keep `count` instances off the node. Unbound CPU
+        is short only when one instance asks for more than the node's cores; bound CPU when the
+        cores cannot form `count` bindings (memory aside); memory when `count` instances ask for
+        more than is free, or, bound, when the cores would do but the NUMA nodes' memory does not."""
+        want = validate_workload_request(parse_workload_request(request))
+        node_capacity, node_usage = self._record(capacity, usage)
+        memory_free = max(node_capacity.memory - node_usage.memory, 0)
+        memory_short = count * want.memory_request - memory_free
+        short: dict[str, Shortfall] = {}
+        if not want.cpu_bind:
+            cores = len(node_capacity.cpu_map)
+            if want.cpu_request > cores:
+                short["cpu"] = Shortfall(round(want.cpu_request - cores, CPU_DIGITS), "cores")
+            if memory_short > 0:
+                short["memory"] = Shortfall(min(memory_short, MAX_INT), "bytes")
+            return short
+        free = availability(node_capacity, node_usage)
+        bindings = count_cpu_plans(free, PlanRequest.of(want.cpu_request, 0, self.share_base, self.max_share))
+        if bindings < count:
+            free_cores = sum(max(pieces, 0) for pieces in free.cores.values()) / self.share_base
+            missing = count * want.cpu_request - free_cores
+            cores = missing if missing > 0 else (count - bindings) * want.cpu_request
+            short["cpu"] = Shortfall(round(cores, CPU_DIGITS), "cores")
+        if want.memory_request and (memory_short > 0 or bindings >= count):
+            fits = count_cpu_plans(free, self._plan_request(want))
+            if memory_short > 0 or fits < count:
+                missing = memory_short if memory_short > 0 else (count - fits) * want.memory_request
+                short["memory"] = Shortfall(min(missing, MAX_INT), "bytes")
+        return short
 
     # -- record updates ----------------------------------------------------------------------
 

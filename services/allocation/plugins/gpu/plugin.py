@@ -13,7 +13,7 @@ import msgspec
 
 from schemas.errors import InvalidArgument
 from schemas.sizes import MAX_INT
-from services.allocation.plugins.interface import DeployCapacity, EngineInfo, Raw
+from services.allocation.plugins.interface import DeployCapacity, EngineInfo, Raw, Shortfall
 from services.allocation.plugins.kit import (
     MatrixUpdates,
     check_count,
@@ -83,6 +83,13 @@ class GpuPlugin(MatrixUpdates[Counts]):
             rate=ratio(sum(wanted.values()), card_total),
             weight=1.0,
         )
+
+    def shortfalls(self, capacity: Raw, usage: Raw, request: Raw | None, count: int) -> dict[str, Shortfall]:
+        """`gpu`: the most cards of one product that `count` instances miss on the node."""
+        wanted = _request(request, "workload_resource_request", minimum=1)
+        free = _free(*_record(capacity, usage))
+        missing = max((cards * count - max(free.get(p, 0), 0) for p, cards in wanted.items()), default=0)
+        return {"gpu": Shortfall(min(missing, MAX_INT), "cards")} if missing > 0 else {}
 
     def calculate_realloc(
         self, capacity: Raw, usage: Raw, workload_resource: Raw, request: Raw | None

@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from schemas.errors import InvalidArgument
-from services.allocation.plugins.interface import DeployCapacity, EngineInfo, Raw
+from schemas.sizes import MAX_INT
+from services.allocation.plugins.interface import DeployCapacity, EngineInfo, Raw, Shortfall
 from services.allocation.plugins.kit import (
     MatrixUpdates,
     check_count,
@@ -126,6 +127,26 @@ class StoragePlugin(MatrixUpdates[StorageNode]):
             count = min(count, fits) if wanted.volumes_limit else fits
         usage_ratio, rate = _usage_and_rate(cap, used, wanted)
         return DeployCapacity(capacity=count, usage=usage_ratio, rate=rate, weight=1.0)
+
+    def shortfalls(self, capacity: Raw, usage: Raw, request: Raw | None, count: int) -> dict[str, Shortfall]:
+        """`storage` (the budget) and `volumes` (the scheduled volumes' space), in bytes, that keep
+        `count` instances off the node."""
+        wanted = _deploy_request(request)
+        cap, used = _record(capacity, usage)
+        short: dict[str, Shortfall] = {}
+        fits = _storage_fits(cap, used, wanted)
+        if fits is not None and fits < count:
+            missing = count * wanted.storage_request - max(cap.storage - used.storage, 0)
+            short["storage"] = Shortfall(min(missing, MAX_INT), "bytes")
+        if wanted.needs_planning():
+            plans = len(volume_plans(Host.of(cap, used), wanted.volumes_request, count))
+            if plans < count:
+                each = sum(binding.size for binding in wanted.volumes_request if binding.requires_schedule)
+                free = sum(max(size - used.volumes.get(device, 0), 0) for device, size in cap.volumes.items())
+                missing = count * each - free
+                missing = missing if missing > 0 else (count - plans) * each
+                short["volumes"] = Shortfall(min(missing, MAX_INT), "bytes")
+        return short
 
     def calculate_realloc(
         self, capacity: Raw, usage: Raw, workload_resource: Raw, request: Raw | None
