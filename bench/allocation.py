@@ -36,21 +36,23 @@ import time
 import uuid
 from collections import Counter
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import msgpack  # noqa: E402
 import nats  # noqa: E402
+import nats.js.errors  # noqa: E402
 
 from bench.servers import given_or_started  # noqa: E402
 from bench.stats import percentile  # noqa: E402
+from bus.events import EventBus  # noqa: E402
 from bus.redis import connect_redis  # noqa: E402
 from services.allocation.plugins.cpumem.plans import PlanRequest, cpu_plans  # noqa: E402
 from services.allocation.plugins.cpumem.resources import availability  # noqa: E402
 from services.allocation.plugins.cpumem.types import decode_node_resource  # noqa: E402
-from services.allocation.worker import make_plugins  # noqa: E402
+from services.allocation.worker import STREAM, make_plugins  # noqa: E402
 
 GiB = 1 << 30
 REQUEST = {"cpumem": {"cpu-bind": True, "cpu-request": 1.5, "memory-request": 2 * GiB}}
@@ -134,10 +136,11 @@ class Workers:
     (bench/scaling.py caps its CPU there, so that its "ready" already comes under the cap)."""
 
     def __init__(
-        self, nats_url: str, redis_url: str, prefix: str, started: Callable[[int], None] = lambda pid: None
+        self, nats_url: str, redis_url: str, prefix: str, started: Callable[[int], None] = lambda pid: None,
+        options: Sequence[str] = (),
     ) -> None:
         self.argv = [sys.executable, "-m", "services.runner", "services.allocation.worker",
-                     "--nats", nats_url, "--redis", redis_url, "--prefix", prefix, "--memory-stream"]
+                     "--nats", nats_url, "--redis", redis_url, "--prefix", prefix, "--memory-stream", *options]
         self.started = started
         self.procs: list[subprocess.Popen] = []
 
@@ -329,6 +332,7 @@ async def namespace(nats_url: str, redis_url: str, prefix: str):
     try:
         yield workers, echo, nc, redis
     finally:
+        await delete_stream(nc, prefix)
         await nc.close()
         workers.stop()
         echo.stop()
@@ -349,6 +353,12 @@ async def bench_bus(table: Table, args, nats_url: str, redis_url: str, servers: 
         await bench_capacity(table, nc, prefix, names)
         await bench_list_nodes(table, nc, prefix, args.nodes)
         await bench_allocate(table, args, nc, prefix, names, workers, echo, servers, redis)
+
+
+async def delete_stream(nc, prefix: str) -> None:
+    """The namespace's event stream, from a server that outlives the bench (its memory is JetStream's)."""
+    with contextlib.suppress(nats.js.errors.NotFoundError):
+        await nc.jetstream().delete_stream(EventBus(nc, prefix=prefix).stream_name(STREAM))
 
 
 async def delete_namespace(redis, prefix: str) -> None:

@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 import nats  # noqa: E402
 
 from bench.allocation import (  # noqa: E402
-    LABELS, REQUEST, EchoResponders, ProcessCpu, Requests, Workers, add_nodes, load,
+    LABELS, REQUEST, EchoResponders, ProcessCpu, Requests, Workers, add_nodes, delete_stream, load,
 )
 from bench.servers import given_or_started  # noqa: E402
 
@@ -117,9 +117,10 @@ async def measure(args, caps: CpuCaps, nats_url: str, redis_url: str) -> dict:
                     results[(strategy, selector, count)] = (run.rate, spent, raw.rate, dict(run.errors))
                     print(f"  {count} worker(s), {strategy} by {selector}: {run.row()}", file=sys.stderr, flush=True)
         finally:
-            await nc.close()
             workers.stop()
             echo.stop()
+            await delete_stream(nc, prefix)
+            await nc.close()
     return results
 
 

@@ -163,8 +163,8 @@ async def serve(nc):
 async def serve_allocation(serve, prefix, redis, events):
     """Serve the allocation service in this process: `await serve_allocation()` -> its manager,
     following the node events (`watch=False`: not; `sweep_interval`, `lease_interval`; `window`:
-    the idempotency window; other keywords go to `make_service`). Unwatched at the end, before the
-    service drains."""
+    the idempotency window; `spread_sample`: a seeded `SpreadSample`; other keywords go to
+    `make_service`). Unwatched at the end, before the service drains."""
     from bus.idempotency import DEFAULT_WINDOW, IdempotencyStore
     from services.allocation.manager import AllocationManager
     from services.allocation.store import NodeStore
@@ -173,9 +173,9 @@ async def serve_allocation(serve, prefix, redis, events):
     watching = []
 
     async def start(*, watch: bool = True, sweep_interval: float = 5.0, lease_interval: float = 0.5,
-                    window: float = DEFAULT_WINDOW, **service_options):
+                    window: float = DEFAULT_WINDOW, spread_sample=None, **service_options):
         await events.ensure_stream(STREAM, memory=True)  # its events are published with acknowledgements
-        manager = AllocationManager(NodeStore(redis, prefix), make_plugins(), events)
+        manager = AllocationManager(NodeStore(redis, prefix), make_plugins(), events, spread_sample=spread_sample)
         if watch:
             await manager.watch(sweep_interval=sweep_interval, lease_interval=lease_interval)
             watching.append(manager)

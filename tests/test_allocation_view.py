@@ -3,6 +3,8 @@ the preference for nodes no other worker is racing for."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from schemas.errors import BerthError
@@ -135,3 +137,63 @@ def test_a_view_under_a_steady_allocate_release_loop_keeps_its_heaps_bounded():
         view.update([record(node, version=step + 3)])
     for heap in view._heaps.values():
         assert len(heap) <= 2 * len(view.entries) + 64
+
+
+# -- sampled spread (DESIGN.md §8) ---------------------------------------------------------------
+
+
+def equal_nodes(count: int, room: int) -> tuple[CapacityView, dict[str, int]]:
+    """`count` equal empty nodes of room for `room` instances; `placed` counts what each holds."""
+    placed = {f"e{i}": 0 for i in range(count)}
+
+    def capacity(record: NodeRecord) -> DeployCapacity:
+        return DeployCapacity(room - placed[record.name], placed[record.name] / room, 1 / room, 1.0)
+
+    view = CapacityView(list(placed), capacity)
+    view.update(record(name) for name in placed)
+    return view, placed
+
+
+def sampled_placement(view: CapacityView, rng: random.Random, size: int) -> str | None:
+    """One instance by sampled spread as `Fleet.plan_sampled` makes it (no node is stale here)."""
+    return view.place_one_of(view.draw(rng, size, set()))
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_sampled_spread_keeps_equal_nodes_within_two_instances_after_every_placement(seed):
+    view, placed = equal_nodes(500, room=8)
+    rng = random.Random(seed)
+    for step in range(3_000):
+        node = sampled_placement(view, rng, 16)
+        placed[node] += 1
+        view.update([record(node, version=step + 2)])  # the commit, as the worker learns of it
+        view.pending.clear()
+        loads = placed.values()
+        assert max(loads) - min(loads) <= 2, (step, max(loads), min(loads))
+
+
+def test_a_draw_is_uniform_over_the_nodes_with_room_and_never_repeats_a_node():
+    view, placed = equal_nodes(40, room=1)
+    for name in ("e0", "e1", "e2"):  # full: never drawn
+        placed[name] = 1
+        view.update([record(name, version=2)])
+    rng, counts = random.Random(7), {name: 0 for name in placed}
+    for _ in range(2_000):
+        drawn = view.draw(rng, 8, set())
+        assert len(drawn) == len(set(drawn)) == 8
+        for name in drawn:
+            counts[name] += 1
+    assert counts["e0"] == counts["e1"] == counts["e2"] == 0
+    expected = 2_000 * 8 / 37
+    assert all(0.8 * expected < counts[name] < 1.2 * expected for name in placed if name not in ("e0", "e1", "e2"))
+
+
+def test_draws_replace_nodes_already_drawn_until_every_node_with_room_was_offered():
+    view, placed = equal_nodes(30, room=1)
+    for index in range(28):  # two nodes keep room
+        placed[f"e{index}"] = 1
+        view.update([record(f"e{index}", version=2)])
+    drawn: set[str] = set()
+    assert sorted(view.draw(random.Random(1), 16, drawn)) == ["e28", "e29"]
+    assert view.draw(random.Random(1), 16, drawn) == []  # nothing left to offer
+    assert sampled_placement(view, random.Random(1), 16) in ("e28", "e29")

@@ -35,7 +35,7 @@ SHARED_PARTS = {
 # The packages whose Redis keys are kept by store modules only; a `worker` module wires the connection.
 STORE_KEEPING = ("services.broker", "services.metrics", "services.agent")
 # Allocation's calculation core: pure and synchronous, unit-tested without a server (README "Layout").
-PURE_ALLOCATION = ("plugins", "placement", "quantity", "records", "selection", "view")
+PURE_ALLOCATION = ("plugins", "placement", "quantity", "records", "refusal", "selection", "view")
 IO_MODULES = ("services.allocation.store", "redis", "nats")
 
 
@@ -128,6 +128,38 @@ def test_a_service_uses_another_through_its_contract(module):
                                                                                for p in PURE_ALLOCATION))))
 def test_allocations_calculation_core_does_no_io(module):
     assert not {i for i in imports(module) if within(i, *IO_MODULES)}
+
+
+def allocation_reached_from(module: str) -> set[str]:
+    """The allocation modules `module` imports, and those they import, and so on."""
+    seen, todo = set(), [module]
+    while todo:
+        for target in imports(todo.pop()):
+            if within(target, "services.allocation") and target not in seen and target in MODULES:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if within(m, "services.allocation.plugins")))
+def test_allocations_plugins_import_nothing_above_them(module):
+    """plugins/ is the bottom of allocation: the manager level (placement, view, fleet, commits,
+    committer, manager, endpoints...) imports it, never the other way, not even through another
+    module. Outside plugins/ it reaches only the neutral values every level shares: `records` (a
+    node's record and states, plain values), `errors` (the domain errors, built from schemas/) and
+    `quantity` (parsing and saturating sums); and `selection`, which `errors` names in a type hint
+    (a node selection, plain values). Each of these imports only schemas/ and bus/, or each other,
+    which the transitive walk checks: one of them importing the manager level fails here too."""
+    neutral = tuple(f"services.allocation.{name}" for name in ("records", "errors", "quantity", "selection"))
+    above = {m for m in allocation_reached_from(module) if not within(m, "services.allocation.plugins", *neutral)}
+    assert not above
+
+
+def test_the_plugins_rule_follows_imports_through_other_modules():
+    """The walk above goes past direct imports: plugin_set reaches `selection` only through `errors`."""
+    plugin_set = "services.allocation.plugins.plugin_set"
+    assert "services.allocation.selection" not in imports(plugin_set)
+    assert "services.allocation.selection" in allocation_reached_from(plugin_set)
 
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if m != "bus.codec"))

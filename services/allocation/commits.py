@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Generic, TypeVar
 
@@ -28,13 +29,14 @@ from bus.outbox import VersionedOutboxes, journal
 from schemas.allocation import Allocation, node_event
 from schemas.errors import BerthError
 from services.allocation import telemetry
-from services.allocation.errors import node_busy, node_not_found, not_schedulable, workload_exists
-from services.allocation.fleet import Fleet
+from services.allocation.errors import node_busy, node_moved, node_not_found, not_schedulable, workload_exists
 from services.allocation.plugins.plugin_set import Keyed, PluginSet
 from services.allocation.records import Change, LeaseExpired, LedgerConflict, NodeRecord, StaleVersion
 from services.allocation.store import NodeStore
 
 log = logging.getLogger("berth.allocation")
+OWN_COMMITS_KEPT = 4096  # this worker's latest commits remembered, to tell its own changes from others'
+OWN_CHAIN = 8  # own commits between a plan and its commit that still count as the plan's node
 
 
 @dataclass(eq=False)  # identity: two deploys are never the same one
@@ -52,6 +54,9 @@ class Deploy:
     # Called once the deploy is committed or refused, in the same step as the views learn the
     # commit: the planner's reservation for it ends exactly when the record holds it.
     settled: Callable[[], None] = lambda: None
+    # Only onto the node as its planner knew it, at this version (spread): a change since that is
+    # not this worker's own refuses it (`NodeCommits.unmoved`).
+    unmoved: int | None = None
     done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
     @property
@@ -68,6 +73,10 @@ class Placed:
 
 
 T = TypeVar("T")
+
+# Told of a landed commit: the node, the record the change was computed on (None: a new node), the
+# change, and the node's version it made.
+CommitHook = Callable[[str, NodeRecord | None, Change, int], None]
 
 
 @dataclass
@@ -90,12 +99,21 @@ class NodeCommits:
     is, commit it with that record's version, and compute again when another writer changed the
     node first. What else a refused commit means (a ledger entry moved, a lease ended, the change
     was applied already) is the caller's `conflict` to say: compute again (None), that is the
-    outcome (an Attempt), or give up (raise). A landed commit is shown to this worker's views."""
+    outcome (an Attempt), or give up (raise).
 
-    def __init__(self, store: NodeStore, fleet: Fleet, attempts: int = 200) -> None:
+    The loop knows nothing of who keeps what this worker knows of the nodes (fleet.py's views and
+    directory): that keeper registers its hooks here. `on_commit` are told of every commit that
+    lands, `on_contended` of every node another writer committed to first, each in the same step;
+    `recall(node)` may offer a record remembered of the node, to save a read (None: read it)."""
+
+    def __init__(self, store: NodeStore, attempts: int = 200) -> None:
         self.store = store
-        self.fleet = fleet
         self.attempts = attempts
+        self.on_commit: list[CommitHook] = []
+        self.on_contended: list[Callable[[str], None]] = []
+        self.recall: Callable[[str], NodeRecord | None] = lambda node: None
+        # This worker's latest commits: (node, the version it was computed on) -> the version it made.
+        self._own: OrderedDict[tuple[str, int], int] = OrderedDict()
 
     async def run(
         self,
@@ -115,7 +133,8 @@ class NodeCommits:
                 ), step.deciding)
             except StaleVersion:
                 telemetry.RETRY_VERSION.inc()
-                self.fleet.views.contend(node)
+                for contended in self.on_contended:
+                    contended(node)
                 # Reading the node again is pause enough the first times; after that a short random
                 # pause spreads the contenders out.
                 if attempt >= 2:
@@ -128,9 +147,23 @@ class NodeCommits:
                 continue
             failpoint("after-commit")
             step.version = version
-            self.fleet.show_commit(node, record, step.change, version)
+            self._own[(node, record.version if record else 0)] = version
+            if len(self._own) > OWN_COMMITS_KEPT:
+                self._own.popitem(last=False)
+            for committed in self.on_commit:
+                committed(node, record, step.change, version)
             return step
         raise node_busy(node)
+
+    def unmoved(self, node: str, planned: int, current: int) -> bool:
+        """Whether every change that took `node` from version `planned` to `current` was this
+        worker's own commit (those its planner counted on as reserved): no other writer's."""
+        version: int | None = planned
+        for _ in range(OWN_CHAIN):
+            if version is None or version >= current:
+                return version == current
+            version = self._own.get((node, version))
+        return False
 
 
 class DeployBatches:
@@ -152,10 +185,12 @@ class DeployBatches:
         self._waiting: dict[str, list[Deploy]] = {}  # node -> deploys for its next commit
 
     async def deploy(
-        self, node: str, ids: list[str], requests: Keyed, *, settled: Callable[[], None] = lambda: None
+        self, node: str, ids: list[str], requests: Keyed, *, settled: Callable[[], None] = lambda: None,
+        unmoved: int | None = None,
     ) -> Placed:
-        """Place `ids` on `node`, in this worker's next commit to it; raises what the plugins refuse."""
-        deploy = Deploy(ids, requests, settled=settled)
+        """Place `ids` on `node`, in this worker's next commit to it; raises what the plugins refuse
+        (`unmoved`, the version the plan saw: also `node_moved` when another writer changed it since)."""
+        deploy = Deploy(ids, requests, settled=settled, unmoved=unmoved)
         if node in self._waiting:
             self._waiting[node].append(deploy)  # a commit to it is in flight: go with the next one
         else:
@@ -213,7 +248,7 @@ class DeployBatches:
 
         async def compute() -> Attempt[tuple]:
             # A record this worker already holds saves a read (the commit checks its version).
-            record = self.commits.fleet.views.take_record(node) or await self.store.load(node)
+            record = self.commits.recall(node) or await self.store.load(node)
             if record is None:
                 return Attempt(None, None, ({}, {d: node_not_found(node) for d in batch}, 0, None))
             if not record.schedulable:  # a node going down after this read fails the commit's version check
@@ -275,6 +310,9 @@ class DeployBatches:
         refused: dict[Deploy, BaseException] = {}
         taken: set[str] = set()
         for deploy in batch:
+            if deploy.unmoved is not None and not self.commits.unmoved(record.name, deploy.unmoved, record.version):
+                refused[deploy] = node_moved(record.name)
+                continue
             twice = next((wid for wid in deploy.ids if wid in taken), None)
             if twice is not None:
                 refused[deploy] = workload_exists(twice)

@@ -6,7 +6,8 @@ record changed meanwhile; then we compute again on the fresh record. Calculation
 therefore one atomic step per node, with any number of workers. Every change goes through the
 one loop of commits.py (`NodeCommits`); deploys through `DeployBatches` there, one commit per node
 in flight per worker. A rollback gives back what it placed through this module's own `give_back`:
-nothing on the commit path calls back into the manager.
+nothing on the commit path calls back into the manager, nor into the fleet: the views learn of a
+commit through the hooks the fleet registers on `NodeCommits` (`Fleet.follow_commits`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from schemas.errors import BerthError
 from services.allocation import telemetry
 from services.allocation.commits import Attempt, DeployBatches, NodeCommits
 from services.allocation.errors import not_placeable_now
-from services.allocation.fleet import Fleet
 from services.allocation.plugins.plugin_set import Keyed, PluginSet
 from services.allocation.records import (
     AlreadyApplied,
@@ -62,18 +62,18 @@ class Committer:
         self,
         store: NodeStore,
         plugins: PluginSet,
-        fleet: Fleet,
         outbox: VersionedOutboxes,
         *,
+        all_nodes: Callable[[], Awaitable[list[str]]],
         attempts: int = 200,
         intent_timeout: float = 30.0,
     ) -> None:
         self.store = store
         self.plugins = plugins
-        self.fleet = fleet
+        self.all_nodes = all_nodes  # every node's name (searched when an index entry may be lost)
         self.outbox = outbox
         self.intent_timeout = intent_timeout
-        self.commits = NodeCommits(store, fleet, attempts)
+        self.commits = NodeCommits(store, attempts)
         self.deploys = DeployBatches(self.commits, plugins, outbox, release=self.give_back)
 
     async def mutate(
@@ -169,7 +169,7 @@ class Committer:
     async def _released_before(self, run: Claim, ids: set[str]) -> list[str]:
         """Which of `ids` (no longer indexed) an earlier run of this request removed: the nodes'
         kept answers say. Only a retry after a run that died unanswered pays for this search."""
-        kept = await self.store.applied(await self.fleet.all_nodes(), run.marker)
+        kept = await self.store.applied(await self.all_nodes(), run.marker)
         return [wid for answer in kept.values() for wid in decode_stored(answer.answer, list[str])
                 if wid in ids]
 
@@ -201,10 +201,12 @@ class Committer:
     # -- placements over several nodes ---------------------------------------------------------
 
     async def place(
-        self, plan: dict[str, int], ids: list[str], requests: Keyed, reservation: Reservation
+        self, plan: dict[str, int], ids: list[str], requests: Keyed, reservation: Reservation, *,
+        unmoved: bool = False,
     ) -> list[Allocation]:
         """Commit a plan node by node. Over several nodes an intent records the ids first: if this
-        worker dies half way, a reaper on any worker releases them (see `reap_intents`)."""
+        worker dies half way, a reaper on any worker releases them (see `reap_intents`).
+        `unmoved`: a node another writer changed since the plan saw it is refused (`DeployBatches.deploy`)."""
         owner = current_caller.get().name
         intent = uuid.uuid4().hex if len(plan) > 1 else None
         if intent:
@@ -215,7 +217,8 @@ class Committer:
             for node in sorted(plan):
                 try:
                     deployed = await self.deploys.deploy(
-                        node, ids[start:start + plan[node]], requests, settled=partial(reservation.settle, node)
+                        node, ids[start:start + plan[node]], requests, settled=partial(reservation.settle, node),
+                        unmoved=reservation.versions.get(node) if unmoved else None,
                     )
                     placed += deployed.allocations
                 except BerthError as error:
@@ -249,7 +252,7 @@ class Committer:
         if delivered := await self.outbox.sweep():
             log.warning("published the events of %d changes whose worker had not", delivered)
         await self.reap_intents()
-        if rounds % index_every == 0 and (repaired := await self.store.repair_index(await self.fleet.all_nodes())):
+        if rounds % index_every == 0 and (repaired := await self.store.repair_index(await self.all_nodes())):
             log.warning("indexed %d workloads the ledgers hold and the index had lost", repaired)
 
     async def reap_intents(self) -> None:
@@ -267,7 +270,7 @@ class Committer:
         if len(await self.store.locate(ids)) < len(ids):
             # Not all were placed, or some lost their index entry with a Redis failover: look in the
             # ledgers (this reads the nodes' ledgers for these ids once).
-            await self.store.repair_index(nodes if nodes is not None else await self.fleet.all_nodes(), ids)
+            await self.store.repair_index(nodes if nodes is not None else await self.all_nodes(), ids)
         return ids
 
     async def forget_runs(

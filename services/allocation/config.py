@@ -17,12 +17,17 @@ class AllocationServiceConfig:
     wait_replicas: int = 0  # BERTH_WAIT_REPLICAS; 0: answer without waiting (bus/replicas.py)
     wait_timeout_ms: int = 500  # BERTH_WAIT_TIMEOUT_MS
     lease_interval: float = 0.5  # seconds between looks for nodes whose agent's lease lapsed
+    spread_sample: int = 64  # BERTH_SPREAD_SAMPLE
 
     @staticmethod
     def add_flags(parser: argparse.ArgumentParser, env: Env) -> None:
         parser.add_argument("--lease-interval", type=seconds(0.05, 60), default=0.5, metavar="SECONDS",
                             help="how often to look for nodes whose agent's lease lapsed, and mark them down "
                             "(a node is down within its agent's TTL plus this)")
+        parser.add_argument("--spread-sample", type=integer(1, 1_000_000), default=env.get("BERTH_SPREAD_SAMPLE", "64"),
+                            metavar="S", help="spread over at most S nodes is exact (the least used after placement); "
+                            "over more, each instance goes to the least used of S nodes drawn at random from the "
+                            "selection (env BERTH_SPREAD_SAMPLE)")
         parser.add_argument("--share-base", type=int, default=int(env.get("BERTH_SHARE_BASE", "100")),
                             help="pieces per CPU core (env BERTH_SHARE_BASE)")
         parser.add_argument("--max-share", type=int, default=int(env.get("BERTH_MAX_SHARE", "-1")),

@@ -74,6 +74,13 @@ def no_room(error: BerthError) -> bool:
     return error.code in ("insufficient_capacity", "insufficient_resource")
 
 
+def node_moved(node: str) -> BerthError:
+    """Spread chose `node` on a state another worker has changed since: plan again (never
+    answered: the last replan commits wherever it planned)."""
+    return BerthError(f"node {node} changed after it was chosen", code="node_moved", details={"nodename": node})
+
+
 def not_placeable_now(error: BerthError) -> bool:
-    """A node refused a deploy for now: no room, or it takes no new workloads (down or draining)."""
-    return no_room(error) or error.code in ("node_down", "node_draining")
+    """A node refused a deploy for now: no room, it takes no new workloads (down or draining), or
+    it changed after spread chose it."""
+    return no_room(error) or error.code in ("node_down", "node_draining", "node_moved")

@@ -10,19 +10,23 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from typing import Awaitable, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 from bus.codec import encode
 from bus.events import EventBus
 from bus.tasks import cancel_and_wait
 from services.allocation.directory import NodeDirectory, matches
 from services.allocation.errors import no_node_matches, node_not_found
+from services.allocation.placement import insufficient
 from services.allocation.plugins.plugin_set import Keyed, PluginSet
 from services.allocation.records import UP, Change, NodeRecord
 from services.allocation.selection import Selection
 from services.allocation.shards import Shards
 from services.allocation.store import NodeStore
-from services.allocation.view import CapacityView, Views
+from services.allocation.view import CapacityView, Reservation, SpreadSample, Views
+
+if TYPE_CHECKING:
+    from services.allocation.commits import NodeCommits
 
 log = logging.getLogger("berth.allocation")
 REFRESH_CHUNK = 1000  # nodes read and recomputed at a time
@@ -37,10 +41,12 @@ class Fleet:
         self.watching = False
 
     async def view(
-        self, names: list[str], nodes: Selection, requests: Keyed, *, planning: bool = False
+        self, names: list[str], nodes: Selection, requests: Keyed, *, planning: bool = False,
+        sample: SpreadSample | None = None, fresh: bool = False,
     ) -> CapacityView:
         """The standing capacity view for this request over these nodes, refreshed where it is stale
-        (`planning`: only the nodes this worker owns; see shards.py)."""
+        (`planning`: only the nodes this worker owns, see shards.py; `sample`: for sampled spread,
+        only the nodes without room, see `plan_sampled`)."""
         request_keys = tuple(encode(requests[name]) for name in names)
         key = (tuple(names), request_keys, nodes.key)
         view = self.views.get(key) if self.watching else None
@@ -59,9 +65,12 @@ class Fleet:
         if not view.ready:  # its first computation: every request needs it
             async with view.lock:
                 await self._refresh(view, nodes, owned_only=False)
-        elif (view.stale_owned if planning else view.stale) and not view.lock.locked():
+        elif sample is not None and sample.applies(view):
+            await self._refresh_some(view, nodes, view.take_stale_without_room())
+        elif (view.stale_owned if planning else view.stale) and (fresh or not view.lock.locked()):
             # Nodes other workers changed: read them again, but let no request wait for it (the
-            # view is a hint; every commit re-checks the node), or each would queue on the lock.
+            # view is a hint; every commit re-checks the node), or each would queue on the lock;
+            # unless `fresh`: a plan made on what the view held was refused, it must not repeat.
             async with view.lock:
                 await self._refresh(view, nodes, owned_only=planning)
         return view
@@ -99,6 +108,35 @@ class Fleet:
         view.update(found)
         if self.watching:
             self.views.remember(found)
+
+    async def plan_sampled(
+        self, view: CapacityView, nodes: Selection, count: int, sample: SpreadSample
+    ) -> tuple[dict[str, int], Reservation]:
+        """Sampled spread: each instance on the least used after placement of `sample.size` nodes
+        drawn uniformly from those with room, the stale ones among them read first (a node that
+        turns out full is replaced by a further draw). Refused only when no node has room."""
+        plan: dict[str, int] = {}
+        try:
+            for placed in range(count):
+                node = await self._sampled_one(view, nodes, sample)
+                if node is None:
+                    raise insufficient(count, placed)
+                plan[node] = plan.get(node, 0) + 1
+        except BaseException:
+            Reservation(view, plan).settle_all()
+            raise
+        return plan, Reservation(view, plan)
+
+    async def _sampled_one(self, view: CapacityView, nodes: Selection, sample: SpreadSample) -> str | None:
+        drawn: set[str] = set()
+        candidates: list[str] = []
+        while fresh := view.draw(sample.rng, sample.size - len(candidates), drawn):
+            if stale := view.take_stale_of(fresh):
+                await self._refresh_some(view, nodes, stale)
+            candidates += [node for node in fresh if view.has_room(node)]
+            if len(candidates) >= sample.size:
+                break
+        return view.place_one_of(candidates)
 
     async def members(self, nodes: Selection) -> list[str]:
         """The nodes of a selection as this worker knows them (a list is taken as given)."""
@@ -138,6 +176,14 @@ class Fleet:
         return [r for r in page.values() if r is not None and matches(r.labels, labels)], len(names)
 
     # -- keeping views fresh -----------------------------------------------------------------------
+
+    def follow_commits(self, commits: NodeCommits) -> None:
+        """Learn of this worker's commits from the one commit loop: each landed commit is shown to
+        the views and the directory, a node another worker committed to first is contended for a
+        moment, and a record the views remember saves the loop a read."""
+        commits.on_commit.append(self.show_commit)
+        commits.on_contended.append(self.views.contend)
+        commits.recall = self.views.take_record
 
     def show_commit(self, node: str, record: NodeRecord | None, change: Change, version: int) -> None:
         """Show this worker's own commit (`change` on `record`, which made `version`) to the views

@@ -24,6 +24,7 @@ from bus.tasks import cancel_and_wait, every
 from schemas.allocation import Allocation, node_event
 from schemas.errors import BerthError
 from services.allocation.committer import Committer, NodeFilledUp, workload_ids
+from services.allocation.dry_run import preview
 from services.allocation.errors import (
     no_node_matches,
     no_room,
@@ -33,6 +34,7 @@ from services.allocation.errors import (
     workload_exists,
     workload_not_found,
 )
+from services.allocation.explain import Explainer
 from services.allocation.fleet import Fleet
 from services.allocation.leases import Heartbeat, Leases
 from services.allocation.plugins.interface import DeployCapacity, EngineInfo, ResourcePlugin
@@ -54,10 +56,11 @@ from services.allocation.records import (
     PluginState,
     encode_states,
 )
+from services.allocation.refusal import explains
 from services.allocation.selection import Selection
 from services.allocation.shards import Shards
 from services.allocation.store import NodeStore
-from services.allocation.view import Reservation
+from services.allocation.view import Reservation, SpreadSample
 
 log = logging.getLogger("berth.allocation")
 
@@ -82,18 +85,22 @@ class AllocationManager:
         *,
         attempts: int = 200,
         intent_timeout: float = 30.0,
+        spread_sample: SpreadSample | None = None,
     ) -> None:
         self.store = store
+        self.spread_sample = spread_sample or SpreadSample()
         self.plugins = PluginSet(plugins)
         self.events = events
         self.shards = Shards(store)
         self.fleet = Fleet(store, self.plugins, self.shards)
         self.committer = Committer(
-            store, self.plugins, self.fleet, VersionedOutboxes(events, store.batch, store.pending_key, store.outbox_key),
-            attempts=attempts, intent_timeout=intent_timeout,
+            store, self.plugins, VersionedOutboxes(events, store.batch, store.pending_key, store.outbox_key),
+            all_nodes=self.fleet.all_nodes, attempts=attempts, intent_timeout=intent_timeout,
         )
+        self.fleet.follow_commits(self.committer.commits)
         self.deploys = self.committer.deploys
         self.leases = Leases(store, self.committer)
+        self.explainer = Explainer(store, self.fleet, self.plugins)  # says why, once a request is refused
         self._chores: list[asyncio.Task] = []
 
     async def watch(self, sweep_interval: float = 5.0, lease_interval: float = 0.5) -> None:
@@ -142,7 +149,14 @@ class AllocationManager:
     # -- calculations over stored nodes --------------------------------------------------------
 
     async def calculate_deploy(self, names: list[str], node: str, count: int, requests: Keyed) -> Deployment:
-        return self.plugins.deploy(await self._load(node, names), count, requests)
+        record = await self._existing(node)
+        states = self.plugins.states(record, names)
+        try:
+            return self.plugins.deploy(states, count, requests)
+        except BerthError as error:
+            if not no_room(error) or not self.plugins.covers(names):  # a plugin's own answer stays eru's
+                raise
+            raise self.explainer.calculation(error, record, count, requests) from None
 
     async def calculate_realloc(self, names: list[str], node: str, workload: Keyed, requests: Keyed) -> Reallocation:
         return self.plugins.realloc(await self._load(node, names), workload, requests)
@@ -345,18 +359,34 @@ class AllocationManager:
         given_ids: list[str] | None,
         request_id: str,
         *,
+        dry_run: bool = False,
         replans: int = 20,
         reply_bytes: int | None = None,
     ) -> list[Allocation]:
         """Place `count` instances on `nodes` (`count` on each for `each`); all or nothing.
+        `dry_run`: answer the plan, committing nothing (dry_run.py).
 
-        The plan is made from a snapshot of the nodes; if a node filled up before its commit, the
+        A refusal for want of room says why (refusal.py): worked out only once refused."""
+        try:
+            return await self._allocate(nodes, strategy, count, requests, given_ids, request_id, dry_run=dry_run,
+                                        replans=replans, reply_bytes=reply_bytes)
+        except BerthError as error:
+            if not explains(error):
+                raise
+            raise await self.explainer.allocate(error, nodes, strategy, count, requests) from None
+
+    async def _allocate(
+        self, nodes: Selection, strategy: str, count: int, requests: Keyed, given_ids: list[str] | None,
+        request_id: str, *, dry_run: bool, replans: int, reply_bytes: int | None,
+    ) -> list[Allocation]:
+        """The plan is made from a snapshot of the nodes; if a node filled up before its commit, the
         instances already placed are returned and we plan again from a fresh snapshot. A plan
         whose answer would take more than `reply_bytes` is refused before it commits.
         """
         run = current_claim.get()
         attempt = run.attempt if run is not None and run.request_id == request_id else 0
-        own_ids = given_ids is None and bool(request_id)  # ids derived from this request and its runs
+        # ids derived from this request and its runs (a dry run places none)
+        own_ids = given_ids is None and bool(request_id) and not dry_run
         if own_ids:
             failpoint("run-start")
             instances = await self._instances(nodes, strategy, count)
@@ -382,11 +412,21 @@ class AllocationManager:
         for replan in range(replans):
             reservation = Reservation.none()
             try:
-                plan, reservation = await self._plan(nodes, strategy, count, requests)
-                ids = workload_ids(sum(plan.values()), given_ids, request_id, attempt)
+                plan, reservation = await self._plan(nodes, strategy, count, requests, fresh=replan > 0)
+                if dry_run:  # a plan nobody commits holds no room in the view, not even for a moment
+                    reservation.settle_all()
+                instances = sum(plan.values())
+                # A dry run mints no id for what it does not place: the given ones, else "".
+                unnamed = dry_run and given_ids is None
+                ids = [""] * instances if unnamed else workload_ids(instances, given_ids, request_id, attempt)
                 if reply_bytes is not None:
                     await self._check_reply_fits(plan, ids, requests, reply_bytes)
-                return await self.committer.place(plan, ids, requests, reservation)
+                if dry_run:
+                    return await preview(self.store, self.plugins, plan, ids, requests)
+                # spread decides on usage: a node another worker changed since is planned again
+                # (but the last replan commits where it planned: spread is never refused for this)
+                unmoved = strategy == "spread" and not nodes.single and replan < replans - 1
+                return await self.committer.place(plan, ids, requests, reservation, unmoved=unmoved)
             except BerthError as error:
                 found = await lost_run_found(error)
                 if found is None:
@@ -466,23 +506,35 @@ class AllocationManager:
         return sorted(found, key=lambda allocation: order[allocation.workload_id])
 
     async def _plan(
-        self, nodes: Selection, strategy: str, count: int, requests: Keyed
+        self, nodes: Selection, strategy: str, count: int, requests: Keyed, *, fresh: bool = False
     ) -> tuple[dict[str, int], Reservation]:
-        """Where the instances go, reserved in the view until each node's deploy is settled."""
+        """Where the instances go, reserved in the view until each node's deploy is settled
+        (`fresh`: a plan before was refused at its commit: wait for the view's nodes to be read)."""
         if nodes.single:
             return {nodes.single: count}, Reservation.none()
-        # pack plans on this worker's own nodes first: only those need reading again (see view.plan)
-        view = await self.fleet.view(list(self.plugins), nodes, requests, planning=strategy == "pack")
+        # pack plans on this worker's own nodes first: only those need reading again (see view.plan);
+        # sampled spread reads only the nodes it draws (see Fleet.plan_sampled)
+        sample = self.spread_sample if strategy == "spread" else None
+        view = await self.fleet.view(list(self.plugins), nodes, requests, planning=strategy == "pack",
+                                     sample=sample, fresh=fresh)
         if strategy == "each":
             return view.plan_each(count)
+
+        async def plan() -> tuple[dict[str, int], Reservation]:
+            if sample is not None and sample.applies(view):
+                return await self.fleet.plan_sampled(view, nodes, count, sample)
+            # pack steps aside from a node another worker is filling; spread must not (it would
+            # take a busier node), it plans again when the node it chose moved (`unmoved`)
+            return view.plan(strategy, count, self.fleet.views.contended if strategy == "pack" else _never)
+
         try:
-            return view.plan(strategy, count, self.fleet.views.contended)
+            return await plan()
         except BerthError as error:
             if error.code != "insufficient_capacity" or not view.stale:
                 raise
         # Other workers' nodes that changed were not read again for planning; before refusing, do.
         await self.fleet.refresh(view, nodes)
-        return view.plan(strategy, count, self.fleet.views.contended)
+        return await plan()
 
     async def _check_reply_fits(self, plan: dict[str, int], ids: list[str], requests: Keyed, limit: int) -> None:
         """Refuse a plan whose answer NATS could not carry: placed and unanswered, it would hold
@@ -579,6 +631,10 @@ class AllocationManager:
         """One page of nodes, the leases of those an agent keeps, and how many nodes there are."""
         records, total = await self.fleet.page(nodenames, labels, offset, limit)
         return records, await self.store.leases([r.name for r in records]), total
+
+
+def _never(node: str) -> bool:
+    return False
 
 
 def refuse_unowned(caller: Caller, ids: list[str], owners: dict[str, str | None]) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import os
+import random
 import time
 import weakref
 import zlib
@@ -43,6 +44,8 @@ class Reservation:
     def __init__(self, view: "CapacityView | None", plan: dict[str, int]) -> None:
         self.view = view
         self.left = dict(plan)
+        # The version of each planned node the plan was made on (see DeployBatches.deploy's `unmoved`).
+        self.versions = {node: view.seen.get(node, 0) for node in plan} if view is not None else {}
 
     @classmethod
     def none(cls) -> "Reservation":
@@ -60,6 +63,19 @@ class Reservation:
 
 
 @dataclass
+class SpreadSample:
+    """How `spread` draws over a large selection (DESIGN.md §8): a selection of at most `size`
+    nodes is placed on exactly (the least used after placement); a larger one, per instance, on the
+    least used of `size` nodes drawn uniformly from those with room. `rng` is seeded in tests."""
+
+    size: int = 64
+    rng: random.Random = field(default_factory=random.Random)
+
+    def applies(self, view: "CapacityView") -> bool:
+        return len(view.members) > self.size
+
+
+@dataclass
 class CapacityView:
     """Merged deploy capacity per node for one request; `compute` gives a record's capacity or None."""
 
@@ -72,30 +88,52 @@ class CapacityView:
     # reads only these again; the others wait until spread, a capacity query or a refusal needs them.
     owned: Callable[[str], bool] = lambda node: True
     stale_owned: set[str] = field(default_factory=set)
+    stale_roomless: set[str] = field(default_factory=set)  # stale nodes without room: see take_stale_without_room
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one refresh at a time
     pending: dict[str, int] = field(default_factory=dict)  # instances reserved by plans, per node
     ready: bool = False  # computed once: from then on requests need not wait for a refresh
     _heaps: dict[str, list[tuple]] = field(default_factory=dict)  # per strategy: nodes with room, best first
     _stamps: int = 0
+    # The nodes with room (net of reservations) in a list, for sampled spread's uniform draws.
+    _roomy: list[str] = field(default_factory=list)
+    _roomy_at: dict[str, int] = field(default_factory=dict)
+    _spread: dict[str, float] = field(default_factory=dict)  # each node's spread score, for sampled draws
 
     selection: Selection | None = None  # set for a membership that follows the directory
 
     def __post_init__(self) -> None:
         self.members = set(self.nodes)
         self.stale = set(self.nodes)  # nothing is computed yet
+        self.stale_roomless = set(self.nodes)
         self.reshard()
 
     def mark_stale(self, node: str, *, urgent: bool = False) -> None:
         """`node` changed: read it again before planning on it (`urgent`: before the next plan,
         owned or not: a commit to it was just refused)."""
         self.stale.add(node)
+        if node not in self._roomy_at:
+            self.stale_roomless.add(node)
         if urgent or self.owned(node):
             self.stale_owned.add(node)
+
+    def take_stale_of(self, nodes: Iterable[str]) -> list[str]:
+        """Those of `nodes` that are stale, to read again; no longer stale."""
+        todo = [node for node in nodes if node in self.stale]
+        self.stale.difference_update(todo)
+        self.stale_owned.difference_update(todo)
+        self.stale_roomless.difference_update(todo)
+        return todo
+
+    def take_stale_without_room(self) -> list[str]:
+        """The stale nodes the view holds no room on (a release may have freed some): sampled
+        spread draws only from nodes with room, so these are read before it plans."""
+        return self.take_stale_of(list(self.stale_roomless))
 
     def take_stale(self, owned_only: bool) -> list[str]:
         """The stale nodes to read again (those planning needs, or all); no longer stale."""
         todo = list(self.stale_owned if owned_only else self.stale)
         self.stale.difference_update(todo)
+        self.stale_roomless.difference_update(todo)
         self.stale_owned.clear()  # taken either way
         return todo
 
@@ -112,7 +150,10 @@ class CapacityView:
         self.members.discard(node)
         self.stale.discard(node)
         self.stale_owned.discard(node)
+        self.stale_roomless.discard(node)
         self.entries.pop(node, None)  # heap items for it are skipped when popped
+        self._room(node, False)
+        self._spread.pop(node, None)
         self.seen.pop(node, None)
         self.pending.pop(node, None)
 
@@ -123,6 +164,7 @@ class CapacityView:
             base = self.compute(record) if record.schedulable else None
             if base is None or base.capacity <= 0:
                 self.entries.pop(record.name, None)
+                self._room(record.name, False)
                 continue
             self.entries[record.name] = Entry(base, base, 0)
             self._refresh(record.name)
@@ -166,6 +208,50 @@ class CapacityView:
             left -= take
             self._reserve(node, take)
         return plan, Reservation(self, plan)
+
+    def draw(self, rng: random.Random, size: int, drawn: set[str]) -> list[str]:
+        """Up to `size` more nodes with room, drawn uniformly from those not `drawn` yet (added to
+        it): sampled spread's candidates for one instance. Fewer only when fewer have room."""
+        roomy = self._roomy
+        left = len(roomy) - sum(1 for node in drawn if node in self._roomy_at)
+        if left <= size:
+            fresh = [node for node in roomy if node not in drawn]
+        else:  # a draw with replacement (fast), its repeats and nodes drawn before replaced
+            fresh = [node for node in dict.fromkeys(rng.choices(roomy, k=size)) if node not in drawn]
+            taken = set(fresh)
+            while len(fresh) < size:
+                node = roomy[rng.randrange(len(roomy))]
+                if node not in drawn and node not in taken:
+                    taken.add(node)
+                    fresh.append(node)
+        drawn.update(fresh)
+        return fresh
+
+    def place_one_of(self, candidates: list[str]) -> str | None:
+        """Sampled spread: the candidate whose usage after one more instance is lowest (the first
+        drawn among equals: the draw is random), reserved; None when none has room."""
+        best = min(filter(self._roomy_at.__contains__, candidates), key=self._spread.__getitem__, default=None)
+        if best is not None:
+            self._reserve(best, 1)
+        return best
+
+    def has_room(self, node: str) -> bool:
+        return node in self._roomy_at
+
+    def _room(self, node: str, has_room: bool) -> None:
+        """Keep `_roomy` (a list, for O(1) uniform draws) to the nodes with room."""
+        at = self._roomy_at.get(node)
+        if has_room and at is None:
+            self._roomy_at[node] = len(self._roomy)
+            self._roomy.append(node)
+        elif not has_room and at is not None:
+            if node in self.stale:
+                self.stale_roomless.add(node)
+            last = self._roomy.pop()
+            del self._roomy_at[node]
+            if last != node:
+                self._roomy[at] = last
+                self._roomy_at[last] = at
 
     def _heap(self, strategy: str) -> list[tuple]:
         heap = self._heaps.get(strategy)
@@ -222,6 +308,8 @@ class CapacityView:
         entry.capacity = DeployCapacity(base.capacity - taken, base.usage + base.rate * taken, base.rate, base.weight)
         self._stamps += 1
         entry.stamp = self._stamps
+        self._room(node, entry.capacity.capacity > 0)
+        self._spread[node] = _score("spread", entry.capacity)
         if entry.capacity.capacity > 0:
             for strategy, heap in self._heaps.items():
                 heapq.heappush(heap, self._item(strategy, node, entry))
@@ -360,4 +448,5 @@ class Views:
         self._known.clear()
         for view in self._views.values():
             view.stale.update(view.members)
+            view.stale_roomless = {node for node in view.members if not view.has_room(node)}
             view.reshard()

@@ -23,6 +23,7 @@ from services.allocation.plugins.interface import ResourcePlugin
 from services.allocation.plugins.storage import StoragePlugin
 from services.allocation.store import NodeStore
 from services.allocation.telemetry import NodeTotals
+from services.allocation.view import SpreadSample
 
 NAME = "allocation"
 CONFIG = AllocationServiceConfig
@@ -58,7 +59,9 @@ async def build(ctx) -> Service:
     """`ctx.config`: the frozen `services.allocation.config.AllocationServiceConfig`."""
     config = ctx.config
     plugins = make_plugins(config.share_base, config.max_share, config.max_deploy_count)
-    manager = AllocationManager(NodeStore(ctx.redis, ctx.prefix), plugins, ctx.events)
+    manager = AllocationManager(
+        NodeStore(ctx.redis, ctx.prefix), plugins, ctx.events, spread_sample=SpreadSample(config.spread_sample)
+    )
     await manager.watch(lease_interval=config.lease_interval)
     ctx.cleanups.append(manager.unwatch)
     ctx.cleanups.append(on_scrape("allocation totals", NodeTotals(manager).refresh, every=ctx.common.metrics_refresh))
