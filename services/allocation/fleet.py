@@ -131,9 +131,10 @@ class Fleet:
         drawn: set[str] = set()
         candidates: list[str] = []
         while fresh := view.draw(sample.rng, sample.size - len(candidates), drawn):
-            if stale := view.take_stale_of(fresh):
+            if view.stale and (stale := view.take_stale_of(fresh)):
                 await self._refresh_some(view, nodes, stale)
-            candidates += [node for node in fresh if view.has_room(node)]
+                fresh = [node for node in fresh if view.has_room(node)]  # read again: some may be full
+            candidates += fresh
             if len(candidates) >= sample.size:
                 break
         return view.place_one_of(candidates)
