@@ -45,7 +45,7 @@ import contextvars
 import functools
 import hashlib
 import logging
-import uuid
+import os
 from typing import Awaitable, Callable
 
 import msgspec
@@ -237,7 +237,7 @@ class IdempotencyStore:
         """
         key = self.key(scope, request_id)
         digest = hashlib.sha1(payload).digest()
-        token = uuid.uuid4().hex
+        token = os.urandom(16).hex()  # as unguessable as uuid4, in a fifth of its time
         taken = await self._first_take(key, token, digest, request_id)
         resolving: float | None = None  # since when the store failed after a change may have been made
         while True:
@@ -257,7 +257,7 @@ class IdempotencyStore:
                 log.warning("request %s: the store failed after a change may have been made (%r); learning the "
                             "outcome", request_id, error)
                 resolving = resolving or asyncio.get_running_loop().time()
-                token = uuid.uuid4().hex
+                token = os.urandom(16).hex()
                 taken = await self._retaken(key, token, digest, request_id, resolving + self.resolve_within)
                 continue
             deadline = (resolving or asyncio.get_running_loop().time()) + self.resolve_within
