@@ -4,7 +4,8 @@ Every command works on a selection of plugins (`names`): a plugin-level endpoint
 manager-level endpoint all of them. Values come and go per plugin (`Keyed`, `States` and the typed
 results of plugin_set.py); the transport (endpoints.py) translates them from and to the wire.
 The parts: `PluginSet` (plugin_set.py) calculates, `Fleet` (fleet.py) knows the nodes and keeps the
-capacity views, `Committer` (committer.py) commits changes and multi-node placements.
+capacity views, `Committer` (committer.py) commits changes and multi-node placements, `Placer`
+(placing.py) plans and places an allocate's instances and reads back what a request placed.
 """
 
 from __future__ import annotations
@@ -15,25 +16,13 @@ from typing import Any, Callable
 
 
 from bus.callers import Caller, current_caller
-from bus.codec import encode
 from bus.events import EventBus
-from bus.failpoints import failpoint
-from bus.idempotency import current_claim
 from bus.outbox import VersionedOutboxes
 from bus.tasks import cancel_and_wait, every
 from schemas.allocation import Allocation, node_event
 from schemas.errors import BerthError
-from services.allocation.committer import Committer, NodeFilledUp, workload_ids
-from services.allocation.dry_run import preview
-from services.allocation.errors import (
-    no_node_matches,
-    no_room,
-    node_not_found,
-    not_yours,
-    reply_too_large,
-    workload_exists,
-    workload_not_found,
-)
+from services.allocation.committer import Committer
+from services.allocation.errors import no_node_matches, no_room, node_not_found, not_yours, workload_not_found
 from services.allocation.explain import Explainer
 from services.allocation.fleet import Fleet
 from services.allocation.leases import Heartbeat, Leases
@@ -56,19 +45,15 @@ from services.allocation.records import (
     PluginState,
     encode_states,
 )
-from services.allocation.refusal import explains
+from services.allocation.placing import Placer
 from services.allocation.selection import Selection
 from services.allocation.shards import Shards
 from services.allocation.store import NodeStore
-from services.allocation.view import Reservation, SpreadSample
+from services.allocation.view import SpreadSample
 
 log = logging.getLogger("berth.allocation")
 
 Raw = dict[str, Any]
-
-# Runs of a request an allocate looks for placements of before it places (after the idempotency
-# window a retry starts again at run 0, and its first answer may have come from a later run).
-LOOKED_BACK_RUNS = 4
 
 
 class AllocationManager:
@@ -88,7 +73,6 @@ class AllocationManager:
         spread_sample: SpreadSample | None = None,
     ) -> None:
         self.store = store
-        self.spread_sample = spread_sample or SpreadSample()
         self.plugins = PluginSet(plugins)
         self.events = events
         self.shards = Shards(store)
@@ -101,6 +85,8 @@ class AllocationManager:
         self.deploys = self.committer.deploys
         self.leases = Leases(store, self.committer)
         self.explainer = Explainer(store, self.fleet, self.plugins)  # says why, once a request is refused
+        self.placer = Placer(store, self.plugins, self.fleet, self.committer, self.explainer,
+                             spread_sample or SpreadSample())
         self._chores: list[asyncio.Task] = []
 
     async def watch(self, sweep_interval: float = 5.0, lease_interval: float = 0.5) -> None:
@@ -351,211 +337,15 @@ class AllocationManager:
     # -- committed allocations ---------------------------------------------------------------------
 
     async def allocate(
-        self,
-        nodes: Selection,
-        strategy: str,
-        count: int,
-        requests: Keyed,
-        given_ids: list[str] | None,
-        request_id: str,
-        *,
-        dry_run: bool = False,
-        replans: int = 20,
-        reply_bytes: int | None = None,
-    ) -> list[Allocation]:
-        """Place `count` instances on `nodes` (`count` on each for `each`); all or nothing.
-        `dry_run`: answer the plan, committing nothing (dry_run.py).
-
-        A refusal for want of room says why (refusal.py): worked out only once refused."""
-        try:
-            return await self._allocate(nodes, strategy, count, requests, given_ids, request_id, dry_run=dry_run,
-                                        replans=replans, reply_bytes=reply_bytes)
-        except BerthError as error:
-            if not explains(error):
-                raise
-            raise await self.explainer.allocate(error, nodes, strategy, count, requests) from None
-
-    async def _allocate(
         self, nodes: Selection, strategy: str, count: int, requests: Keyed, given_ids: list[str] | None,
-        request_id: str, *, dry_run: bool, replans: int, reply_bytes: int | None,
+        request_id: str, **options: Any,
     ) -> list[Allocation]:
-        """The plan is made from a snapshot of the nodes; if a node filled up before its commit, the
-        instances already placed are returned and we plan again from a fresh snapshot. A plan
-        whose answer would take more than `reply_bytes` is refused before it commits.
-        """
-        run = current_claim.get()
-        attempt = run.attempt if run is not None and run.request_id == request_id else 0
-        # ids derived from this request and its runs (a dry run places none)
-        own_ids = given_ids is None and bool(request_id) and not dry_run
-        if own_ids:
-            failpoint("run-start")
-            instances = await self._instances(nodes, strategy, count)
-            if attempt:
-                await self.committer.forget_runs(request_id, attempt, instances)
-            earlier = await self._placed_before(request_id, attempt, instances)
-            if earlier:
-                return earlier
-        elif given_ids is not None:
-            await self._refuse_held(given_ids)
-        cleared = False
-
-        async def lost_run_found(error: BerthError) -> list[Allocation] | None:
-            """The placement of this run's number that an earlier run made, or None to refuse."""
-            nonlocal cleared
-            if not own_ids or cleared:
-                return None
-            cleared = True
-            return await self._lost_run(error, request_id, attempt, nodes, strategy, count)
-
-        views = self.fleet.views
-        failure: BerthError | None = None
-        for replan in range(replans):
-            reservation = Reservation.none()
-            try:
-                plan, reservation = await self._plan(nodes, strategy, count, requests, fresh=replan > 0)
-                if dry_run:  # a plan nobody commits holds no room in the view, not even for a moment
-                    reservation.settle_all()
-                instances = sum(plan.values())
-                # A dry run mints no id for what it does not place: the given ones, else "".
-                unnamed = dry_run and given_ids is None
-                ids = [""] * instances if unnamed else workload_ids(instances, given_ids, request_id, attempt)
-                if reply_bytes is not None:
-                    await self._check_reply_fits(plan, ids, requests, reply_bytes)
-                if dry_run:
-                    return await preview(self.store, self.plugins, plan, ids, requests)
-                # spread decides on usage: a node another worker changed since is planned again
-                # (but the last replan commits where it planned: spread is never refused for this)
-                unmoved = strategy == "spread" and not nodes.single and replan < replans - 1
-                return await self.committer.place(plan, ids, requests, reservation, unmoved=unmoved)
-            except BerthError as error:
-                found = await lost_run_found(error)
-                if found is None:
-                    raise
-                if found:
-                    return found
-                failure = error
-            except NodeFilledUp as filled:
-                views.invalidate(filled.node, urgent=True)  # its record changed under the view: read it now
-                views.contend(filled.node)
-                failure = filled.error
-                if nodes.single or replan == replans - 1:
-                    found = await lost_run_found(filled.error)
-                    if found is None:
-                        raise filled.error from None
-                    if found:
-                        return found
-                else:
-                    log.debug("node %s filled up during allocate; planning again", filled.node)
-            finally:
-                reservation.settle_all()
-        raise failure  # every replan met a node that filled up first
-
-    async def _instances(self, nodes: Selection, strategy: str, count: int) -> int:
-        """How many instances an allocate places in all (`each`: `count` on every selected node)."""
-        return count * len(await self.fleet.members(nodes)) if strategy == "each" else count
-
-    async def _lost_run(
-        self, error: BerthError, request_id: str, attempt: int, nodes: Selection, strategy: str, count: int
-    ) -> list[Allocation] | None:
-        """`error` may come from this very request's own earlier run: its claim was lost (a Redis
-        failover lost the claim's last writes), so this run has that run's number and finds its ids
-        taken (`workload_exists`) or the room it took gone (a capacity refusal: the index may have
-        lost its entries in the same failover, so the selected nodes' ledgers are searched). That
-        run's placement is the answer (it may have been answered); [] means none was found: plan
-        again, once. None: `error` is not of that kind."""
-        capacity = no_room(error)
-        if error.code != "workload_exists" and not capacity:
-            return None
-        instances = await self._instances(nodes, strategy, count)
-        where = await self.fleet.members(nodes) if capacity else None
-        await self.committer.find_runs(request_id, range(attempt, attempt + 1), instances, where)
-        found = await self._placed_before(request_id, attempt, instances, runs=1)
-        if found:
-            log.warning("request %s: an earlier run of the same number had placed it; answering that", request_id)
-        return found
-
-    async def _placed_before(
-        self, request_id: str, attempt: int, instances: int, runs: int = LOOKED_BACK_RUNS
-    ) -> list[Allocation]:
-        """What an earlier run of this request placed under this run's number or a later one (a
-        retry after the idempotency window starts again at run 0; a failover can make a run repeat
-        a number): the placements of the first such run that a node still holds, or []. The ledger
-        is the truth: an allocate never places twice."""
-        by_run = [workload_ids(instances, None, request_id, run) for run in range(attempt, max(attempt + 1, runs))]
-        located = await self.store.locate([wid for ids in by_run for wid in ids])
-        for ids in by_run:
-            if any(wid in located for wid in ids):
-                found = await self.placements(ids)
-                if found:
-                    return found
-        return []
+        """Place `count` instances on `nodes`, all or nothing (placing.py: `Placer.allocate`)."""
+        return await self.placer.allocate(nodes, strategy, count, requests, given_ids, request_id, **options)
 
     async def placements(self, ids: list[str]) -> list[Allocation]:
-        """The placements of those of `ids` a node holds for the caller (placed for it, not only
-        visible to it), in the order of `ids`, as the ledger holds them (an instance released since
-        is left out)."""
-        caller = current_caller.get()
-        located = await self.store.located(ids)
-        read = await asyncio.gather(*(self.store.load_with_ledger(n, held) for n, held in located.nodes.items()))
-        order = {wid: i for i, wid in enumerate(ids)}
-        found = [
-            Allocation(wid, record.name, resource, self.plugins.engine_params(resource))
-            for record, ledger in read if record is not None
-            for wid, resource in ledger.resources.items() if ledger.owner(wid) == caller.name
-        ]
-        return sorted(found, key=lambda allocation: order[allocation.workload_id])
-
-    async def _plan(
-        self, nodes: Selection, strategy: str, count: int, requests: Keyed, *, fresh: bool = False
-    ) -> tuple[dict[str, int], Reservation]:
-        """Where the instances go, reserved in the view until each node's deploy is settled
-        (`fresh`: a plan before was refused at its commit: wait for the view's nodes to be read)."""
-        if nodes.single:
-            return {nodes.single: count}, Reservation.none()
-        # pack plans on this worker's own nodes first: only those need reading again (see view.plan);
-        # sampled spread reads only the nodes it draws (see Fleet.plan_sampled)
-        sample = self.spread_sample if strategy == "spread" else None
-        view = await self.fleet.view(list(self.plugins), nodes, requests, planning=strategy == "pack",
-                                     sample=sample, fresh=fresh)
-        if strategy == "each":
-            return view.plan_each(count)
-
-        async def plan() -> tuple[dict[str, int], Reservation]:
-            if sample is not None and sample.applies(view):
-                return await self.fleet.plan_sampled(view, nodes, count, sample)
-            # pack steps aside from a node another worker is filling; spread must not (it would
-            # take a busier node), it plans again when the node it chose moved (`unmoved`)
-            return view.plan(strategy, count, self.fleet.views.contended if strategy == "pack" else _never)
-
-        try:
-            return await plan()
-        except BerthError as error:
-            if error.code != "insufficient_capacity" or not view.stale:
-                raise
-        # Other workers' nodes that changed were not read again for planning; before refusing, do.
-        await self.fleet.refresh(view, nodes)
-        return await plan()
-
-    async def _check_reply_fits(self, plan: dict[str, int], ids: list[str], requests: Keyed, limit: int) -> None:
-        """Refuse a plan whose answer NATS could not carry: placed and unanswered, it would hold
-        capacity nobody knows of. The size is one instance's entry times the instances; the entry is
-        computed (one instance on the plan's first node) only when even empty entries come near."""
-        longest_id, longest_node = max(ids, key=len), max(plan, key=len)
-        floor = _entry_size(Allocation(longest_id, longest_node, {}, {}))
-        if len(ids) * floor * 32 > limit:  # a computed entry is rarely 32 times an empty one
-            entry = await self._sample_entry(next(iter(sorted(plan))), requests)
-            floor = _entry_size(Allocation(longest_id, longest_node, *entry)) if entry else floor
-        if len(ids) * floor > limit:
-            raise reply_too_large("deploy_count", len(ids) * floor, limit, "allocate fewer instances at once")
-
-    async def _sample_entry(self, node: str, requests: Keyed) -> tuple[Raw, Raw] | None:
-        """One instance's (workload resource, engine params) on `node`, or None when none fits
-        there now (the commit will say so)."""
-        try:
-            deployment = self.plugins.deploy(await self._load(node, list(self.plugins)), 1, requests)
-        except BerthError:
-            return None
-        return deployment.workloads_resource[0], deployment.engines_params[0]
+        """What a node holds of `ids` for the caller (placing.py: `Placer.placements`)."""
+        return await self.placer.placements(ids)
 
     async def release(self, ids: list[str]) -> list[str]:
         """Return the workloads' resources to their nodes, once per request; ids nobody holds are
@@ -568,24 +358,12 @@ class AllocationManager:
         caller = current_caller.get()
         located = await self.store.located(ids)
         if not caller.holds_everything:
-            refuse_unowned(caller, ids, await self._held_owners(located.nodes))
+            refuse_unowned(caller, ids, await self.store.held_owners(located.nodes))
         return await self.committer.release(ids, located, caller.holds, once=True)
 
     async def give_back(self, ids: list[str], owner: str | None) -> list[str]:
         """Release workloads that no answer named, placed for `owner` (see `Committer.give_back`)."""
         return await self.committer.give_back(ids, owner)
-
-    async def _refuse_held(self, ids: list[str]) -> None:
-        """Workload ids are unique across the platform: an id that any node holds, whoever placed
-        it, is `workload_exists` (a node's own commit refuses one it holds; this finds the others)."""
-        held = await self._held_owners((await self.store.located(ids)).nodes)
-        if held:
-            raise workload_exists(min(held))
-
-    async def _held_owners(self, by_node: dict[str, list[str]]) -> dict[str, str | None]:
-        """Each of the ids (by the node the index places them on) that its node holds -> its owner."""
-        read = await asyncio.gather(*(self.store.load_with_ledger(n, ids) for n, ids in by_node.items()))
-        return {wid: ledger.owner(wid) for _, ledger in read for wid in ledger.resources}
 
     async def realloc(self, workload_id: str, requests: Keyed) -> tuple[str, Reallocation]:
         """A held workload's new resources, committed; returns its node and the reallocation."""
@@ -633,10 +411,6 @@ class AllocationManager:
         return records, await self.store.leases([r.name for r in records]), total
 
 
-def _never(node: str) -> bool:
-    return False
-
-
 def refuse_unowned(caller: Caller, ids: list[str], owners: dict[str, str | None]) -> None:
     """Refuse the first of `ids` that a node holds (`owners`: each held id's owner, None for none)
     for an owner `caller` may not act on."""
@@ -648,10 +422,6 @@ def refuse_unowned(caller: Caller, ids: list[str], owners: dict[str, str | None]
 def visible(caller: Caller, ledger: Ledger) -> dict[str, Raw]:
     """The ledger's entries `caller` may see: a tenant only its own."""
     return {wid: resource for wid, resource in ledger.resources.items() if caller.sees(ledger.owner(wid))}
-
-
-def _entry_size(entry: Allocation) -> int:
-    return len(encode(entry)) + 1  # and a byte or so of the list around them
 
 
 def as_map(state: PluginState) -> Raw:

@@ -225,6 +225,11 @@ class NodeStore:
         resources = {wid: _decode_map(v) for wid, v in zip(workload_ids, held) if v}
         return record, Ledger(resources, {wid: o.decode() for wid, o in zip(workload_ids, owners) if o})
 
+    async def held_owners(self, by_node: dict[str, list[str]]) -> dict[str, str | None]:
+        """Each of the ids (by the node the index places them on) that its node holds -> its owner."""
+        read = await asyncio.gather(*(self.load_with_ledger(n, ids) for n, ids in by_node.items()))
+        return {wid: ledger.owner(wid) for _, ledger in read for wid in ledger.resources}
+
     async def applied(self, nodes: list[str], marker: str) -> dict[str, AlreadyApplied]:
         """The answers kept for the request `marker` on those of `nodes` it was applied to."""
         found = await asyncio.gather(
