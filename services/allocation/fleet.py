@@ -75,7 +75,8 @@ class Fleet:
             async with view.lock:
                 await self._refresh(view, nodes, owned_only=False)
         elif sample is not None and sample.applies(view):
-            await self._refresh_some(view, nodes, view.take_stale_without_room())
+            if view.stale_roomless:
+                await self._refresh_some(view, nodes, view.take_stale_without_room())
         elif (view.stale_owned if planning else view.stale) and (fresh or not view.lock.locked()):
             # Nodes other workers changed: read them again, but let no request wait for it (the
             # view is a hint; every commit re-checks the node), or each would queue on the lock;
