@@ -35,6 +35,7 @@ What the runtime adds to `nats.micro`:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import time
@@ -399,7 +400,8 @@ class Service:
         return f"{scope}@{self.id}" if spec.broadcast else scope
 
     async def _call(self, spec: EndpointSpec, req: Any, *, keep: bool = False) -> Reply:
-        with collecting() as writes:
+        # The keys a request writes are noted only when its answer waits for replicas to hold them.
+        with collecting() if self.replicas is not None else contextlib.nullcontext() as writes:
             try:
                 answer = await spec.handler(req)
                 reply = Reply(body=encode(answer), recipe=spec.keep(req, answer) if keep and spec.keep else None)
