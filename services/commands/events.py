@@ -19,7 +19,7 @@ import re
 import signal
 import sys
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 from nats.aio.client import Client
@@ -37,6 +37,9 @@ from services.commands.exits import EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, Comma
 from services.commands.output import decode_msgpack, emit, to_json
 
 log = logging.getLogger("berth.cli")
+
+# Where an event goes: `(subject, data, **where)`, where being the stream and sequence of a replayed one.
+Deliver = Callable[..., None]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -213,8 +216,8 @@ class Replay:
         except NotFoundError:
             return False
 
-    async def deliver(self, printer: EventPrinter) -> None:
-        """Fetch and print until cancelled."""
+    async def deliver(self, deliver: Deliver) -> None:
+        """Fetch and hand on until cancelled."""
         while True:
             try:
                 batch = await self.pull.fetch(self.BATCH, timeout=self.WAIT)
@@ -228,7 +231,7 @@ class Replay:
             for msg in batch:
                 sequence = msg.metadata.sequence.stream
                 self.position = {"deliver_policy": DeliverPolicy.BY_START_SEQUENCE, "opt_start_seq": sequence + 1}
-                printer.print(msg.subject, msg.data, stream=self.stream, seq=sequence)
+                deliver(msg.subject, msg.data, stream=self.stream, seq=sequence)
 
     async def close(self) -> None:
         if self.consumer is not None:
@@ -266,71 +269,100 @@ class EventPrinter:
                 self.done.set()
 
 
+class Feed:
+    """The events on `subject` (a pattern below nothing: the prefix included), each handed to
+    `deliver(subject, data, **where)`: with a `start`, those the streams kept since then first,
+    through one `Replay` per stream, which then goes on live; a plain subscription brings the
+    subjects no stream keeps. `note` is told where events will be live only. `berth events` prints
+    what it delivers; `berth.Client.events` iterates it. `args` gives the prefix, the JetStream
+    domain and the timeout of each JetStream call."""
+
+    def __init__(self, connection: Connection, nc: Client, args: argparse.Namespace, subject: str,
+                 start: datetime | None, deliver: Deliver, note: Callable[[str], None]) -> None:
+        self.connection, self.nc, self.args, self.subject, self.start = connection, nc, args, subject, start
+        self.deliver, self.note = deliver, note
+        self.replays: list[Replay] = []
+        self.fetching: list[asyncio.Future] = []  # the replays' deliveries: one that fails ends the feed
+        self.kept: list[str] = []  # subjects the streams deliver: the live subscription skips them
+        self.subscription = None
+
+    async def open(self) -> None:
+        """Replay and subscribe (undone by `close`, which is due even when this fails)."""
+        connection, nc, args, start = self.connection, self.nc, self.args, self.start
+        if start is not None:
+            kept_by = await connection.unless_refused(streams_for(nc, self.subject, args))
+            if not kept_by:
+                self.note(f"no stream keeps {self.subject}: live events only")
+            js = nc.jetstream(timeout=args.timeout, domain=args.js_domain)
+            slots = ([f"{connection.user}-{k}" for k in range(CONSUMER_SLOTS)]
+                     if args.js_domain and connection.user else None)
+            for name, stream_subjects in kept_by:
+                filters = sorted({part for kept in stream_subjects if (part := intersect(self.subject, kept))})
+                if not filters:
+                    continue
+                replay = Replay(js, name, filters, start, slots)
+                try:
+                    await connection.unless_refused(replay.open())
+                except NotFoundError:  # berth's stream of a service that never ran
+                    self.note(f"no stream {name} (yet): live events only for {', '.join(filters)}")
+                    continue
+                except (NatsError, NatsTimeout) as error:
+                    raise CommandError(f"cannot replay from {name}: {describe(error)}", EXIT_UNREACHABLE) from None
+                self.replays.append(replay)
+                self.kept += stream_subjects
+                log.info("replaying %s from %s since %s", filters, name, start.isoformat())
+            self.fetching = [asyncio.ensure_future(replay.deliver(self.deliver)) for replay in self.replays]
+
+        async def live(msg) -> None:
+            if not any(subject_matches(stream_subject, msg.subject) for stream_subject in self.kept):
+                self.deliver(msg.subject, msg.data)
+
+        self.subscription = await nc.subscribe(self.subject, cb=live)
+        await connection.unless_refused(subscriptions_in_place(nc, args.timeout, as_client=True))
+        log.info("live on %s", self.subject)
+
+    def failed(self) -> BaseException | None:
+        """The error of a replay that ended."""
+        for replay in self.fetching:
+            if replay.done() and not replay.cancelled() and replay.exception():
+                return replay.exception()
+        return None
+
+    async def close(self) -> None:
+        await cancel_and_wait(*self.fetching)
+        for replay in self.replays:
+            await replay.close()
+        if self.subscription is not None:
+            try:
+                await self.subscription.unsubscribe()
+            except Exception as error:
+                log.info("unsubscribing: %r", error)
+
+
 async def events_command(args: argparse.Namespace) -> int:
     pattern = check_pattern(args.pattern)
     if args.count is not None and args.count < 1:
         raise CommandError("--count must be at least 1", EXIT_USAGE)
     start = parse_since(args.since) if args.since else None
-    subject = f"{args.prefix}.events.{pattern}"
     printer = EventPrinter(args.count)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    subscriptions = []
-    replays: list[Replay] = []
-    fetching: list[asyncio.Future] = []
-    kept: list[str] = []  # subjects the streams deliver: the live subscription skips them
     connection = Connection(args)
     async with connection as nc:
+        feed = Feed(connection, nc, args, f"{args.prefix}.events.{pattern}", start, printer.print,
+                    lambda text: print(f"berth events: {text}", file=sys.stderr, flush=True))
         try:
-            if start is not None:
-                kept_by = await connection.unless_refused(streams_for(nc, subject, args))
-                if not kept_by:
-                    print(f"berth events: no stream keeps {subject}: live events only", file=sys.stderr, flush=True)
-                js = nc.jetstream(timeout=args.timeout, domain=args.js_domain)
-                slots = ([f"{connection.user}-{k}" for k in range(CONSUMER_SLOTS)]
-                         if args.js_domain and connection.user else None)
-                for name, stream_subjects in kept_by:
-                    filters = sorted({part for kept in stream_subjects if (part := intersect(subject, kept))})
-                    if not filters:
-                        continue
-                    replay = Replay(js, name, filters, start, slots)
-                    try:
-                        await connection.unless_refused(replay.open())
-                    except NotFoundError:  # berth's stream of a service that never ran
-                        print(f"berth events: no stream {name} (yet): live events only for {', '.join(filters)}",
-                              file=sys.stderr, flush=True)
-                        continue
-                    except (NatsError, NatsTimeout) as error:
-                        raise CommandError(f"cannot replay from {name}: {describe(error)}", EXIT_UNREACHABLE) from None
-                    replays.append(replay)
-                    kept += stream_subjects
-                    log.info("replaying %s from %s since %s", filters, name, start.isoformat())
-                fetching = [asyncio.ensure_future(replay.deliver(printer)) for replay in replays]
-
-            async def live(msg) -> None:
-                if not any(subject_matches(stream_subject, msg.subject) for stream_subject in kept):
-                    printer.print(msg.subject, msg.data)
-
-            subscriptions.append(await nc.subscribe(subject, cb=live))
-            await connection.unless_refused(subscriptions_in_place(nc, args.timeout, as_client=True))
-            log.info("live on %s", subject)
+            await feed.open()
             waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(printer.done.wait())]
-            waiters += fetching  # a replay that fails ends the command with its error
+            waiters += feed.fetching  # a replay that fails ends the command with its error
             try:  # until Ctrl-C, --count, or the server refusing our subscriptions
                 await connection.unless_refused(asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED))
-                for replay in fetching:
-                    if replay.done() and not replay.cancelled() and replay.exception():
-                        raise replay.exception()
+                if (error := feed.failed()) is not None:
+                    raise error
             finally:
                 await cancel_and_wait(*waiters)
         finally:
-            for replay in replays:
-                await replay.close()
-            for subscription in subscriptions:
-                try:
-                    await subscription.unsubscribe()
-                except Exception as error:
-                    log.info("unsubscribing: %r", error)
+            await feed.close()
     return EXIT_OK
