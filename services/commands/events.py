@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import msgspec
 from nats.aio.client import Client
+from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
@@ -234,6 +235,13 @@ class Replay:
                 deliver(msg.subject, msg.data, stream=self.stream, seq=sequence)
 
     async def close(self) -> None:
+        """Unsubscribe (on a connection that goes on, as the Python client's, a pull subscription
+        left behind would hold up its drain) and remove the consumer."""
+        if self.pull is not None:
+            try:
+                await self.pull.unsubscribe()
+            except Exception as error:
+                log.info("unsubscribing from the consumer: %r", error)
         if self.consumer is not None:
             try:
                 await self.js.delete_consumer(self.stream, self.consumer)
@@ -282,9 +290,9 @@ class Feed:
         self.connection, self.nc, self.args, self.subject, self.start = connection, nc, args, subject, start
         self.deliver, self.note = deliver, note
         self.replays: list[Replay] = []
-        self.fetching: list[asyncio.Future] = []  # the replays' deliveries: one that fails ends the feed
+        self.fetching: list[asyncio.Task] = []  # the replays' deliveries: one that fails ends the feed
         self.kept: list[str] = []  # subjects the streams deliver: the live subscription skips them
-        self.subscription = None
+        self.subscription: Subscription | None = None
 
     async def open(self) -> None:
         """Replay and subscribe (undone by `close`, which is due even when this fails)."""
@@ -297,7 +305,8 @@ class Feed:
             slots = ([f"{connection.user}-{k}" for k in range(CONSUMER_SLOTS)]
                      if args.js_domain and connection.user else None)
             for name, stream_subjects in kept_by:
-                filters = sorted({part for kept in stream_subjects if (part := intersect(self.subject, kept))})
+                filters = sorted({part for kept in stream_subjects
+                                  if (part := intersect(self.subject, kept))})
                 if not filters:
                     continue
                 replay = Replay(js, name, filters, start, slots)
@@ -355,7 +364,8 @@ async def events_command(args: argparse.Namespace) -> int:
                     lambda text: print(f"berth events: {text}", file=sys.stderr, flush=True))
         try:
             await feed.open()
-            waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(printer.done.wait())]
+            waiters: list[asyncio.Task] = [asyncio.ensure_future(stop.wait()),
+                                           asyncio.ensure_future(printer.done.wait())]
             waiters += feed.fetching  # a replay that fails ends the command with its error
             try:  # until Ctrl-C, --count, or the server refusing our subscriptions
                 await connection.unless_refused(asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED))
