@@ -1,12 +1,17 @@
 """`berth.Client` against real servers: how it connects, a method for every command of every table,
-error replies as exception families, request ids and retries, events with replay, a metric watch."""
+error replies as exception families, request ids and retries, events with replay, a metric watch,
+and an example that type-checks."""
 
 from __future__ import annotations
 
 import asyncio
 import inspect
 import os
+import shutil
+import subprocess
+import sys
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -26,6 +31,7 @@ from services.metrics.config import MetricsServiceConfig
 from services.metrics.worker import MetricsWorker
 from services.registry import contracts
 
+ROOT = Path(__file__).resolve().parent.parent
 ONE_CORE = {"cpumem": {"cpu-request": 1, "memory-request": "1G"}}
 
 
@@ -299,3 +305,30 @@ async def test_metrics_watch_yields_the_samples_put(nc, redis, prefix, serve, be
         assert caught.value.code == "metric_not_found"
     finally:
         await worker.stop()
+
+
+# -- the example type-checks -------------------------------------------------------------------
+
+
+def _mypy() -> list[str] | None:
+    if shutil.which("mypy", path=str(Path(sys.executable).parent)):
+        return [str(Path(sys.executable).parent / "mypy")]
+    try:
+        import mypy  # noqa: F401
+    except ImportError:
+        return None
+    return [sys.executable, "-m", "mypy"]
+
+
+def test_the_example_and_the_client_type_check():
+    """examples/quickstart.py and berth/ pass mypy (what they import is checked only as they use it)."""
+    mypy = _mypy()
+    if mypy is None:
+        pytest.skip("mypy is not installed in this environment (pip install mypy)")
+    run = subprocess.run(
+        [*mypy, "--follow-imports=silent", "--cache-dir", str(ROOT / ".mypy_cache"), "--no-error-summary",
+         "examples/quickstart.py", "berth"],
+        cwd=ROOT, capture_output=True, text=True, timeout=240,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
