@@ -6,6 +6,7 @@ when an import goes the other way (one anywhere in a module counts, a deferred o
     services/  shared modules (settings, processes/, accounts, credentials, tls, redis_functions),
                then the service packages (allocation/, broker/, metrics/, agent/), then the entry
                points (cli, commands/, runner, supervisor, servers, registry, dashboard/)
+    berth/     the product's face (the Python client): imports any of the above, none of them it
 
 Every message Struct is in schemas/ (`schemas/<service>.py`); a service's table of commands and
 events (`services/<service>/commands.py`) imports only schemas/ and bus/, so that `berth schema` and
@@ -41,7 +42,7 @@ IO_MODULES = ("services.allocation.store", "redis", "nats")
 
 def _modules() -> dict[str, Path]:
     found = {}
-    for top in ("bus", "schemas", "services"):
+    for top in ("berth", "bus", "schemas", "services"):
         for path in (ROOT / top).rglob("*.py"):
             parts = path.relative_to(ROOT).with_suffix("").parts
             found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
@@ -77,7 +78,8 @@ def service_of(module: str) -> str | None:
 def test_the_rules_see_every_layer():
     """The walk finds the modules the rules speak of (a rule over nothing would pass for ever)."""
     for module in ("schemas.subjects", "bus.service", "services.settings", "services.allocation.commands",
-                   "schemas.metric_scopes", "services.allocation.plugins.plugin_set", "services.cli"):
+                   "schemas.metric_scopes", "services.allocation.plugins.plugin_set", "services.cli",
+                   "berth.client"):
         assert module in MODULES
     assert "bus.service" in imports("services.allocation.commands")
     assert "schemas.allocation" in imports("services.allocation.commands")
@@ -86,6 +88,12 @@ def test_the_rules_see_every_layer():
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if within(m, "schemas")))
 def test_the_contract_layer_imports_no_other(module):
     assert not {i for i in imports(module) if within(i, "bus", "services")}
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if not within(m, "berth")))
+def test_nothing_imports_the_product_face(module):
+    """berth/ is the top: the client imports services/, bus/ and schemas/, and none of them it."""
+    assert not {i for i in imports(module) if within(i, "berth")}
 
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if within(m, "bus")))
