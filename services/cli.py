@@ -102,6 +102,18 @@ def _services_to_start() -> dict[str, str]:
 
 
 def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
+    """One `berth up` per state folder, holding its lock while it runs (services/up_lock.py)."""
+    from services.up_lock import FolderInUse, hold
+
+    state = Path(args.state).resolve()
+    try:
+        with hold(state) as lock:
+            return _up(args, state, lock)
+    except FolderInUse as error:
+        raise SystemExit(f"berth up: {error}") from None
+
+
+def _up(args: argparse.Namespace, state: Path, lock) -> int:
     from services.credentials import REDIS_ADMIN, prepare
     from services.redis_functions import FIRST_VERSION
     from services.servers import (
@@ -113,7 +125,6 @@ def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
         start_redis_cluster,
     )
 
-    state = Path(args.state).resolve()
     # Credentials (unless --no-auth): users and permissions for the servers we start, a user per
     # worker, see services/credentials.py. A server given by URL is used as it is. On a Redis that
     # has Functions, berth's scripts are loaded as such, and the workers' users may only call them.
@@ -138,6 +149,7 @@ def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
                            if args.cluster
                            else start_nats(state / "nats", args.nats_port, config=nats_config, tls=tls, host=host))
             args.nats = servers[-1].url
+            lock.note_servers(servers[-1])
         if not args.redis:
             limit = memory_limit(args.redis_maxmemory)
             servers.append(
@@ -147,6 +159,7 @@ def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
                 else start_redis(state / "redis", args.redis_port, config=redis_config, extra=limit, tls=tls, host=host)
             )
             args.redis = servers[-1].url
+            lock.note_servers(servers[-1])
             if functions:  # before any worker looks for them
                 _load_functions(creds.redis_url(REDIS_ADMIN, args.redis) if creds else args.redis, tls)
         if creds and own_nats:  # no worker's user may set a stream up (services/streams.py)
@@ -174,7 +187,7 @@ def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
         if not supervisor.children:
             print("no service is installed yet; serving NATS and Redis only", flush=True)
         if creds and own_nats:  # hosts that join with a one-time token (services/join.py)
-            join_env = {**os.environ, **tls_env, "NATS_URL": args.nats}
+            join_env = {**os.environ, **tls_env, "NATS_URL": args.nats, DEPLOYMENT: str(state)}
             supervisor.add("join", [sys.executable, "-m", "services.cli", "join-service", "--state", str(state)],
                            join_env, client=True)
         if not args.no_dashboard:  # the live dashboard (services/dashboard/), a bus client as the client user
@@ -184,7 +197,7 @@ def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
             dashboard = [sys.executable, "-m", "services.cli", "dashboard", "--prefix", args.prefix,
                          "--port", str(port), "--quiet"]
             # no password on a command line
-            env = {**os.environ, **tls_env, **js_env, "NATS_URL": dashboard_url}
+            env = {**os.environ, **tls_env, **js_env, "NATS_URL": dashboard_url, DEPLOYMENT: str(state)}
             supervisor.add("dashboard", dashboard, env, client=True)  # stopped before the services it asks
             print(f"dashboard: http://127.0.0.1:{port}/", flush=True)
         print("berth is up; Ctrl-C stops everything", flush=True)
