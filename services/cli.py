@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 from services import commands
@@ -29,6 +30,7 @@ from services.settings import (
 )
 from services.servers import LOOPBACK
 from services.supervisor import Supervisor, worker_argv
+from services.up_ready import announce, berth_command, next_steps
 
 log = logging.getLogger("berth")
 
@@ -143,6 +145,7 @@ def _up(args: argparse.Namespace, state: Path, lock) -> int:
     host = args.listen
     servers = []
     up_env: Path | None = None
+    stopping = threading.Event()
     try:
         if not args.nats:
             servers.append(start_nats_cluster(state / "nats-cluster", config=nats_config, tls=tls, host=host)
@@ -206,14 +209,28 @@ def _up(args: argparse.Namespace, state: Path, lock) -> int:
             where = (", ".join(f"{name} http://{host}:{args.metrics_base_port + i}/metrics" for i, name in enumerate(scraped))
                      if args.metrics_base_port else f"each worker on a free port of {host}, named in its ready line")
             print(f"metrics: {where}", flush=True)
+        if started := list(_services_to_start()):  # once they answer: what to do next
+            node = _local_node() if "agent" in started and "allocation" in started else None
+            lines = next_steps(berth=berth_command(), where=_where_commands_find_it(state, up_env), node=node,
+                               dashboard=None if args.no_dashboard else f"http://127.0.0.1:{port}/")
+            announce(dashboard_url, str(tls.ca) if tls else None, args.prefix, started, node, lines, stopping)
         return supervisor.run()
     finally:
+        stopping.set()
         if up_env is not None:
             remove_up_env(up_env, os.getpid())
         _stop_launched(state)
         for server in reversed(servers):
             server.stop()
         print("berth stopped", flush=True)
+
+
+def _where_commands_find_it(state: Path, up_env: Path | None) -> str:
+    """From where `berth status/call/...` find this deployment: the folder of its state, or a
+    BERTH_STATE set, or (no up.env) the variables printed."""
+    if up_env is None:
+        return "with the variables above set"
+    return "in this folder" if state == Path(state_dir()).resolve() else f"with BERTH_STATE={state} set"
 
 
 def _set_up_streams(args: argparse.Namespace, creds, tls) -> None:
@@ -267,10 +284,8 @@ def _print_connection(args: argparse.Namespace, state: Path, creds, tls) -> Path
                      "NAME --role tenant|reader|admin` makes more; the services' users, and Redis's administrator "
                      "'default', are in credentials.json)")
     if up_env:
-        here = state == Path(state_dir()).resolve()
-        found = "run in this folder" if here else f"with BERTH_STATE={state}"
-        lines.append(f"{up_env}: these variables, which `berth status/call/nodes/events` {found} read when "
-                     "given no --nats and no NATS_URL")
+        lines.append(f"{up_env}: these variables, which `berth status/call/nodes/events` run "
+                     f"{_where_commands_find_it(state, up_env)} read when given no --nats and no NATS_URL")
     print("\n".join(lines), flush=True)
     return up_env
 
