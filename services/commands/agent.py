@@ -128,9 +128,8 @@ async def drain_command(args: argparse.Namespace) -> int:
             subject = f"agent.{args.node}.{command}"
             try:
                 return await connection.unless_refused(client.request(subject, payload, dict))
-            except NoResponders:
-                raise CommandError(f"no agent answers on {client.subject(subject)} (is `berth agent` running "
-                                   f"for node {args.node!r} under prefix {args.prefix!r}?)", EXIT_NO_ANSWER) from None
+            except NoResponders as error:  # no agent serves the node (the message says so)
+                raise CommandError(error.message, EXIT_NO_ANSWER) from None
             except RequestTimeout as error:
                 raise CommandError(error.message, EXIT_NO_ANSWER) from None
             except BusError as error:
