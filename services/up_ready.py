@@ -46,7 +46,8 @@ def next_steps(*, berth: str, where: str, node: str | None, dashboard: str | Non
         request = ('{"nodenames": ["%s"], "deploy_count": 1, "dry_run": true, '
                    '"workload_resource_request": {"cpumem": {"cpu-request": 1, "memory-request": "1G"}}}' % node)
         lines += [f"  {berth} call resource.allocate '{request}'",
-                  f"  {'':<{width}}  where a workload would go on node {node}, this machine (dry_run: nothing is held)"]
+                  f"  {'':<{width}}  where a workload would go on node {node}, this machine "
+                  "(dry_run: nothing is held)"]
     if dashboard:
         lines.append(f"  the dashboard: {dashboard}")
     lines.append("  Ctrl-C here stops everything; `berth up` again on this state folder keeps the data")
@@ -61,7 +62,8 @@ def services_of(prefix: str, started: list[str]) -> list[str]:
 
 async def _registered(nc, prefix: str, node: str) -> bool:
     """Whether allocation lists `node` (its agent registers it once allocation answers)."""
-    reply = await BusClient(nc, prefix=prefix, timeout=2.0).request("resource.list-nodes", {"nodenames": [node]})
+    client = BusClient(nc, prefix=prefix, timeout=2.0)
+    reply: dict = await client.request("resource.list-nodes", {"nodenames": [node]})
     return bool(reply.get("nodes"))
 
 

@@ -91,7 +91,8 @@ def _next_steps_work(up: subprocess.Popen, state: Path, env: dict[str, str]) -> 
     lines = read_until(up, "Ctrl-C here stops everything", timeout=120)
     start = next(i for i, line in enumerate(lines) if line.startswith("berth is ready: "))
     steps = lines[start:]
-    assert steps[0] == f"berth is ready: allocation, broker, agent, metrics answer; node {default_node()} is this machine"
+    node = default_node()
+    assert steps[0] == f"berth is ready: allocation, broker, agent, metrics answer; node {node} is this machine"
     assert steps[1] == f"next, from another shell with BERTH_STATE={state} set:"
     tries = [shlex.split(line.strip().split("  ")[0]) for line in steps[2:] if line.strip().startswith("berth ")]
     assert [argv[:2] for argv in tries] == [["berth", "status"], ["berth", "nodes"], ["berth", "events"],
@@ -104,7 +105,7 @@ def _next_steps_work(up: subprocess.Popen, state: Path, env: dict[str, str]) -> 
         done = subprocess.run([*BERTH, *argv[1:]], capture_output=True, text=True, timeout=60, cwd=ROOT, env=user)
         assert done.returncode == 0, (argv, done.stderr)
     placed = json.loads(done.stdout)  # the dry run: where one workload would go
-    assert [a["nodename"] for a in placed["allocations"]] == [default_node()]
+    assert [a["nodename"] for a in placed["allocations"]] == [node]
 
 
 def test_schema_groups_messages_by_subject(tmp_path):
