@@ -102,8 +102,8 @@ def _when(record: dict) -> str:
 
 def in_use(state: Path, holder: dict) -> str:
     """What a second `berth up` is told: who runs the folder, where its servers are, and what to do."""
-    pid = holder.get("pid", "?")
-    who = f"the `berth up` of pid {pid}, started {_when(holder)}"
+    pid = holder.get("pid")
+    who = f"the `berth up` of pid {pid}, started {_when(holder)}" if pid else "another `berth up`"
     values = read_up_env(state / UP_ENV)
     if values:
         urls = ", ".join(f"{name}={values[name]}" for name in ("NATS_URL", "REDIS_URL", "BERTH_PREFIX")
@@ -112,7 +112,8 @@ def in_use(state: Path, holder: dict) -> str:
     else:
         where = f"; it is still starting, or its URLs carry a password ({state / UP_ENV} is not there)"
     return (f"{state} is in use by {who}{where}. Nothing of it was changed. Use that deployment (`berth status` "
-            f"with BERTH_STATE={state}), stop it first (Ctrl-C where it runs, or kill {pid}), or give another --state")
+            f"with BERTH_STATE={state}), stop it first (Ctrl-C where it runs{f', or kill {pid}' if pid else ''}), "
+            "or give another --state")
 
 
 def stop_leftovers(state: Path, previous: dict, grace: float = 5.0) -> str:

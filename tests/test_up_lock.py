@@ -11,11 +11,31 @@ import subprocess
 import time
 from pathlib import Path
 
-from services.commands.connection import read_up_env
+import pytest
+
+from services.commands.connection import read_up_env, write_up_env
 from services.processes.procfs import is_running, start_time
+from services.up_lock import FolderInUse, hold
 from tests.cli_helpers import BERTH, ROOT, processes_mentioning, read_until
 
 ENV = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "REDIS_URL", "BERTH_STATE")}
+
+
+def test_the_lock_is_held_for_the_block_and_says_who_holds_it(tmp_path):
+    state = tmp_path / "state"
+    with hold(state) as lock:
+        write_up_env(state / "up.env", {"NATS_URL": "tls://127.0.0.1:1", "REDIS_URL": "rediss://127.0.0.1:2/0",
+                                        "BERTH_PREFIX": "p"})
+        with pytest.raises(FolderInUse) as refused:  # another open of the file: flock refuses it too
+            with hold(state):
+                pass
+        said = str(refused.value)
+        assert said.startswith(f"{state} is in use by the `berth up` of pid {os.getpid()}, started ")
+        assert "its servers: NATS_URL=tls://127.0.0.1:1, REDIS_URL=rediss://127.0.0.1:2/0, BERTH_PREFIX=p" in said
+        assert json.loads((state / "up.lock").read_text())["pid"] == os.getpid() == lock.record["pid"]
+    assert (state / "up.lock").read_text() == ""  # a clean stop leaves no record: nothing to clean up next time
+    with hold(state):  # and the lock is free again
+        pass
 
 
 def _up(state: Path, log: Path) -> subprocess.Popen:
