@@ -29,6 +29,7 @@ from nats.micro.request import ERROR_CODE_HEADER, ERROR_HEADER
 from bus.codec import decode_stored, encode
 from schemas.common import ErrorBody
 from schemas.errors import BusError, NoResponders, RequestTimeout
+from schemas.subjects import served_node
 
 T = TypeVar("T")
 
@@ -76,7 +77,7 @@ class BusClient:
         try:
             return await self.nc.request(full, data, timeout=wait)
         except NoRespondersError:
-            raise NoResponders(full) from None
+            raise NoResponders(full, served_node(subject)) from None
         except NatsTimeout:
             raise RequestTimeout(full, wait) from None
 

@@ -143,10 +143,15 @@ class RequestTimeout(BusError):
 
 
 class NoResponders(BusError):
-    """Nobody listens on the subject (no worker of that service is running)."""
+    """Nobody listens on the subject: no worker of that service is running, or, on a subject only a
+    node's agent answers (`node`: `schemas.subjects.served_node`), no agent of that node."""
 
-    def __init__(self, subject: str) -> None:
-        super().__init__("no_responders", f"no service answers on {subject}", {"subject": subject})
+    def __init__(self, subject: str, node: str | None = None) -> None:
+        if node is None:
+            super().__init__("no_responders", f"no service answers on {subject}", {"subject": subject})
+        else:
+            super().__init__("no_responders", f"no agent serves node {node} (nobody answers on {subject}: is "
+                             "`berth agent` running there?)", {"subject": subject, "node": node})
 
 
 def answered_nothing(error: BusError) -> bool:

@@ -48,3 +48,14 @@ def escape_token(text: str) -> str:
 
 def _percent(ch: str) -> str:
     return "".join(f"%{byte:02X}" for byte in ch.encode())
+
+
+# The services a host's agent serves for its node alone: their commands are `<service>.<node>.<command>`
+# below the prefix (schemas/agent.py, schemas/metrics.py), answered by that node's agent or nobody.
+NODE_SERVICES = ("agent", "metrics")
+
+
+def served_node(subject: str) -> str | None:
+    """The node whose agent alone answers `subject` (below the prefix: `metrics.n9.get` -> n9), else None."""
+    tokens = subject.split(".")
+    return tokens[1] if len(tokens) >= 3 and tokens[0] in NODE_SERVICES else None

@@ -140,6 +140,13 @@ def visible_events(prefix: str, identity: Identity) -> list[str]:
     return [subject for subjects in consumer_filters(prefix, identity).values() for subject in subjects]
 
 
+def event_patterns(prefix: str, identity: Identity) -> list[str]:
+    """The patterns `identity` may give `berth events` (below `<prefix>.events.`): what it receives,
+    and what its consumers may filter (a replay of any other is refused)."""
+    root = f"{prefix}.events."
+    return [subject.removeprefix(root) for subject in visible_events(prefix, identity)]
+
+
 def consumer_filters(prefix: str, identity: Identity) -> dict[str, list[str]]:
     """Per stream, the filter subjects `identity`'s consumers may take (each a pattern of subjects);
     a stream's whole subject list means any filter, the stream's default included."""

@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 from services import commands
@@ -29,6 +30,7 @@ from services.settings import (
 )
 from services.servers import LOOPBACK
 from services.supervisor import Supervisor, worker_argv
+from services.up_ready import announce, berth_command, next_steps
 
 log = logging.getLogger("berth")
 
@@ -102,6 +104,18 @@ def _services_to_start() -> dict[str, str]:
 
 
 def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
+    """One `berth up` per state folder, holding its lock while it runs (services/up_lock.py)."""
+    from services.up_lock import FolderInUse, hold
+
+    state = Path(args.state).resolve()
+    try:
+        with hold(state) as lock:
+            return _up(args, state, lock)
+    except FolderInUse as error:
+        raise SystemExit(f"berth up: {error}") from None
+
+
+def _up(args: argparse.Namespace, state: Path, lock) -> int:
     from services.credentials import REDIS_ADMIN, prepare
     from services.redis_functions import FIRST_VERSION
     from services.servers import (
@@ -113,7 +127,6 @@ def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
         start_redis_cluster,
     )
 
-    state = Path(args.state).resolve()
     # Credentials (unless --no-auth): users and permissions for the servers we start, a user per
     # worker, see services/credentials.py. A server given by URL is used as it is. On a Redis that
     # has Functions, berth's scripts are loaded as such, and the workers' users may only call them.
@@ -132,12 +145,14 @@ def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
     host = args.listen
     servers = []
     up_env: Path | None = None
+    stopping = threading.Event()
     try:
         if not args.nats:
             servers.append(start_nats_cluster(state / "nats-cluster", config=nats_config, tls=tls, host=host)
                            if args.cluster
                            else start_nats(state / "nats", args.nats_port, config=nats_config, tls=tls, host=host))
             args.nats = servers[-1].url
+            lock.note_servers(servers[-1])
         if not args.redis:
             limit = memory_limit(args.redis_maxmemory)
             servers.append(
@@ -147,6 +162,7 @@ def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
                 else start_redis(state / "redis", args.redis_port, config=redis_config, extra=limit, tls=tls, host=host)
             )
             args.redis = servers[-1].url
+            lock.note_servers(servers[-1])
             if functions:  # before any worker looks for them
                 _load_functions(creds.redis_url(REDIS_ADMIN, args.redis) if creds else args.redis, tls)
         if creds and own_nats:  # no worker's user may set a stream up (services/streams.py)
@@ -174,7 +190,7 @@ def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
         if not supervisor.children:
             print("no service is installed yet; serving NATS and Redis only", flush=True)
         if creds and own_nats:  # hosts that join with a one-time token (services/join.py)
-            join_env = {**os.environ, **tls_env, "NATS_URL": args.nats}
+            join_env = {**os.environ, **tls_env, "NATS_URL": args.nats, DEPLOYMENT: str(state)}
             supervisor.add("join", [sys.executable, "-m", "services.cli", "join-service", "--state", str(state)],
                            join_env, client=True)
         if not args.no_dashboard:  # the live dashboard (services/dashboard/), a bus client as the client user
@@ -184,7 +200,7 @@ def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
             dashboard = [sys.executable, "-m", "services.cli", "dashboard", "--prefix", args.prefix,
                          "--port", str(port), "--quiet"]
             # no password on a command line
-            env = {**os.environ, **tls_env, **js_env, "NATS_URL": dashboard_url}
+            env = {**os.environ, **tls_env, **js_env, "NATS_URL": dashboard_url, DEPLOYMENT: str(state)}
             supervisor.add("dashboard", dashboard, env, client=True)  # stopped before the services it asks
             print(f"dashboard: http://127.0.0.1:{port}/", flush=True)
         print("berth is up; Ctrl-C stops everything", flush=True)
@@ -193,14 +209,28 @@ def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
             where = (", ".join(f"{name} http://{host}:{args.metrics_base_port + i}/metrics" for i, name in enumerate(scraped))
                      if args.metrics_base_port else f"each worker on a free port of {host}, named in its ready line")
             print(f"metrics: {where}", flush=True)
+        if started := list(_services_to_start()):  # once they answer: what to do next
+            node = _local_node() if "agent" in started and "allocation" in started else None
+            lines = next_steps(berth=berth_command(), where=_where_commands_find_it(state, up_env), node=node,
+                               dashboard=None if args.no_dashboard else f"http://127.0.0.1:{port}/")
+            announce(dashboard_url, str(tls.ca) if tls else None, args.prefix, started, node, lines, stopping)
         return supervisor.run()
     finally:
+        stopping.set()
         if up_env is not None:
             remove_up_env(up_env, os.getpid())
         _stop_launched(state)
         for server in reversed(servers):
             server.stop()
         print("berth stopped", flush=True)
+
+
+def _where_commands_find_it(state: Path, up_env: Path | None) -> str:
+    """From where `berth status/call/...` find this deployment: the folder of its state, or a
+    BERTH_STATE set, or (no up.env) the variables printed."""
+    if up_env is None:
+        return "with the variables above set"
+    return "in this folder" if state == Path(state_dir()).resolve() else f"with BERTH_STATE={state} set"
 
 
 def _set_up_streams(args: argparse.Namespace, creds, tls) -> None:
@@ -254,10 +284,8 @@ def _print_connection(args: argparse.Namespace, state: Path, creds, tls) -> Path
                      "NAME --role tenant|reader|admin` makes more; the services' users, and Redis's administrator "
                      "'default', are in credentials.json)")
     if up_env:
-        here = state == Path(state_dir()).resolve()
-        found = "run in this folder" if here else f"with BERTH_STATE={state}"
-        lines.append(f"{up_env}: these variables, which `berth status/call/nodes/events` {found} read when "
-                     "given no --nats and no NATS_URL")
+        lines.append(f"{up_env}: these variables, which `berth status/call/nodes/events` run "
+                     f"{_where_commands_find_it(state, up_env)} read when given no --nats and no NATS_URL")
     print("\n".join(lines), flush=True)
     return up_env
 

@@ -4,6 +4,8 @@ instances over the bus (admins only), drains, and stops what the node's ledger n
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from schemas.errors import BusError
@@ -129,6 +131,24 @@ async def test_an_instance_whose_workload_was_released_is_stopped(call, start_ag
     assert await agent.reconcile() == ["i-w1"]
     status = await call("agent.h6.status", {"instances": ["i-w1", "i-w2"]})
     assert status["missing"] == ["i-w1"] and [i["instance"] for i in status["instances"]] == ["i-w2"]
+
+
+async def test_an_agent_that_starts_before_the_allocation_service_waits_for_it_without_a_warning(
+        serve_allocation, client, start_agent, caplog):
+    """As in `berth up`, where the agent often serves before allocation does: that is waiting (INFO),
+    not a fault; the node is registered once allocation answers."""
+    caplog.set_level(logging.INFO, logger="berth.agent")
+    await start_agent("h8", cpus=2)  # nothing serves allocation yet
+    waiting = [r for r in caplog.records if r.name == "berth.agent" and "waiting for the allocation" in r.message]
+    assert waiting and waiting[0].levelno == logging.INFO
+    await serve_allocation(lease_interval=0.05)
+    call = requester(client, service=None)
+
+    async def registered():
+        return (await call("resource.list-nodes", {"nodenames": ["h8"]}))["nodes"]
+
+    await eventually(registered, timeout=20)
+    assert not [r.message for r in caplog.records if r.name == "berth.agent" and r.levelno >= logging.WARNING]
 
 
 async def test_a_node_whose_agent_stops_beating_goes_down_and_comes_back(call, start_agent, events):

@@ -181,6 +181,19 @@ async def test_berth_agent_drain_waits_for_the_instances_to_end(spawn_worker, sp
     await registered(client, "busy")
     await client.request("agent.busy.start", {
         "instance": "job", "param": {"image": "http-server", "ports": {"http": "http"}}}, dict)
+
+    def drain_now(node: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "services.cli", "agent", "--node", node, "--drain", "--wait", "0",
+             "--nats", nats_url, "--prefix", prefix], cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+    # the exit status tells "no agent answered" (3) from "accepted, instances still run" (6)
+    nobody = drain_now("nobody")
+    assert nobody.returncode == 3 and "no agent serves node nobody" in nobody.stderr, nobody.stderr
+    accepted = drain_now("busy")
+    assert accepted.returncode == 6, accepted.stderr
+    assert "node busy is draining (it takes no new placement) and still runs 1 instances after 0 s" in accepted.stderr
+    await client.request("agent.busy.drain", {"draining": False}, dict)  # as it was, for the wait below
     drain = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "agent", "--node", "busy", "--drain", "--wait", "60",
          "--nats", nats_url, "--prefix", prefix], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

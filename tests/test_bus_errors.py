@@ -50,6 +50,22 @@ def test_the_shared_errors_carry_their_codes():
     assert (NoResponders("berth.x").code, NoResponders("berth.x").status) == ("no_responders", 503)
 
 
+async def test_nobody_answering_a_nodes_subject_says_no_agent_serves_that_node(client, prefix):
+    """`metrics.<node>.*` and `agent.<node>.*` are answered by that node's agent alone: nobody
+    answering is no agent there, not a service that does not run (the code stays no_responders)."""
+    for subject in ("metrics.n9.get", "agent.n9.info"):
+        with pytest.raises(NoResponders) as nobody:
+            await client.request(subject, {})
+        assert (nobody.value.code, nobody.value.status, nobody.value.details) == (
+            "no_responders", 503, {"subject": f"{prefix}.{subject}", "node": "n9"})
+        assert nobody.value.message == (f"no agent serves node n9 (nobody answers on {prefix}.{subject}: is "
+                                        "`berth agent` running there?)")
+    with pytest.raises(NoResponders) as service:
+        await client.request("resource.plugins", {})
+    assert service.value.message == f"no service answers on {prefix}.resource.plugins"
+    assert service.value.details == {"subject": f"{prefix}.resource.plugins"}
+
+
 def test_a_reply_keeps_the_status_its_header_said():
     assert BusError("node_not_found", "m", status=500).status == 500
     assert BusError("node_not_found", "m").status == 404

@@ -71,6 +71,7 @@ def test_up_starts_everything_status_lists_it_and_ctrl_c_leaves_nothing(tmp_path
         assert expected <= running, status.stdout
         if not expected:
             assert "no berth service answers at " in status.stdout
+        _next_steps_work(up, state, env)
     finally:
         os.killpg(up.pid, signal.SIGINT)  # what Ctrl-C in the terminal does
         assert up.wait(60) == 0
@@ -78,6 +79,33 @@ def test_up_starts_everything_status_lists_it_and_ctrl_c_leaves_nothing(tmp_path
     nats_port = urls["NATS_URL"].rsplit(":", 1)[1]
     assert processes_mentioning(str(state)) == []
     assert processes_mentioning(f"nats://127.0.0.1:{nats_port}") == []
+
+
+def _next_steps_work(up: subprocess.Popen, state: Path, env: dict[str, str]) -> None:
+    """`berth up` ends its start-up output, once its services answer and its agent has registered
+    this machine, with what to do next; each command it suggests works as printed."""
+    import shlex
+
+    from services.settings import default_node
+
+    lines = read_until(up, "Ctrl-C here stops everything", timeout=120)
+    start = next(i for i, line in enumerate(lines) if line.startswith("berth is ready: "))
+    steps = lines[start:]
+    node = default_node()
+    assert steps[0] == f"berth is ready: allocation, broker, agent, metrics answer; node {node} is this machine"
+    assert steps[1] == f"next, from another shell with BERTH_STATE={state} set:"
+    tries = [shlex.split(line.strip().split("  ")[0]) for line in steps[2:] if line.strip().startswith("berth ")]
+    assert [argv[:2] for argv in tries] == [["berth", "status"], ["berth", "nodes"], ["berth", "events"],
+                                            ["berth", "call"]]
+    assert any(line.startswith("  the dashboard: http://127.0.0.1:") for line in steps)
+    user = {**env, "BERTH_STATE": str(state)}  # as the line says
+    for argv in tries:
+        if argv[1] == "events":
+            argv = [*argv, "--count", "1"]  # the node's registration, replayed
+        done = subprocess.run([*BERTH, *argv[1:]], capture_output=True, text=True, timeout=60, cwd=ROOT, env=user)
+        assert done.returncode == 0, (argv, done.stderr)
+    placed = json.loads(done.stdout)  # the dry run: where one workload would go
+    assert [a["nodename"] for a in placed["allocations"]] == [node]
 
 
 def test_schema_groups_messages_by_subject(tmp_path):

@@ -488,6 +488,16 @@ def test_as_the_identities_berth_up_gives_out(tmp_path):
         assert [json.loads(line)["seq"] for line in own.stdout.splitlines()] == [1, 2, 3]
         everything = berth(tenant, prefix, "events", "resource.>", "--since", "1h", "--count", "1", *domain)
         assert everything.returncode == 5 and "not allowed" in everything.stderr
+        # the refusal names the patterns a tenant may give, those within the one refused first
+        allowed = ("resource.*.added, resource.*.removed, resource.*.capacity, resource.*.labels, resource.*.down, "
+                   "resource.*.up, resource.*.draining, broker.ten.>, broker.resource.ten.>, metrics.>")
+        assert f"give one of {allowed} (within resource.>: resource.*.added, " in everything.stderr
+        one_node = berth(tenant, prefix, "events", "resource.n1.>", "--since", "1h", "--count", "1", *domain)
+        assert one_node.returncode == 5 and f"give one of {allowed} (within resource.n1.>: resource.n1.added, " \
+            "resource.n1.removed, resource.n1.capacity, resource.n1.labels, resource.n1.down, resource.n1.up, " \
+            "resource.n1.draining)" in one_node.stderr, one_node.stderr
+        suggested = berth(tenant, prefix, "events", "resource.n1.added", "--since", "1h", "--count", "1", *domain)
+        assert suggested.returncode == 0, suggested.stderr  # what it names works
         assert berth(client, prefix, "nodes").stdout.splitlines()[1].split()[0] == "n1"
         assert berth(client, prefix, "status").stdout.splitlines()[2].split()[:2] == [
             f"{prefix}-allocation",

@@ -117,6 +117,14 @@ def test_nothing_answers_names_the_server_and_prefix(tmp_path):
         assert f"asked {nats.url} (prefix nobody; from NATS_URL)" in call.stderr
         nodes = berth("nodes", "--nats", nats.url, "--prefix", "nobody", cwd=tmp_path)
         assert nodes.returncode == 3 and f"asked {nats.url} (prefix nobody; from --nats)" in nodes.stderr
+        # a node's own subjects: no agent serves that node
+        for command in (["call", "metrics.n9.get", '{"scope": "node", "metric": "cpu.usage.system"}'],
+                        ["agent", "--node", "n9", "--drain"]):
+            agentless = berth(*command, "--nats", nats.url, "--prefix", "nobody", cwd=tmp_path)
+            assert agentless.returncode == 3, agentless.stderr
+            assert "no agent serves node n9 (nobody answers on nobody." in agentless.stderr
+            assert "is `berth agent` running there?)" in agentless.stderr and "no worker" not in agentless.stderr
+            assert f"asked {nats.url} (prefix nobody; from --nats)" in agentless.stderr
     finally:
         nats.stop()
 

@@ -5,7 +5,8 @@ when an import goes the other way (one anywhere in a module counts, a deferred o
     bus/       the transport and the stores' primitives: imports schemas/, never services/
     services/  shared modules (settings, processes/, accounts, credentials, tls, redis_functions),
                then the service packages (allocation/, broker/, metrics/, agent/), then the entry
-               points (cli, commands/, runner, supervisor, servers, registry, dashboard/)
+               points (cli, commands/, runner, supervisor, servers, registry, dashboard/, and
+               `berth up`'s up_lock and up_ready)
     berth/     the product's face (the Python client): imports any of the above, none of them it
 
 Every message Struct is in schemas/ (`schemas/<service>.py`); a service's table of commands and
@@ -26,7 +27,7 @@ SERVICE_PACKAGES = ("allocation", "broker", "metrics", "agent")
 SHARED = ("services.settings", "services.processes", "services.accounts", "services.credentials", "services.tls",
           "services.redis_functions")
 ENTRY_POINTS = ("services.cli", "services.commands", "services.runner", "services.supervisor", "services.servers",
-                "services.registry", "services.dashboard")
+                "services.registry", "services.dashboard", "services.up_lock", "services.up_ready")
 CONTRACT_MODULES = ("commands",)
 # Parts of one service another uses on purpose: the agent reads its host with the metrics
 # service's kernel readers, and runs that node's metrics worker in its own process.

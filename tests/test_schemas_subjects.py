@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from schemas.subjects import NAME_PATTERN, NodeName, ShortName, escape_token
+from schemas.subjects import NAME_PATTERN, NODE_SERVICES, NodeName, ShortName, escape_token, served_node
 
 
 @pytest.mark.parametrize("name", ["n1", "node-1", "a_B-9", "-", "_"])
@@ -52,3 +52,16 @@ def test_escaped_ids_are_one_token():
     assert escape_token("/kubepods/pod1.slice") == "/kubepods/pod1%2Eslice"
     assert escape_token("a*b>c%d e\tf") == "a%2Ab%3Ec%25d%20e%09f"
     assert escape_token("plain-id_1") == "plain-id_1"
+
+
+def test_the_subjects_a_nodes_agent_alone_answers_are_the_contracts_node_subjects():
+    """`served_node` (which says "no agent serves node n9" when nobody answers) knows exactly the
+    services whose commands the tables write `<service>.<node>.<command>`."""
+    from services.registry import contracts
+
+    per_node = {command.subject.split(".")[0] for tables in contracts().values() for command in tables.COMMANDS
+                if command.subject.split(".")[1:2] == ["<node>"]}
+    assert per_node == set(NODE_SERVICES)
+    assert served_node("metrics.n9.get") == served_node("agent.n9.drain") == "n9"
+    assert served_node("resource.node.n9.node-heartbeat") is None and served_node("resource.plugins") is None
+    assert served_node("metrics") is None

@@ -55,6 +55,7 @@ class HostAgent:
         self._loops: list[asyncio.Task] = []
         self._publishing: set[asyncio.Task] = set()
         self._reconciled = False
+        self._answered = False  # the allocation service has answered a beat of this agent
 
     @property
     def draining(self) -> bool:
@@ -143,10 +144,12 @@ class HostAgent:
         """Offer the host if it changed (or was never offered), renew the lease; the first time the
         node is known, and after any beat that went unanswered, stop what was released while no
         agent watched. The allocation service away (starting, restarting, a cut link) is said in
-        one line: the next beat tries again."""
+        one line: the next beat tries again. Before it has ever answered (the agent starting beside
+        it, as in `berth up`), that is waiting, not a fault: said at INFO."""
         try:
             await self.register()
             await self.heartbeat()
+            self._answered = True
             if not self._reconciled:
                 await self.reconcile()
                 self._reconciled = True
@@ -157,6 +160,10 @@ class HostAgent:
             # link comes back, answered to a request that timed out): after any silence, the next
             # beat that is answered compares instances with the ledger.
             self._reconciled = False
+            if not self._answered:
+                log.info("node %s: waiting for the allocation service to register the node (%s); asking again "
+                         "in %.1f s", self.node, error.code, self.config.heartbeat)
+                return
             log.warning("node %s: the allocation service does not answer (%s); trying again in %.1f s",
                         self.node, error.code, self.config.heartbeat)
 

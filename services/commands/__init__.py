@@ -20,6 +20,8 @@ Exit statuses, the same for every command:
     4  the service failed: an error reply with a 5xx status (internal, unavailable, ...)
     5  NATS could not be reached, refused us (authorization, permissions) or was lost for good,
        or JetStream could not replay
+    6  accepted, not done within the wait: `agent --drain` was accepted (the node takes no new
+       placement) and instances still run after --wait (3 is no agent answering)
 
 `berth call` prints an error reply's body to standard output as JSON, with its status beside it
 (`{"status": 404, "error": {"code", "message", "details"}}`), and one line on standard error.

@@ -3,6 +3,8 @@
     berth agent --nats URL --redis URL --node n1 --label city=sz ...   # run the agent; its options:
                             # python -m services.runner services.agent.worker --help
     berth agent --node n1 --drain [--wait 600]    # no new placement on n1; wait until nothing runs there
+                                                  # (exit 6: accepted, some still run after --wait;
+                                                  # 3: no agent of n1 answered)
     berth agent --node n1 --resume                # take placements again
 """
 
@@ -17,7 +19,15 @@ from pathlib import Path
 from bus.client import BusClient
 from schemas.errors import BusError, NoResponders, RequestTimeout
 from services.commands.connection import Connection
-from services.commands.exits import EXIT_FAILED, EXIT_NO_ANSWER, EXIT_OK, EXIT_REFUSED, CommandError, add_command
+from services.commands.exits import (
+    EXIT_FAILED,
+    EXIT_NO_ANSWER,
+    EXIT_NOT_DONE,
+    EXIT_OK,
+    EXIT_REFUSED,
+    CommandError,
+    add_command,
+)
 from services.settings import default_node
 from services.supervisor import Supervisor, worker_argv
 
@@ -45,7 +55,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     mode.add_argument("--drain", action="store_true", help="stop placing on the node, wait for its instances to end")
     mode.add_argument("--resume", action="store_true", help="place on the node again")
     parser.add_argument("--wait", type=float, default=600.0, metavar="SECONDS",
-                        help="with --drain: how long to wait for the instances to end (0: do not wait)")
+                        help="with --drain: how long to wait for the instances to end (0: do not wait); exit "
+                        "status 6 when some still run then, 3 when no agent answers")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each answer")
     ask_agent = parser.get_default("run")
 
@@ -128,9 +139,8 @@ async def drain_command(args: argparse.Namespace) -> int:
             subject = f"agent.{args.node}.{command}"
             try:
                 return await connection.unless_refused(client.request(subject, payload, dict))
-            except NoResponders:
-                raise CommandError(f"no agent answers on {client.subject(subject)} (is `berth agent` running "
-                                   f"for node {args.node!r} under prefix {args.prefix!r}?)", EXIT_NO_ANSWER) from None
+            except NoResponders as error:  # no agent serves the node (the message says so)
+                raise CommandError(error.message, EXIT_NO_ANSWER) from None
             except RequestTimeout as error:
                 raise CommandError(error.message, EXIT_NO_ANSWER) from None
             except BusError as error:
@@ -146,8 +156,9 @@ async def drain_command(args: argparse.Namespace) -> int:
             print(f"node {args.node}: draining, {info['running']} instances still run", flush=True)
             await asyncio.sleep(POLL_SECONDS)
             info = await ask("info", {})
-        if info["running"]:
-            raise CommandError(f"node {args.node} still runs {info['running']} instances after {args.wait:g} s "
-                               "(it stays draining)", EXIT_NO_ANSWER)
+        if info["running"]:  # the drain was accepted: not "no answer" (3), not done either
+            raise CommandError(f"node {args.node} is draining (it takes no new placement) and still runs "
+                               f"{info['running']} instances after {args.wait:g} s; it stays draining: run this "
+                               "again to wait for them", EXIT_NOT_DONE)
         print(f"node {args.node}: drained, nothing runs there", flush=True)
         return EXIT_OK

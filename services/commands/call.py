@@ -23,6 +23,8 @@ from nats.micro.request import ERROR_CODE_HEADER
 
 from bus.client import NOT_DEFINITE, RETRY_FOR, error_from, with_request_id
 from bus.codec import encode
+from schemas.errors import NoResponders
+from schemas.subjects import served_node
 from services.registry import contracts
 from services.commands.connection import Connection, full_subject
 from services.commands.exits import (
@@ -74,6 +76,9 @@ async def _send(
     try:
         return await connection.unless_refused(nc.request(subject, data, timeout=timeout))
     except NoRespondersError:
+        below = subject[len(prefix) + 1:] if subject.startswith(f"{prefix}.") else ""
+        if node := served_node(below):
+            raise CommandError(NoResponders(subject, node).message, EXIT_NO_ANSWER) from None
         raise CommandError(
             f"no service answers on {subject} (no worker of that service runs under prefix {prefix!r})",
             EXIT_NO_ANSWER,

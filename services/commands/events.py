@@ -30,9 +30,10 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError, ServiceUnavailableError
 
+from bus.callers import Role
 from bus.connection import subscriptions_in_place
 from bus.tasks import cancel_and_wait
-from services.accounts import CONSUMER_SLOTS, streams
+from services.accounts import CONSUMER_SLOTS, Identity, event_patterns, streams
 from services.commands.connection import Connection, describe
 from services.commands.exits import EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, CommandError, add_command
 from services.commands.output import decode_msgpack, emit, to_json
@@ -182,8 +183,10 @@ class Replay:
     WAIT = 5.0  # seconds a fetch waits for new events
     IDLE = 30.0  # a consumer nobody fetches from is removed after this long (a killed `berth events`)
 
-    def __init__(self, js, stream: str, filters: list[str], start: datetime, slots: list[str] | None) -> None:
+    def __init__(self, js, stream: str, filters: list[str], start: datetime, slots: list[str] | None,
+                 allowed: str = "") -> None:
         self.js, self.stream, self.filters, self.slots = js, stream, filters, slots
+        self.allowed = allowed  # what a refusal says may be replayed instead
         self.position: dict[str, Any] = {"deliver_policy": DeliverPolicy.BY_START_TIME, "opt_start_time": start}
         self.pull = None
         self.consumer: str | None = None
@@ -203,7 +206,7 @@ class Replay:
                 # nobody answers that subject: the identity's account has no import for it
                 raise CommandError(
                     f"cannot replay {', '.join(self.filters)} from {self.stream}: not allowed (a tenant's consumers "
-                    "filter only the events it may see: give a narrower pattern)", EXIT_UNREACHABLE) from None
+                    f"filter only the events it may see){self.allowed}", EXIT_UNREACHABLE) from None
             self.consumer = info.name
             self.pull = await self.js.pull_subscribe_bind(info.name, stream=self.stream)
             return
@@ -247,6 +250,17 @@ class Replay:
                 await self.js.delete_consumer(self.stream, self.consumer)
             except Exception as error:  # it times out by itself (IDLE)
                 log.info("deleting the consumer: %r", error)
+
+
+def _allowed(prefix: str, pattern: str, user: str | None) -> str:
+    """For a refused replay (only a tenant's is: services/accounts.py), the patterns its role may
+    give, those within `pattern` first."""
+    if not user:
+        return ""
+    patterns = event_patterns(prefix, Identity(user, Role.TENANT, password=""))
+    within = [narrower for allowed in patterns if (narrower := intersect(pattern, allowed))]
+    said = f": give one of {', '.join(patterns)}"
+    return said + (f" (within {pattern}: {', '.join(within)})" if within else "")
 
 
 class EventPrinter:
@@ -309,7 +323,8 @@ class Feed:
                                   if (part := intersect(self.subject, kept))})
                 if not filters:
                     continue
-                replay = Replay(js, name, filters, start, slots)
+                pattern = self.subject.removeprefix(f"{args.prefix}.events.")
+                replay = Replay(js, name, filters, start, slots, _allowed(args.prefix, pattern, connection.user))
                 try:
                     await connection.unless_refused(replay.open())
                 except NotFoundError:  # berth's stream of a service that never ran

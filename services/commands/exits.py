@@ -16,11 +16,13 @@ EXIT_USAGE = 2
 EXIT_NO_ANSWER = 3
 EXIT_FAILED = 4
 EXIT_UNREACHABLE = 5
+EXIT_NOT_DONE = 6
 
 EXIT_STATUSES = """exit status: 0 done; 1 an error reply with a 4xx status (the request was refused);
 2 usage; 3 no responders or no reply in time; 4 an error reply with a 5xx status (the service
 failed); 5 NATS unreachable, refusing us (authorization, permissions) or lost, or JetStream
-unable to replay."""
+unable to replay; 6 accepted but not done within the wait (`agent --drain`: the node drains,
+instances still run)."""
 
 
 class CommandError(Exception):
