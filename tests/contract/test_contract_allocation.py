@@ -1229,6 +1229,9 @@ SIZES = [
     ("9007199254740993", 9007199254740993), ("9223372036854775807", MAX_INT), (MAX_INT, MAX_INT),
     ("9223372036854775808", None), (2**63, None), ("--1G", None), ("lots", None), ("1E", None),
     (1024.5, None), ("1.0001", None), (True, None), (None, None),
+    # §8 (pinned): "Sizes also accept the IEC spelling berth itself prints (`"16Gi"`, `"512Mi"`)".
+    ("16Gi", 16 * GiB), ("512Mi", 512 << 20), ("1.5Ki", 1536), ("2Ti", 2 << 40), ("1Pi", 1 << 50),
+    ("16Gx", None), ("Gi", None), ("16i", None), ("1.3Gi", None),
 ]
 
 
