@@ -333,7 +333,9 @@ def document(
                 + prefix
                 + "-events` and `"
                 + prefix
-                + "-metrics` keep them for replay. Messages are MessagePack maps with string keys."
+                + "-metrics` keep them for replay. Messages are MessagePack maps with string keys. A "
+                "request's unknown key, at any level, is refused (`invalid_argument` naming it); replies and "
+                "events may gain keys, which a client ignores."
             ),
         },
         "defaultContentType": CONTENT_TYPE,

@@ -7,6 +7,7 @@ from typing import Any, Callable
 
 from bus.client import BusClient
 from schemas.errors import BusError, NoResponders, RequestTimeout
+from schemas.sizes import format_size
 from services.commands.connection import Connection
 from services.commands.exits import (
     EXIT_FAILED,
@@ -97,11 +98,8 @@ def _amount(value: float) -> str:
 
 
 def human_bytes(value: float) -> str:
-    for unit in ("", "Ki", "Mi", "Gi", "Ti", "Pi"):
-        if abs(value) < 1024 or unit == "Pi":
-            return f"{value:.1f}".rstrip("0").rstrip(".") + unit if unit else str(int(value))
-        value /= 1024
-    return str(value)
+    """Bytes as a request takes them back (`format_size`: "16Gi", "1.5Ki", or exact bytes)."""
+    return str(value) if isinstance(value, float) and not value.is_integer() else format_size(int(value))
 
 
 def format_nodes(rows: list[dict[str, Any]], total: int) -> str:
