@@ -39,6 +39,7 @@ import json
 from dataclasses import dataclass
 
 from bus.callers import NAME, Role, account_name
+from bus.connection import inbox_prefix
 
 SERVICES = ("allocation", "broker", "metrics", "agent")
 # The workers' own users; an agent runs as its node's identity instead (`agent_permissions`).
@@ -77,13 +78,6 @@ NODE_EVENT_KINDS = ("added", "removed", "capacity", "labels", "down", "up", "dra
 # `P.events.broker.resource.>` (every resource's status events) its own broker events, and the
 # streams' administrator.
 RESERVED_NAMES = frozenset((*SERVICES, "resource", STREAMS_ADMIN, JOIN_SERVICE, "join"))
-
-
-def inbox_prefix(prefix: str, service: str, node: str | None = None) -> str:
-    """The inbox root of a service's own requests (nats-py `inbox_prefix`), private to it; a node
-    agent's is its node's (`_INBOX_P-agent.<node>`): no agent reads another's answers."""
-    root = f"_INBOX_{prefix}-{service}"
-    return f"{root}.{node}" if node else root
 
 
 def js_api(prefix: str) -> str:

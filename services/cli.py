@@ -451,7 +451,7 @@ def cmd_join_service(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_setup_streams(args: argparse.Namespace, extra: list[str]) -> int:
-    from services.credentials import read_creds_file
+    from bus.connection import read_creds_file
     from services.streams import set_up
 
     try:

@@ -36,6 +36,7 @@ from pathlib import Path
 from urllib.parse import quote, urlsplit, urlunsplit
 
 from bus.callers import ROLES, Role
+from bus.connection import inbox_prefix
 from services import accounts
 from services.accounts import JOIN_SERVICE, SERVICE_USERS, STREAMS_ADMIN, Identity
 from services.redis_functions import fcall_rules
@@ -132,29 +133,6 @@ def _with_userinfo(url: str, user: str, password: str) -> str:
     host = parts.netloc.rsplit("@", 1)[-1]
     netloc = f"{quote(user, safe='')}:{quote(password, safe='')}@{host}"
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
-
-
-# -- creds files ---------------------------------------------------------------------------------
-
-
-def read_creds_file(path: str | Path) -> tuple[str, str]:
-    """(user, password) from a `--nats-creds` file."""
-    values = creds_values(path)
-    return values["user"], values["password"]
-
-
-def creds_values(path: str | Path) -> dict[str, str]:
-    """A `--nats-creds` file's values: `user=...` and `password=...` lines, and `node=...` for a
-    node agent's identity."""
-    values: dict[str, str] = {}
-    for line in Path(path).read_text().splitlines():
-        line = line.strip()
-        if line and not line.startswith("#") and "=" in line:
-            key, _, value = line.partition("=")
-            values[key.strip()] = value.strip()
-    if "user" not in values or "password" not in values:
-        raise ValueError(f"{path}: expected user=... and password=... lines")
-    return values
 
 
 def write_private(path: Path, text: str) -> None:
@@ -301,7 +279,7 @@ class Credentials:
             context = {"description": f"berth {self.prefix}: {identity.role.label} {identity.name}", "url": nats_url,
                        "user": identity.name, "password": identity.password, "ca": ca or ""}
             if identity.is_agent:
-                context["inbox_prefix"] = accounts.inbox_prefix(self.prefix, "agent", identity.node)
+                context["inbox_prefix"] = inbox_prefix(self.prefix, "agent", identity.node)
             else:
                 context["jetstream_domain"] = self.prefix
             write_private(self.context(identity.name), json.dumps(context, indent=1) + "\n")

@@ -27,7 +27,7 @@ from typing import Any, Awaitable, Callable, Protocol, runtime_checkable
 from nats.aio.client import Client
 from redis.asyncio import Redis
 
-from bus.connection import connect
+from bus.connection import connect, creds_values, inbox_prefix
 from bus.events import EventBus, StreamMissing, StreamSpec
 from bus.redis import connect_redis, ready
 from bus.service import Command, Service, serve_until_signalled
@@ -73,14 +73,11 @@ def nats_options(common: CommonConfig, service: str, node: str | None = None) ->
     """The worker's NATS credentials (a creds file first, then user and password) and inbox root;
     `node`: the worker is that node's agent.
 
-    The inbox root is the service's own (`services.accounts.inbox_prefix`), not `_INBOX`: with
+    The inbox root is the service's own (`bus.connection.inbox_prefix`), not `_INBOX`: with
     the permissions `berth up` writes, only this service (a node agent: only this node's) may
     subscribe to it, so the answers to its requests (JetStream API, calls to other services) are
     not visible to anyone else. A node agent's identity names its node: an agent started for
     another node stops here, rather than be refused subject by subject."""
-    from services.accounts import inbox_prefix
-    from services.credentials import creds_values
-
     options = {"inbox_prefix": common.nats_inbox_prefix or inbox_prefix(common.prefix, service, node)}
     user, password = common.nats_user, common.nats_password
     if common.nats_creds:

@@ -197,7 +197,7 @@ def _host_port(url: str) -> tuple[str, int]:
 
 def _nats_answers_in_clear(url: str, creds: str) -> bool:
     """Whether nats-server answers a PING sent in clear after a CONNECT with the admin's password."""
-    from services.credentials import read_creds_file
+    from bus.connection import read_creds_file
 
     user, password = read_creds_file(creds)
     connect = json.dumps({"user": user, "pass": password, "verbose": False, "pedantic": False})

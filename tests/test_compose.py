@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from services.cli import parser
-from services.credentials import read_creds_file
+from bus.connection import read_creds_file
 from services.prepare import read_env
 from services.processes.ports import free_port
 from services.servers import find_binary, wait_for_port

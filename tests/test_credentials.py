@@ -22,7 +22,7 @@ from redis.retry import Retry
 
 from bus import discovery, scripts
 from bus.callers import Role
-from bus.connection import connect
+from bus.connection import connect, read_creds_file
 from bus.redis import Pipelined, connect_redis
 from bus.scripts import FunctionMissing
 from services import accounts, credentials, redis_functions
@@ -219,7 +219,7 @@ def test_files_are_private_and_passwords_survive_a_restart_with_rules_for_the_ne
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
     assert '"two.resource.>"' in second.nats_config.read_text() and "one." not in second.nats_config.read_text()
     assert "~two:allocation:*" in second.redis_acl.read_text()
-    assert credentials.read_creds_file(second.nats_creds("broker")) == ("broker", second.nats_passwords["broker"])
+    assert read_creds_file(second.nats_creds("broker")) == ("broker", second.nats_passwords["broker"])
     assert {name: i.role for name, i in second.identities.items()} == {"admin": Role.ADMIN, "dashboard": Role.READER}
     assert second.identities == first.identities  # the same passwords: creds files handed out stay valid
 
@@ -242,7 +242,7 @@ def test_berth_user_adds_lists_and_removes_identities_of_a_state_folder(tmp_path
     alice = creds.identities["alice"]
     assert alice.role == Role.TENANT and alice.password not in added.stdout  # the file's path, never the password
     assert f"BERTH_NATS_CREDS={creds.nats_creds('alice')}" in added.stdout
-    assert credentials.read_creds_file(creds.nats_creds("alice")) == ("alice", alice.password)
+    assert read_creds_file(creds.nats_creds("alice")) == ("alice", alice.password)
     config = creds.nats_config.read_text()
     assert '"tenant_alice"' in config and '"kept.resource.>"' in config
     assert berth("add", "alice", "--role", "reader").returncode == 0  # a new role, the same password

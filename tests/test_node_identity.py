@@ -17,7 +17,7 @@ import redis as sync_redis
 
 from bus.callers import Role
 from bus.client import BusClient
-from services.accounts import inbox_prefix
+from bus.connection import inbox_prefix
 from tests.accounts_helpers import Errors, deployed, refused
 from tests.worker_helpers import ROOT
 
