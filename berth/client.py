@@ -37,11 +37,11 @@ from berth._commands import AgentCommands, AllocationCommands, BrokerCommands, M
 from berth.errors import InvalidInput, Unavailable
 from berth.events import Events, Since
 from bus.client import DEFAULT_TIMEOUT, RETRY_FOR
+from bus.settings import add_client_flags
 from schemas.metrics import Scope
 from services.commands.connection import Connection, redact, resolve_server
 from services.commands.exits import EXIT_USAGE, CommandError
 from services.metrics.client import MetricsClient, Watch
-from services.settings import add_client_flags
 
 
 class Metrics(MetricsCommands):

@@ -1,5 +1,5 @@
 """The `berth` command: `up`, `worker`, `dashboard`, `schema`, `redis-functions`, and `call`, `events`,
-`nodes`, `status` (services/commands/). Flags and environment are read by services/settings.py."""
+`nodes`, `status` (services/commands/). Flags and environment are read by bus/settings.py."""
 
 from __future__ import annotations
 
@@ -12,12 +12,7 @@ import sys
 import threading
 from pathlib import Path
 
-from services import commands
-from services.commands.connection import UP_ENV, UP_PID, remove_up_env, write_up_env
-from services.processes.procfs import DEPLOYMENT
-from services.registry import SERVICES, available
-from services.runner import configure_logging
-from services.settings import (
+from bus.settings import (
     DashboardConfig,
     add_metrics_port_flag,
     add_redis_admin_flags,
@@ -28,6 +23,11 @@ from services.settings import (
     up_catalog,
     up_tls,
 )
+from services import commands
+from services.commands.connection import UP_ENV, UP_PID, remove_up_env, write_up_env
+from services.processes.procfs import DEPLOYMENT
+from services.registry import SERVICES, available
+from services.runner import configure_logging
 from services.servers import LOOPBACK
 from services.supervisor import Supervisor, worker_argv
 from services.up_ready import announce, berth_command, next_steps
@@ -75,7 +75,7 @@ def _agent_args(state: Path, service: str) -> list[str]:
 
 def _local_node() -> str:
     """The local machine's node (`berth agent`'s default)."""
-    from services.settings import default_node
+    from bus.settings import default_node
 
     return os.environ.get("BERTH_NODE") or default_node()
 

@@ -4,7 +4,7 @@ A service module is a `ServiceModule`: `NAME`, its contract's tables `COMMANDS` 
 `STREAM` (the `bus.events.StreamSpec` keeping its events), `CONFIG` (its own config class, or None)
 and `async build(ctx) -> bus.Service` (or a list of them, started and drained together); the runner
 refuses a module that lacks one. Its options are read from flags and environment by
-`services.settings` (`parse_worker`): `ctx.common` is the `CommonConfig` every worker has,
+`bus.settings` (`parse_worker`): `ctx.common` is the `CommonConfig` every worker has,
 `ctx.config` its service's own frozen config (None when `CONFIG` is None). The
 runner connects to NATS and Redis, makes sure the events stream exists, builds and starts the
 service, serves until SIGTERM/SIGINT, drains, runs the service's clean-ups and closes.
@@ -31,8 +31,8 @@ from bus.connection import connect, creds_values, inbox_prefix
 from bus.events import EventBus, StreamMissing, StreamSpec
 from bus.redis import connect_redis, ready
 from bus.service import Command, Service, serve_until_signalled
+from bus.settings import CommonConfig, ServiceConfig, parse_worker
 from bus.telemetry import MetricsServer
-from services.settings import CommonConfig, ServiceConfig, parse_worker
 
 log = logging.getLogger("berth.runner")
 

@@ -86,7 +86,7 @@ def _next_steps_work(up: subprocess.Popen, state: Path, env: dict[str, str]) -> 
     this machine, with what to do next; each command it suggests works as printed."""
     import shlex
 
-    from services.settings import default_node
+    from bus.settings import default_node
 
     lines = read_until(up, "Ctrl-C here stops everything", timeout=120)
     start = next(i for i, line in enumerate(lines) if line.startswith("berth is ready: "))

@@ -28,8 +28,8 @@ def test_name_types_keep_their_length_limits(kind, longest):
 
 
 def test_every_service_uses_the_one_definition():
+    from bus import settings
     from schemas import allocation, asyncapi, broker
-    from services import settings
     from services.broker import model
 
     assert allocation.NodeName is NodeName

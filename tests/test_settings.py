@@ -1,4 +1,4 @@
-"""services/settings.py: flag > environment variable > default, for every config; frozen configs.
+"""bus/settings.py: flag > environment variable > default, for every config; frozen configs.
 
 Pure: no server, no process environment (every test passes its own `env`).
 """
@@ -10,10 +10,7 @@ import dataclasses
 
 import pytest
 
-from services.allocation.config import AllocationServiceConfig
-from services.broker.config import BrokerServiceConfig, Timing
-from services.metrics.config import MetricsServiceConfig
-from services.settings import (
+from bus.settings import (
     CommonConfig,
     DashboardConfig,
     add_client_flags,
@@ -24,6 +21,9 @@ from services.settings import (
     parse_worker,
     state_dir,
 )
+from services.allocation.config import AllocationServiceConfig
+from services.broker.config import BrokerServiceConfig, Timing
+from services.metrics.config import MetricsServiceConfig
 
 
 def test_common_defaults_without_flags_or_environment():

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from bus.client import BusClient
+from bus.settings import default_node
 from schemas.errors import BusError, NoResponders, RequestTimeout
 from services.commands.connection import Connection
 from services.commands.exits import (
@@ -28,7 +29,6 @@ from services.commands.exits import (
     CommandError,
     add_command,
 )
-from services.settings import default_node
 from services.supervisor import Supervisor, worker_argv
 
 POLL_SECONDS = 0.5
