@@ -77,7 +77,7 @@ def cpu_seconds(pid: int) -> float:
 
 def start_agent(nats: str, redis: str, interval: int) -> subprocess.Popen:
     argv = [
-        sys.executable, "-m", "services.runner", "services.metrics.worker", "--nats", nats, "--redis", redis,
+        sys.executable, "-m", "bus.runner", "services.metrics.worker", "--nats", nats, "--redis", redis,
         "--prefix", PREFIX, "--memory-stream", "--node", NODE, "--interval", str(interval),
         *[arg for path in cgroup_paths() for arg in ("--cgroup-path", path)],
     ]  # fmt: skip

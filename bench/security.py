@@ -93,7 +93,7 @@ def start(name: str, state: Path, accounts: bool, tls: bool) -> Deployment:
         argv = ["--prefix", PREFIX, "--nats", nats.url, "--redis", redis.url]
         service_url = client_url = admin_url = agent_url = nats.url
     worker = subprocess.Popen(
-        [sys.executable, "-m", "services.runner", "services.allocation.worker", "--memory-stream", *argv],
+        [sys.executable, "-m", "bus.runner", "services.allocation.worker", "--memory-stream", *argv],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     line = worker.stdout.readline()
     assert line.startswith("ready"), f"{name}: {line!r}"

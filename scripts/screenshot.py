@@ -65,7 +65,7 @@ def start(module: str, nats_url: str, redis_url: str, *args: str) -> subprocess.
         [
             sys.executable,
             "-m",
-            "services.runner",
+            "bus.runner",
             module,
             "--nats",
             nats_url,

@@ -12,6 +12,7 @@ import sys
 import threading
 from pathlib import Path
 
+from bus.runner import configure_logging
 from bus.settings import (
     DashboardConfig,
     add_metrics_port_flag,
@@ -27,7 +28,6 @@ from services import commands
 from services.commands.connection import UP_ENV, UP_PID, remove_up_env, write_up_env
 from services.processes.procfs import DEPLOYMENT
 from services.registry import SERVICES, available
-from services.runner import configure_logging
 from services.servers import LOOPBACK
 from services.supervisor import Supervisor, worker_argv
 from services.up_ready import announce, berth_command, next_steps

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BERTH = [sys.executable, "-m", "services.cli"]
 ALLOCATION = "services.allocation.worker"
 ECHO = "tests.echo_service"
-LOG_MARK = "level="  # every log line carries it (services/runner.py configure_logging)
+LOG_MARK = "level="  # every log line carries it (bus/runner.py configure_logging)
 
 N1 = {
     "nodename": "n1",

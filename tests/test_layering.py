@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SERVICE_PACKAGES = ("allocation", "broker", "metrics", "agent")
 SHARED = ("services.processes", "services.accounts", "services.credentials", "services.tls",
           "services.redis_functions")
-ENTRY_POINTS = ("services.cli", "services.commands", "services.runner", "services.supervisor", "services.servers",
+ENTRY_POINTS = ("services.cli", "services.commands", "services.supervisor", "services.servers",
                 "services.registry", "services.dashboard", "services.up_lock", "services.up_ready")
 CONTRACT_MODULES = ("commands",)
 # Parts of one service another uses on purpose: the agent reads its host with the metrics

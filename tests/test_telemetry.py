@@ -324,7 +324,7 @@ def test_a_port_in_use_is_refused_before_ready(nats_url, redis_url, prefix):
         taken.listen()
         port = taken.getsockname()[1]
         done = subprocess.run(
-            [sys.executable, "-m", "services.runner", "services.allocation.worker", "--nats", nats_url, "--redis", redis_url, "--prefix", prefix,
+            [sys.executable, "-m", "bus.runner", "services.allocation.worker", "--nats", nats_url, "--redis", redis_url, "--prefix", prefix,
              "--metrics-port", str(port), "--metrics-addr", "127.0.0.1"],
             capture_output=True, text=True, timeout=60, check=False,
         )

@@ -1,5 +1,5 @@
 """The agent: `berth agent` (or `berth worker agent`) runs this module, one process per host (see
-services/runner.py). It serves `<prefix>.agent.<node>.<command>` and, in the same process, its
+bus/runner.py). It serves `<prefix>.agent.<node>.<command>` and, in the same process, its
 node's metrics (`<prefix>.metrics.<node>.<command>`, with a pod per instance it launched)."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """`berth agent`: run this host's agent, or (`--drain`, `--resume`) ask a running one.
 
     berth agent --nats URL --redis URL --node n1 --label city=sz ...   # run the agent; its options:
-                            # python -m services.runner services.agent.worker --help
+                            # python -m bus.runner services.agent.worker --help
     berth agent --node n1 --drain [--wait 600]    # no new placement on n1; wait until nothing runs there
                                                   # (exit 6: accepted, some still run after --wait;
                                                   # 3: no agent of n1 answered)
@@ -39,7 +39,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         sub, "agent", drain_command,
         help="run this host's agent; --drain / --resume: ask the running one",
         description="Without --drain or --resume: run the agent of this host (one process; every option "
-        "not listed here goes to it: `python -m services.runner services.agent.worker --help` lists them). With --drain: the node takes "
+        "not listed here goes to it: `python -m bus.runner services.agent.worker --help` lists them). With --drain: the node takes "
         "no new placement and this command waits until no instance runs on it; --resume undoes it.",
     )
     parser.add_argument("--node", default=None,

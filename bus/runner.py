@@ -1,4 +1,4 @@
-"""Running one worker process of a service: `python -m services.runner <module> [options]`.
+"""Running one worker process of a service: `python -m bus.runner <module> [options]`.
 
 A service module is a `ServiceModule`: `NAME`, its contract's tables `COMMANDS` and `EVENTS`,
 `STREAM` (the `bus.events.StreamSpec` keeping its events), `CONFIG` (its own config class, or None)
@@ -166,7 +166,7 @@ async def _serve(module: ServiceModule, common: CommonConfig, config: Any, metri
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
-        raise SystemExit("usage: python -m services.runner <service module> [options]")
+        raise SystemExit("usage: python -m bus.runner <service module> [options]")
     module = load(argv[0])
     common, config = parse_worker(module.NAME, module.CONFIG, argv[1:])
     configure_logging(common.log_level)
