@@ -23,9 +23,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from berth.servers import start_nats, start_redis  # noqa: E402
 from bus.client import BusClient  # noqa: E402
 from bus.connection import connect  # noqa: E402
-from services.servers import start_nats, start_redis  # noqa: E402
 
 PREFIX = "berth"
 GiB = 1 << 30
@@ -209,7 +209,7 @@ async def main(output: Path) -> None:
             start("services.metrics.worker", nats.url, redis.url, "--node", "sz-web-01", "--interval", "1")
         )
         dashboard = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "dashboard", "--nats", nats.url, "--prefix", PREFIX],
+            [sys.executable, "-m", "berth.cli", "dashboard", "--nats", nats.url, "--prefix", PREFIX],
             cwd=ROOT,
             stdout=subprocess.PIPE,
             text=True,

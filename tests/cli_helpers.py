@@ -18,7 +18,7 @@ import msgpack
 import nats
 
 ROOT = Path(__file__).resolve().parent.parent
-BERTH = [sys.executable, "-m", "services.cli"]
+BERTH = [sys.executable, "-m", "berth.cli"]
 
 
 def processes_mentioning(text: str) -> list[int]:

@@ -21,15 +21,15 @@ import berth
 from berth import Client
 from berth._commands import SUBJECTS
 from berth._generate import TARGET, render_module
+from berth.commands.connection import write_up_env
 from berth.errors import from_bus
+from berth.registry import contracts
 from bus.codec import decoder, encode
 from schemas.allocation import AllocateReply, ListNodesReply, NodeEvent, ReleaseReply
 from schemas.errors import BusError
 from schemas.metrics import MetricEvent
-from services.commands.connection import write_up_env
 from services.metrics.config import MetricsServiceConfig
 from services.metrics.worker import MetricsWorker
-from services.registry import contracts
 
 ROOT = Path(__file__).resolve().parent.parent
 ONE_CORE = {"cpumem": {"cpu-request": 1, "memory-request": "1G"}}

@@ -24,10 +24,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVICE_PACKAGES = ("allocation", "broker", "metrics", "agent")
-SHARED = ("services.processes", "services.accounts", "services.credentials", "services.tls",
-          "services.redis_functions")
-ENTRY_POINTS = ("services.cli", "services.commands", "services.supervisor", "services.servers",
-                "services.registry", "services.dashboard", "services.up_lock", "services.up_ready")
+SHARED = ("services.processes", "berth.accounts", "berth.credentials", "berth.tls",
+          "berth.redis_functions")
+ENTRY_POINTS = ("berth.cli", "berth.commands", "berth.supervisor", "berth.servers",
+                "berth.registry", "berth.dashboard", "berth.up_lock", "berth.up_ready")
 CONTRACT_MODULES = ("commands",)
 # Parts of one service another uses on purpose: the agent reads its host with the metrics
 # service's kernel readers, and runs that node's metrics worker in its own process.
@@ -79,7 +79,7 @@ def service_of(module: str) -> str | None:
 def test_the_rules_see_every_layer():
     """The walk finds the modules the rules speak of (a rule over nothing would pass for ever)."""
     for module in ("schemas.subjects", "bus.service", "bus.settings", "services.allocation.commands",
-                   "schemas.metric_scopes", "services.allocation.plugins.plugin_set", "services.cli",
+                   "schemas.metric_scopes", "services.allocation.plugins.plugin_set", "berth.cli",
                    "berth.client"):
         assert module in MODULES
     assert "bus.service" in imports("services.allocation.commands")

@@ -21,8 +21,8 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from berth.cli import _metrics_args
 from schemas.errors import BusError
-from services.cli import _metrics_args
 from services.metrics.client import MetricsClient
 from services.metrics.provisioners import PROVISIONER_NAMES
 from tests.broker_helpers import FAST_ARGS, const_broker, marked, param

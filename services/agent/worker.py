@@ -21,7 +21,7 @@ from services.metrics.worker import MetricsWorker
 from services.processes.catalog import Catalog, CatalogError
 
 NAME = "agent"
-NODE_SCOPED = True  # runs as its node's identity (services/accounts.py `agent_permissions`)
+NODE_SCOPED = True  # runs as its node's identity (berth/accounts.py `agent_permissions`)
 CONFIG = AgentServiceConfig
 __all__ = ["COMMANDS", "CONFIG", "EVENTS", "NAME", "NODE_SCOPED", "STREAM", "build", "make_agent"]
 

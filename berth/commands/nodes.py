@@ -5,10 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable
 
-from bus.client import BusClient
-from schemas.errors import BusError, NoResponders, RequestTimeout
-from services.commands.connection import Connection
-from services.commands.exits import (
+from berth.commands.connection import Connection
+from berth.commands.exits import (
     EXIT_FAILED,
     EXIT_NO_ANSWER,
     EXIT_OK,
@@ -17,7 +15,9 @@ from services.commands.exits import (
     CommandError,
     add_command,
 )
-from services.commands.output import emit, format_table, to_json
+from berth.commands.output import emit, format_table, to_json
+from bus.client import BusClient
+from schemas.errors import BusError, NoResponders, RequestTimeout
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -46,7 +46,7 @@ def add_command(
     )
     add_client_flags(parser)
     # no --prefix and no BERTH_PREFIX: the prefix of the `berth up` file, if that is what we use
-    # (services/commands/connection.py resolve_server), else berth
+    # (berth/commands/connection.py resolve_server), else berth
     parser.set_defaults(prefix=None, run=_runner(command))
     return parser
 
@@ -58,7 +58,7 @@ def _runner(command: Callable[[argparse.Namespace], Awaitable[int]]) -> Callable
         for handler in logging.getLogger().handlers:  # whatever configured it, never standard output
             if getattr(handler, "stream", None) is sys.stdout:
                 handler.setStream(sys.stderr)
-        from services.commands.connection import asked, redact, resolve_server
+        from berth.commands.connection import asked, redact, resolve_server
 
         resolve_server(args)
         try:

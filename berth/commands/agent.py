@@ -16,11 +16,8 @@ import os
 import time
 from pathlib import Path
 
-from bus.client import BusClient
-from bus.settings import default_node
-from schemas.errors import BusError, NoResponders, RequestTimeout
-from services.commands.connection import Connection
-from services.commands.exits import (
+from berth.commands.connection import Connection
+from berth.commands.exits import (
     EXIT_FAILED,
     EXIT_NO_ANSWER,
     EXIT_NOT_DONE,
@@ -29,7 +26,10 @@ from services.commands.exits import (
     CommandError,
     add_command,
 )
-from services.supervisor import Supervisor, worker_argv
+from berth.supervisor import Supervisor, worker_argv
+from bus.client import BusClient
+from bus.settings import default_node
+from schemas.errors import BusError, NoResponders, RequestTimeout
 
 POLL_SECONDS = 0.5
 
@@ -95,8 +95,8 @@ def run_agent(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _joined(args: argparse.Namespace) -> str:
-    """Redeem the join token for this host's bundle (services/join.py); its path, in `.berth/agent/`."""
-    from services import join
+    """Redeem the join token for this host's bundle (berth/join.py); its path, in `.berth/agent/`."""
+    from berth import join
 
     prefix = args.prefix or os.environ.get("BERTH_PREFIX") or "berth"
     try:
@@ -116,9 +116,9 @@ def _joined(args: argparse.Namespace) -> str:
 
 
 def _from_bundle(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
-    """The bundle's servers, identity and node (services/join.py); a --node that is not the
+    """The bundle's servers, identity and node (berth/join.py); a --node that is not the
     bundle's is refused here, naming both (the worker would refuse it too)."""
-    from services import join
+    from berth import join
 
     try:
         argv, env = join.unpack(args.bundle)

@@ -1,6 +1,6 @@
 """The NATS accounts of a berth deployment: who is who on the bus, and what each may reach.
 
-`berth up` starts nats-server with the configuration `nats_config` renders (services/credentials.py
+`berth up` starts nats-server with the configuration `nats_config` renders (berth/credentials.py
 writes it, `berth user add|remove` renders it again and reloads the server):
 
 - `SERVICES` holds the workers' users (`allocation`, `broker`, `metrics`), each limited to what it
@@ -48,7 +48,7 @@ SERVICES_ACCOUNT = "SERVICES"
 STREAMS_ACCOUNT = "STREAMS"
 # The user of `STREAMS` that sets the streams up (`berth up`, before any worker starts).
 STREAMS_ADMIN = "streams-admin"
-# Joining hosts (services/join.py): `berth up`'s join service answers `P.join.redeem` as this user of
+# Joining hosts (berth/join.py): `berth up`'s join service answers `P.join.redeem` as this user of
 # `SERVICES`; a host asks as the public user `join` of account `JOIN`, which may ask nothing else.
 JOIN_SERVICE = "join-service"
 JOIN_ACCOUNT = "JOIN"

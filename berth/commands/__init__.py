@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import argparse
 
-from services.commands import agent, call, events, nodes, status
+from berth.commands import agent, call, events, nodes, status
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:

@@ -15,10 +15,10 @@ from nats.aio.client import Client
 from nats.errors import Error as NatsError
 from nats.errors import NoServersError
 
+from berth.commands.exits import EXIT_UNREACHABLE, EXIT_USAGE, CommandError
 from bus.connection import DEFAULT_NATS_URL, connect, read_creds_file, url_credentials
 from bus.settings import state_dir
 from bus.tasks import cancel_and_wait
-from services.commands.exits import EXIT_UNREACHABLE, EXIT_USAGE, CommandError
 
 log = logging.getLogger("berth.cli")
 
