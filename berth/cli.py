@@ -1,5 +1,6 @@
 """The `berth` command: `up`, `worker`, `dashboard`, `schema`, `redis-functions`, and `call`, `events`,
-`nodes`, `status` (berth/commands/). Flags and environment are read by bus/settings.py."""
+`nodes`, `status` (berth/commands/). Flags and environment are read by berth/settings.py
+(and bus/settings.py, what every worker shares)."""
 
 from __future__ import annotations
 
@@ -16,20 +17,20 @@ from berth import commands
 from berth.commands.connection import UP_ENV, UP_PID, remove_up_env, write_up_env
 from berth.registry import SERVICES, available
 from berth.servers import LOOPBACK
-from berth.supervisor import Supervisor, worker_argv
-from berth.up_ready import announce, berth_command, next_steps
-from bus.runner import configure_logging
-from bus.settings import (
+from berth.settings import (
     DashboardConfig,
     add_metrics_port_flag,
     add_redis_admin_flags,
     add_server_flags,
-    log_level,
     redis_maxmemory,
     state_dir,
     up_catalog,
     up_tls,
 )
+from berth.supervisor import Supervisor, worker_argv
+from berth.up_ready import announce, berth_command, next_steps
+from bus.runner import configure_logging
+from bus.settings import log_level
 from services.processes.procfs import DEPLOYMENT
 
 log = logging.getLogger("berth")

@@ -38,8 +38,8 @@ from berth.commands.connection import Connection, redact, resolve_server
 from berth.commands.exits import EXIT_USAGE, CommandError
 from berth.errors import InvalidInput, Unavailable
 from berth.events import Events, Since
+from berth.settings import add_client_flags
 from bus.client import DEFAULT_TIMEOUT, RETRY_FOR
-from bus.settings import add_client_flags
 from schemas.metrics import Scope
 from services.metrics.client import MetricsClient, Watch
 

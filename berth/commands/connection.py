@@ -16,8 +16,8 @@ from nats.errors import Error as NatsError
 from nats.errors import NoServersError
 
 from berth.commands.exits import EXIT_UNREACHABLE, EXIT_USAGE, CommandError
+from berth.settings import state_dir
 from bus.connection import DEFAULT_NATS_URL, connect, read_creds_file, url_credentials
-from bus.settings import state_dir
 from bus.tasks import cancel_and_wait
 
 log = logging.getLogger("berth.cli")

@@ -8,7 +8,7 @@ import logging
 import sys
 from typing import Awaitable, Callable
 
-from bus.settings import add_client_flags
+from berth.settings import add_client_flags
 
 EXIT_OK = 0
 EXIT_REFUSED = 1

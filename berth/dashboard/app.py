@@ -24,7 +24,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from berth.dashboard.live import Live
-from bus.settings import DashboardConfig
+from berth.settings import DashboardConfig
 
 STATIC = Path(__file__).resolve().parent / "static"
 KEEP_ALIVE = 15.0  # seconds between comments on an idle stream, so that proxies keep it open
