@@ -24,8 +24,8 @@ from berth.commands.exits import (
     EXIT_OK,
     EXIT_REFUSED,
     CommandError,
-    add_command,
 )
+from berth.commands.running import add_command
 from berth.supervisor import Supervisor, worker_argv
 from bus.client import BusClient
 from bus.settings import default_node

@@ -22,16 +22,9 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.micro.request import ERROR_CODE_HEADER
 
 from berth.commands.connection import Connection, full_subject
-from berth.commands.exits import (
-    EXIT_FAILED,
-    EXIT_NO_ANSWER,
-    EXIT_OK,
-    EXIT_REFUSED,
-    EXIT_USAGE,
-    CommandError,
-    add_command,
-)
+from berth.commands.exits import EXIT_FAILED, EXIT_NO_ANSWER, EXIT_OK, EXIT_REFUSED, EXIT_USAGE, CommandError
 from berth.commands.output import decode_msgpack, emit, to_json
+from berth.commands.running import add_command
 from berth.registry import contracts
 from bus.client import NOT_DEFINITE, RETRY_FOR, error_from, with_request_id
 from bus.codec import encode

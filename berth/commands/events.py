@@ -32,8 +32,9 @@ from nats.js.errors import NotFoundError, ServiceUnavailableError
 
 from berth.accounts import CONSUMER_SLOTS, Identity, event_patterns, streams
 from berth.commands.connection import Connection, describe
-from berth.commands.exits import EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, CommandError, add_command
+from berth.commands.exits import EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, CommandError
 from berth.commands.output import decode_msgpack, emit, to_json
+from berth.commands.running import add_command
 from bus.callers import Role
 from bus.connection import subscriptions_in_place
 from bus.tasks import cancel_and_wait

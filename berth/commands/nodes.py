@@ -6,16 +6,9 @@ import argparse
 from typing import Any, Callable
 
 from berth.commands.connection import Connection
-from berth.commands.exits import (
-    EXIT_FAILED,
-    EXIT_NO_ANSWER,
-    EXIT_OK,
-    EXIT_REFUSED,
-    EXIT_USAGE,
-    CommandError,
-    add_command,
-)
+from berth.commands.exits import EXIT_FAILED, EXIT_NO_ANSWER, EXIT_OK, EXIT_REFUSED, EXIT_USAGE, CommandError
 from berth.commands.output import emit, format_table, to_json
+from berth.commands.running import add_command
 from bus.client import BusClient
 from schemas.errors import BusError, NoResponders, RequestTimeout
 

@@ -6,8 +6,9 @@ import argparse
 from typing import Any
 
 from berth.commands.connection import Connection, redact
-from berth.commands.exits import EXIT_OK, add_command
+from berth.commands.exits import EXIT_OK
 from berth.commands.output import emit, format_table, to_json
+from berth.commands.running import add_command
 from bus import discovery
 
 
