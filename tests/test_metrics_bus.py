@@ -57,7 +57,7 @@ def metrics(nc, prefix) -> MetricsClient:
 
 async def wait_synced(metrics: MetricsClient, timeout: float = 10.0):
     """has-synced, polled until the first round is done. Every endpoint answers from the start (a
-    worker prints "ready" only once its subscriptions are in place: services/runner.py)."""
+    worker prints "ready" only once its subscriptions are in place: bus/runner.py)."""
 
     async def synced():
         answer = await metrics.has_synced()

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from schemas.errors import InvalidArgument
 from schemas.sizes import MAX_INT, format_size, parse_size
-from services.commands.nodes import human_bytes
+from berth.commands.nodes import human_bytes
 
 SHIFTS = {"": 0, "K": 10, "M": 20, "G": 30, "T": 40, "P": 50}
 

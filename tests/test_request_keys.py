@@ -1,7 +1,7 @@
 """Unknown keys are refused at every level of every request (DESIGN.md §8): `invalid_argument`
 naming the key by its path, with the keys accepted there, as inside the allocation plugins' maps.
 
-Every request type of every service's command table (`services.registry.contracts()`) decodes its
+Every request type of every service's command table (`berth.registry.contracts()`) decodes its
 minimal payload below, and refuses it with an unknown key added at the top and in each map that a
 Struct reads; a command whose request type has no payload here fails the coverage test. Replies,
 events and stored records stay lenient. Over real servers: the issue's typos (`nodesnames` placed on
@@ -23,7 +23,7 @@ from schemas import agent, allocation, broker, metrics
 from schemas.common import Empty
 from schemas.errors import BusError, InvalidArgument
 from schemas.metric_scopes import PodRef
-from services.registry import contracts
+from berth.registry import contracts
 from tests.allocation_helpers import requester
 
 TYPO = "typo_key"

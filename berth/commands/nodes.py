@@ -5,20 +5,13 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable
 
+from berth.commands.connection import Connection
+from berth.commands.exits import EXIT_FAILED, EXIT_NO_ANSWER, EXIT_OK, EXIT_REFUSED, EXIT_USAGE, CommandError
+from berth.commands.output import emit, format_table, to_json
+from berth.commands.running import add_command
 from bus.client import BusClient
 from schemas.errors import BusError, NoResponders, RequestTimeout
 from schemas.sizes import format_size
-from services.commands.connection import Connection
-from services.commands.exits import (
-    EXIT_FAILED,
-    EXIT_NO_ANSWER,
-    EXIT_OK,
-    EXIT_REFUSED,
-    EXIT_USAGE,
-    CommandError,
-    add_command,
-)
-from services.commands.output import emit, format_table, to_json
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
