@@ -209,7 +209,8 @@ async def test_a_reader_is_all_the_dashboard_needs(tmp_path, caplog):
         await until(
             lambda s: any(e["subject"] == "resource.early.added" for e in s["events"])
         )  # from the stream
-        await until(lambda s: all(service["instances"] for service in s["services"]))
+        await until(lambda s: all(service["instances"] for service in s["services"]["services"]
+                                  if service["name"] in deployment.services))
         await until(lambda s: [n["nodename"] for n in s["nodes"]["nodes"]] == ["early"])
         await client.request(
             "resource.allocate",

@@ -10,11 +10,13 @@ const state = {
   bus: { connected: false, error: "connecting" },
   online: false, // the stream to this server is open
   services: [],
+  servicesAvailable: null, // null: not read yet (each part says "connecting…" until its first data)
   nodes: new Map(), // nodename -> {nodename, labels, bars}
   nodesAvailable: null,
   pools: [],
   poolsAvailable: null,
   events: [],
+  eventsRead: false,
   charts: [],
   agents: [],
   agent: null, // the metrics agent whose charts are shown
@@ -77,6 +79,16 @@ function clock(unixSeconds) {
 
 const now = () => Date.now() / 1000;
 
+// The line a panel shows when it lists nothing: "connecting…" until its first data arrives (never
+// a claim that there is nothing), then what the emptiness means; hidden while there is something.
+function emptyLine(selector, { pending, empty }, ...said) {
+  const line = $(selector);
+  line.dataset.pending = String(pending);
+  line.hidden = !pending && !empty;
+  if (pending) line.replaceChildren("connecting…");
+  else if (empty) line.replaceChildren(...said);
+}
+
 // -- header --------------------------------------------------------------------------------------
 
 function renderStatus() {
@@ -92,13 +104,19 @@ function renderStatus() {
 
 // -- services ------------------------------------------------------------------------------------
 
+function errorsTitle(instance) {
+  const last = Object.entries(instance.last_errors ?? {});
+  return last.length ? `latest error of each endpoint:\n${last.map(([name, error]) => `${name}: ${error}`).join("\n")}` : null;
+}
+
 function renderServices() {
   const box = $("#services");
+  const pending = state.servicesAvailable === null;
   box.replaceChildren(
     ...state.services.map((service) => {
       const n = service.instances.length;
       const tile = el("div", {
-        class: `service ${n ? "present" : "absent"}`,
+        class: `service ${n ? "present" : pending ? "pending" : "absent"}`,
         "data-service": service.name,
         "data-instances": String(n),
       });
@@ -106,18 +124,18 @@ function renderServices() {
         el("div", { class: "service-head" },
           el("span", { class: "dot" }),
           el("b", {}, service.name),
-          el("span", { class: "count" }, n ? `${n} instance${n > 1 ? "s" : ""}` : "absent")),
+          el("span", { class: "count" }, n ? `${n} instance${n > 1 ? "s" : ""}` : pending ? "connecting…" : "absent")),
       );
       if (!n) {
-        tile.append(el("p", { class: "muted" }, `no instance of ${service.service} answers`));
+        if (!pending) tile.append(el("p", { class: "muted" }, `no instance of ${service.service} answers`));
         return tile;
       }
       const rows = service.instances.map((i) =>
-        el("tr", {},
+        el("tr", { "data-instance": i.id, "data-requests": String(i.requests) },
           el("td", { title: i.id }, i.id.slice(0, 8), i.node ? el("span", { class: "muted" }, ` ${i.node}`) : null),
           el("td", {}, i.started ? ago(now() - i.started) : "?"),
           el("td", { class: "num" }, number(i.requests)),
-          el("td", { class: `num ${i.errors ? "bad" : ""}` }, number(i.errors)),
+          el("td", { class: `num ${i.errors ? "bad" : ""}`, "data-errors": String(i.errors), title: errorsTitle(i) }, number(i.errors)),
           el("td", { class: "num" }, `${number(i.avg_ms)} ms`)));
       tile.append(
         el("table", { class: "instances" },
@@ -129,6 +147,7 @@ function renderServices() {
       return tile;
     }),
   );
+  $("#services-note").textContent = state.servicesAvailable === false ? "the services could not be asked: as last read" : "";
 }
 
 // -- nodes ---------------------------------------------------------------------------------------
@@ -144,7 +163,7 @@ function agentBadge(node) {
 function nodeRow(node) {
   const labels = Object.entries(node.labels).map(([k, v]) => `${k}=${v}`);
   const row = el("div", { class: "node", "data-node": node.nodename });
-  row.dataset.search = [node.nodename, ...labels].join(" ").toLowerCase();
+  row.dataset.search = searchText(node);
   row.append(
     el("div", { class: "node-head" },
       el("b", {}, node.nodename),
@@ -198,8 +217,17 @@ function removeNode(name) {
   filterNodes();
 }
 
+// The nodes shown: every word of the filter in the node's name or labels.
+function selectionWords() {
+  return $("#node-filter").value.toLowerCase().split(/\s+/).filter(Boolean);
+}
+
+function searchText(node) {
+  return [node.nodename, ...Object.entries(node.labels).map(([k, v]) => `${k}=${v}`)].join(" ").toLowerCase();
+}
+
 function filterNodes() {
-  const words = $("#node-filter").value.toLowerCase().split(/\s+/).filter(Boolean);
+  const words = selectionWords();
   let matching = 0;
   for (const row of $("#nodes").children) {
     const match = words.every((w) => row.dataset.search.includes(w));
@@ -210,10 +238,11 @@ function filterNodes() {
   let note = `${total} node${total === 1 ? "" : "s"}`;
   if (matching !== total) note += `, ${matching} matching`;
   if (matching > MAX_NODES_SHOWN) note += `, first ${MAX_NODES_SHOWN} shown`;
-  $("#node-count").textContent = note;
+  $("#node-count").textContent = state.nodesAvailable === null && !total ? "" : note;
   const absent = state.nodesAvailable === false;
   $("#nodes-note").textContent = absent ? "allocation is not answering: the nodes as last read" : "";
-  $("#nodes-empty").hidden = total > 0 || absent;
+  emptyLine("#nodes-empty", { pending: state.nodesAvailable === null && !total, empty: !total && !absent },
+    "no node yet: add one with ", el("code", {}, "resource.add-node"));
 }
 
 // -- pools ---------------------------------------------------------------------------------------
@@ -250,7 +279,8 @@ function renderPools() {
       el("td", { class: `pool-status ${cooling ? "bad" : pool.idle >= pool.target ? "good" : "warn"}` }, status));
     }),
   );
-  $("#pools-empty").hidden = state.pools.length > 0;
+  emptyLine("#pools-empty", { pending: state.poolsAvailable === null, empty: !state.pools.length },
+    "no warm pool: add one with ", el("code", {}, "broker.add-broker"));
   $("#pools-note").textContent = state.poolsAvailable === false ? "broker is not answering: the pools as last read" : "";
 }
 
@@ -265,7 +295,7 @@ function eventItem(event) {
 
 function renderEvents() {
   $("#events").replaceChildren(...state.events.slice().reverse().map(eventItem));
-  $("#events-empty").hidden = state.events.length > 0;
+  emptyLine("#events-empty", { pending: !state.eventsRead && !state.events.length, empty: !state.events.length }, "no event yet");
 }
 
 function addEvent(event) {
@@ -276,7 +306,7 @@ function addEvent(event) {
     state.events.shift();
     list.lastElementChild?.remove();
   }
-  $("#events-empty").hidden = true;
+  emptyLine("#events-empty", { pending: false, empty: false });
 }
 
 // -- metrics -------------------------------------------------------------------------------------
@@ -287,7 +317,8 @@ function renderAgents() {
   select.replaceChildren(...state.agents.map((a) => el("option", { value: a }, a)));
   select.value = state.agent ?? "";
   select.hidden = state.agents.length === 0;
-  $("#metrics-empty").hidden = state.agents.length > 0;
+  emptyLine("#metrics-empty", { pending: state.servicesAvailable === null && !state.agents.length, empty: !state.agents.length },
+    "no metrics agent answers");
   renderCharts();
 }
 
@@ -327,10 +358,10 @@ function renderCharts(only = null) {
 const handlers = {
   snapshot(data) {
     Object.assign(state, {
-      prefix: data.prefix, bus: data.bus, services: data.services,
+      prefix: data.prefix, bus: data.bus, services: data.services.services, servicesAvailable: data.services.available,
       nodes: new Map(data.nodes.nodes.map((n) => [n.nodename, n])), nodesAvailable: data.nodes.available,
       pools: data.pools.pools, poolsAvailable: data.pools.available,
-      events: data.events, charts: data.charts, agents: data.agents, series: data.series,
+      events: data.events, eventsRead: data.events_read, charts: data.charts, agents: data.agents, series: data.series,
     });
     renderStatus();
     renderServices();
@@ -345,8 +376,10 @@ const handlers = {
     renderStatus();
   },
   services(data) {
-    state.services = data;
+    state.services = data.services;
+    state.servicesAvailable = data.available;
     renderServices();
+    renderAgents();
   },
   nodes(data) {
     state.nodes = new Map(data.nodes.map((n) => [n.nodename, n]));
@@ -362,6 +395,7 @@ const handlers = {
   },
   events(data) {
     state.events = data;
+    state.eventsRead = true;
     renderEvents();
   },
   event: addEvent,
