@@ -1,9 +1,12 @@
 // The berth dashboard: one server-sent event stream (/api/stream) keeps `state` up to date, and
 // each kind of message redraws only its own part of the page. No framework, no build step.
 
-import { sparkline, stackedBar, usageBar } from "./charts.js";
+import { heatColor, heatInk, heatLegend, sparkline, stackedBar, usageBar } from "./charts.js";
 
 const MAX_NODES_SHOWN = 200;
+const MAX_CELLS = 2000; // heat map cells drawn
+const COMPACT_CELLS = 150; // past this many cells, they are small squares without text
+const PLUGIN_RANK = { cpumem: 0, storage: 1, gpu: 2 };
 
 const state = {
   prefix: "",
@@ -78,6 +81,10 @@ function clock(unixSeconds) {
 }
 
 const now = () => Date.now() / 1000;
+
+function percent(fraction) {
+  return `${Math.round(fraction * 100)}%`;
+}
 
 // The line a panel shows when it lists nothing: "connecting…" until its first data arrives (never
 // a claim that there is nothing), then what the emptiness means; hidden while there is something.
@@ -196,6 +203,7 @@ function renderNodes() {
   const names = [...state.nodes.keys()].sort();
   box.replaceChildren(...names.map((name) => nodeRow(state.nodes.get(name))));
   filterNodes();
+  renderHeatmap();
 }
 
 function upsertNode(node) {
@@ -209,15 +217,17 @@ function upsertNode(node) {
     box.insertBefore(row, next ?? null);
   }
   filterNodes();
+  renderHeatmap();
 }
 
 function removeNode(name) {
   state.nodes.delete(name);
   $("#nodes").querySelector(`[data-node="${CSS.escape(name)}"]`)?.remove();
   filterNodes();
+  renderHeatmap();
 }
 
-// The nodes shown: every word of the filter in the node's name or labels.
+// The selection both node panels show: every word of the filter in the node's name or labels.
 function selectionWords() {
   return $("#node-filter").value.toLowerCase().split(/\s+/).filter(Boolean);
 }
@@ -243,6 +253,112 @@ function filterNodes() {
   $("#nodes-note").textContent = absent ? "allocation is not answering: the nodes as last read" : "";
   emptyLine("#nodes-empty", { pending: state.nodesAvailable === null && !total, empty: !total && !absent },
     "no node yet: add one with ", el("code", {}, "resource.add-node"));
+}
+
+// -- placement heat map --------------------------------------------------------------------------
+
+// One cell per node of the selection, coloured by how much of one resource is used, grouped by a
+// label: spread placements colour the cells alike, packed ones make a few hot and the rest pale.
+const heat = { measure: "cpu", group: "" };
+
+function measures() {
+  const seen = new Map(); // resource -> plugin, in the order the bars come
+  for (const node of state.nodes.values()) for (const bar of node.bars) if (!seen.has(bar.resource)) seen.set(bar.resource, bar.plugin);
+  return [...seen].sort((a, b) => (PLUGIN_RANK[a[1]] ?? 9) - (PLUGIN_RANK[b[1]] ?? 9)).map(([resource]) => resource);
+}
+
+function labelKeys() {
+  const keys = new Set();
+  for (const node of state.nodes.values()) for (const key of Object.keys(node.labels)) keys.add(key);
+  return [...keys].sort();
+}
+
+// Keep a <select>'s options to `values` (a first option `none`, if given), and its choice if it is still one.
+function syncSelect(select, values, chosen, none = null) {
+  const options = [...(none === null ? [] : [["", none]]), ...values.map((v) => [v, v])];
+  if (select.options.length !== options.length || options.some(([v], i) => select.options[i].value !== v)) {
+    select.replaceChildren(...options.map(([value, text]) => el("option", { value }, text)));
+  }
+  const value = options.some(([v]) => v === chosen) ? chosen : (options[0]?.[0] ?? "");
+  select.value = value;
+  return value;
+}
+
+function heatCell(node, measure) {
+  const bar = node.bars.find((b) => b.resource === measure);
+  const fraction = bar ? (bar.total > 0 ? bar.used / bar.total : 0) : null;
+  const labels = Object.entries(node.labels).map(([k, v]) => `${k}=${v}`);
+  const title = [
+    `${node.nodename} (${node.status})${labels.length ? ` ${labels.join(" ")}` : ""}`,
+    ...node.bars.map((b) => `${b.resource}: ${usedOfTotal(b)}${b.total > 0 ? ` (${percent(b.used / b.total)})` : ""}`),
+  ].join("\n");
+  const cell = el("div", {
+    class: `heat-cell status-${node.status}${fraction === null ? " none" : ""}${fraction > 1 ? " over" : ""}`,
+    "data-heat-node": node.nodename,
+    "data-fraction": fraction === null ? "" : fraction.toFixed(3),
+    "data-status": node.status,
+    title,
+  },
+  el("span", { class: "heat-name" }, node.nodename),
+  el("span", { class: "heat-value" }, fraction === null ? "–" : percent(fraction)));
+  if (fraction !== null) {
+    cell.style.background = heatColor(fraction);
+    cell.style.color = heatInk(fraction);
+  }
+  return cell;
+}
+
+function groupSummary(name, nodes, measure) {
+  const fractions = nodes
+    .map((n) => n.bars.find((b) => b.resource === measure))
+    .filter((b) => b && b.total > 0)
+    .map((b) => b.used / b.total);
+  let text = `${nodes.length} node${nodes.length === 1 ? "" : "s"}`;
+  if (fractions.length) {
+    const mean = fractions.reduce((a, b) => a + b, 0) / fractions.length;
+    text += ` · ${measure} ${percent(Math.min(...fractions))}–${percent(Math.max(...fractions))}, mean ${percent(mean)}`;
+  }
+  return el("div", { class: "heat-group-name" }, name ? el("b", {}, name) : null, name ? " · " : null, text);
+}
+
+function renderHeatmap() {
+  const [resources, keys] = [measures(), labelKeys()];
+  heat.measure = syncSelect($("#heat-measure"), resources, heat.measure);
+  heat.group = syncSelect($("#heat-group"), keys, heat.group, "none");
+  $("#heat-measure").parentElement.hidden = !resources.length;
+  $("#heat-group").parentElement.hidden = !keys.length;
+  const words = selectionWords();
+  const names = [...state.nodes.keys()].sort();
+  const selected = names.map((name) => state.nodes.get(name)).filter((node) => words.every((w) => searchText(node).includes(w)));
+  const shown = selected.slice(0, MAX_CELLS);
+  const groups = new Map();
+  for (const node of shown) {
+    const key = heat.group ? (node.labels[heat.group] === undefined ? null : `${heat.group}=${node.labels[heat.group]}`) : "";
+    if (!groups.has(key)) groups.set(key, []);
+    groups.get(key).push(node);
+  }
+  const order = [...groups.keys()].sort((a, b) => (a === null) - (b === null) || String(a).localeCompare(String(b)));
+  const box = $("#heatmap");
+  box.classList.toggle("compact", shown.length > COMPACT_CELLS);
+  box.replaceChildren(...order.map((key) => {
+    const nodes = groups.get(key);
+    return el("div", { class: "heat-group", "data-group": key ?? `no ${heat.group}` },
+      groupSummary(key === null ? `no ${heat.group}` : key, nodes, heat.measure),
+      el("div", { class: "heat-cells" }, ...nodes.map((node) => heatCell(node, heat.measure))));
+  }));
+  let count = `${selected.length} of ${names.length} node${names.length === 1 ? "" : "s"}`;
+  if (selected.length > MAX_CELLS) count += `, first ${MAX_CELLS} shown`;
+  $("#heat-count").textContent = names.length ? count : "";
+  const legend = $("#heat-legend");
+  legend.hidden = !shown.length;
+  if (shown.length) {
+    legend.replaceChildren(
+      el("span", {}, `${heat.measure} used`), el("span", {}, "0%"), heatLegend(), el("span", {}, "100%"),
+      el("span", { class: "heat-key status-down" }, "down"), el("span", { class: "heat-key none" }, "–"),
+      el("span", {}, `no ${heat.measure}`));
+  }
+  emptyLine("#heat-empty", { pending: state.nodesAvailable === null && !names.length, empty: !selected.length },
+    names.length ? "no node matches the selection" : "no node to place on yet");
 }
 
 // -- pools ---------------------------------------------------------------------------------------
@@ -431,7 +547,18 @@ function connect() {
   }
 }
 
-$("#node-filter").addEventListener("input", filterNodes);
+$("#node-filter").addEventListener("input", () => {
+  filterNodes();
+  renderHeatmap();
+});
+$("#heat-measure").addEventListener("change", (e) => {
+  heat.measure = e.target.value;
+  renderHeatmap();
+});
+$("#heat-group").addEventListener("change", (e) => {
+  heat.group = e.target.value;
+  renderHeatmap();
+});
 $("#agent").addEventListener("change", (e) => {
   state.agent = e.target.value;
   renderCharts();
