@@ -97,8 +97,8 @@ def _instance(stats) -> dict[str, Any]:
         "endpoints": len(stats.endpoints),
         "requests": requests,
         "errors": sum(endpoint.num_errors for endpoint in stats.endpoints),
-        # what each endpoint's latest error was ("409:node_exists"): the page's tooltip on the count
-        "last_errors": {endpoint.name: endpoint.last_error for endpoint in stats.endpoints if endpoint.num_errors},
+        # each endpoint's latest error ("409:node_exists"): the page's tooltip on the count
+        "last_errors": {e.name: e.last_error for e in stats.endpoints if e.num_errors},
         "avg_ms": round(busy_ns / requests / 1e6, 3) if requests else 0.0,
         "node": (stats.metadata or {}).get("node"),
     }
