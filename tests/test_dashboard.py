@@ -14,7 +14,7 @@ import re
 import signal
 import subprocess
 import sys
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
 import pytest
@@ -70,9 +70,9 @@ async def browser_page(profile: Path):
             await context.close()
 
 
-@pytest.fixture
-def dashboard(nats_url, prefix):
-    """`berth dashboard` on a free port; its URL. It must stop cleanly on SIGTERM."""
+@contextmanager
+def running_dashboard(nats_url: str, prefix: str):
+    """`berth dashboard` on a free port, as a process; its URL. It must stop cleanly on SIGTERM."""
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -94,9 +94,17 @@ def dashboard(nats_url, prefix):
     if not line.startswith("dashboard: http://"):
         proc.kill()
         raise RuntimeError(f"the dashboard did not start (exit {proc.wait()}): {line!r}")
-    yield line.split()[-1]
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(15) == 0
+    try:
+        yield line.split()[-1]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0
+
+
+@pytest.fixture
+def dashboard(nats_url, prefix):
+    with running_dashboard(nats_url, prefix) as url:
+        yield url
 
 
 async def test_the_page_follows_services_nodes_allocations_pools_and_metrics(
@@ -209,7 +217,8 @@ async def test_a_reader_is_all_the_dashboard_needs(tmp_path, caplog):
         await until(
             lambda s: any(e["subject"] == "resource.early.added" for e in s["events"])
         )  # from the stream
-        await until(lambda s: all(service["instances"] for service in s["services"]))
+        await until(lambda s: all(service["instances"] for service in s["services"]["services"]
+                                  if service["name"] in deployment.services))
         await until(lambda s: [n["nodename"] for n in s["nodes"]["nodes"]] == ["early"])
         await client.request(
             "resource.allocate",

@@ -3,7 +3,8 @@
 The dashboard is a plain NATS client (the client user's rights are enough). Everything runs in
 one asyncio loop, the web server's. Each part of the page has its own rule:
 
-- services: `$SRV.STATS`, every `refresh` seconds (no event says that an instance came or went);
+- services: `$SRV.STATS`, every `refresh` seconds (no event says that an instance came or went),
+  shown for every service `berth up` starts (services/registry.py), the node agents included;
 - nodes: `resource.list-nodes`, page by page, every `resync` seconds; a node alone (`list-nodes`
   with its name) when one of its `events.resource.<node>.*` comes;
 - pools: `broker.list-brokers`, on any broker event and every `refresh` seconds (`add-broker` and
@@ -13,8 +14,10 @@ one asyncio loop, the web server's. Each part of the page has its own rule:
 - metrics: a `register-notifier` lease on each charted metric of each metrics agent, renewed, and
   the samples' events.
 
-A service that does not answer is shown as absent (its part keeps what was last read, marked as
-such); nothing here stops because a service or the bus is gone.
+Until a part is first read (services, nodes, pools, the stream's events), it is marked as not
+read yet (`available: None`, `events_read: False`), and the page says "connecting…" there rather
+than claiming that there is nothing. A service that does not answer is shown as absent (its part
+keeps what was last read, marked as such); nothing here stops because a service or the bus is gone.
 
 A page calls `feed()`: it gets the whole state as one `snapshot` message, then every change as a
 message of its own kind (`bus`, `services`, `nodes`, `node`, `node-removed`, `pools`, `events`,
@@ -71,11 +74,13 @@ class Live:
         self.client: BusClient | None = None
         self.bus = {"connected": False, "error": "connecting"}
         self.services = services_view(prefix, [])
+        self.services_available: bool | None = None  # None: not asked yet (the page says "connecting…")
         self.nodes: dict[str, dict[str, Any]] = {}
         self.nodes_available: bool | None = None  # None: not read yet
         self.pools: list[dict[str, Any]] = []
         self.pools_available: bool | None = None
         self.events: deque[dict[str, Any]] = deque(maxlen=events_kept)
+        self.events_read = False  # the stream's latest events were read (or could not be)
         self.charts = AgentCharts(self.broadcast, points=points, lease_seconds=lease_seconds)
         self.feeds: set[Feed] = set()
         self._tasks: list[asyncio.Task] = []
@@ -91,10 +96,11 @@ class Live:
         return {
             "prefix": self.prefix,
             "bus": self.bus,
-            "services": self.services,
+            "services": self._services_message(),
             "nodes": self._nodes_message(),
             "pools": self._pools_message(),
             "events": list(self.events),
+            "events_read": self.events_read,
             "charts": [{"metric": metric, "title": title, "unit": unit} for metric, title, unit in CHARTS],
             "agents": sorted(self.charts.series),
             "series": {
@@ -125,6 +131,9 @@ class Live:
             feed.push(message)
             if feed.closed:
                 self.feeds.discard(feed)
+
+    def _services_message(self) -> dict[str, Any]:
+        return {"available": self.services_available, "services": self.services}
 
     def _nodes_message(self) -> dict[str, Any]:
         return {"available": self.nodes_available, "nodes": [self.nodes[name] for name in sorted(self.nodes)]}
@@ -159,6 +168,8 @@ class Live:
             log.debug("subscription barrier: %r", error)
         self._set_bus(True)
         await self._read_past_events()
+        self.events_read = True  # from now on, an empty list means that no event is kept
+        self.broadcast("events", list(self.events))
         await asyncio.gather(self._services_loop(), self._nodes_loop(), self._pools_loop())
 
     async def _connect(self):
@@ -207,12 +218,15 @@ class Live:
                 self._set_services(await discovery.stats(self.nc, timeout=1.0))
             except Exception as error:
                 log.warning("service discovery: %r", error)
+                if self.services_available is not False:
+                    self.services_available = False  # the instances as last read stay, marked as such
+                    self.broadcast("services", self._services_message())
             await asyncio.sleep(self.refresh)
 
     def _set_services(self, stats: list) -> None:
         before = {service["name"]: bool(service["instances"]) for service in self.services}
-        self.services = services_view(self.prefix, stats)
-        self.broadcast("services", self.services)
+        self.services, self.services_available = services_view(self.prefix, stats), True
+        self.broadcast("services", self._services_message())
         present = {service["name"]: bool(service["instances"]) for service in self.services}
         if present["allocation"] and not before["allocation"]:
             self._wake_nodes(every=True)
@@ -370,4 +384,3 @@ class Live:
         )
         self.events.clear()
         self.events.extend(merged)
-        self.broadcast("events", list(self.events))

@@ -7,7 +7,11 @@ import json
 from datetime import UTC
 from typing import Any
 
-SERVICES = ("allocation", "broker", "metrics")
+from services.registry import SERVICES as KNOWN
+
+# Every service berth knows, as `berth up` starts them (an agent process also serves its node's
+# metrics, so `berth up` shows one metrics instance per agent and no metrics worker).
+SERVICES = tuple(KNOWN)
 
 # What is charted for each metrics agent: (metric, at node scope; title; unit).
 CHARTS = (
@@ -93,6 +97,8 @@ def _instance(stats) -> dict[str, Any]:
         "endpoints": len(stats.endpoints),
         "requests": requests,
         "errors": sum(endpoint.num_errors for endpoint in stats.endpoints),
+        # each endpoint's latest error ("409:node_exists"): the page's tooltip on the count
+        "last_errors": {e.name: e.last_error for e in stats.endpoints if e.num_errors},
         "avg_ms": round(busy_ns / requests / 1e6, 3) if requests else 0.0,
         "node": (stats.metadata or {}).get("node"),
     }

@@ -3,7 +3,9 @@ the broker places there, and tells its node's metrics which cgroups are whose.
 
 - Registration: the host is read (`host.py`) and offered less the reservations: `add-node` the
   first time, then `set-node-resource-capacity` (absolute: usage and the ledger stay as they are)
-  whenever the host changes (a CPU unplugged, a disk added). Labels given to the agent are set.
+  whenever the host changes (a CPU unplugged, a disk added), and after a restart (the state folder
+  remembers that the node was added: no add-node is refused `node_exists`). Labels given to the
+  agent are set.
 - Lease: a heartbeat every `--heartbeat` seconds renews it for `--ttl`; the allocation service
   marks the node down when it lapses (services/allocation/leases.py).
 - Reconcile: an instance started for a workload lives while the node's ledger holds that workload.
@@ -52,6 +54,7 @@ class HostAgent:
         self.status = "up"
         self.started_at = time.time()
         self._draining_file = Path(config.state) / "draining"
+        self._registered_file = Path(config.state) / "registered"  # this agent added its node once
         self._loops: list[asyncio.Task] = []
         self._publishing: set[asyncio.Task] = set()
         self._reconciled = False
@@ -103,22 +106,31 @@ class HostAgent:
         capacity = node_resource(host, reserve_cpu=self.config.reserve_cpu, reserve_memory=self.config.reserve_memory)
         if capacity == self.capacity:
             return
+        # A restarted agent (its state folder says it added the node) sets the capacity rather than
+        # asking add-node for a refusal: a normal restart makes allocation answer no error.
+        added = self._registered_file.exists()
         try:
-            await self.allocation.request(self._own("add-node"), {
-                "nodename": self.node, "resource": capacity, "labels": self.config.labels}, dict)
-            kind = "registered"
+            await (self._set_capacity(capacity) if added else self._add(capacity))
         except BusError as error:
-            if not already_registered(error):
+            if not (not_registered(error) if added else already_registered(error)):
                 raise
-            await self.allocation.request(self._own("set-node-resource-capacity"), {
-                "nodename": self.node, "resource_request": capacity, "delta": False}, dict)
-            if self.config.labels:
-                await self.allocation.request(self._own("set-node-labels"), {
-                    "nodename": self.node, "labels": self.config.labels}, dict)
-            kind = "registered" if not self.capacity else "capacity"
+            await (self._add(capacity) if added else self._set_capacity(capacity))
+        kind = "registered" if not self.capacity else "capacity"
+        self._registered_file.write_text(f"{self.node}\n")
         log.info("node %s %s: %s", self.node, kind, describe(host))
         self.capacity = capacity
         self._publish(f"host.{kind}", AgentEvent(type=kind, node=self.node, status=self.status, capacity=capacity))
+
+    async def _add(self, capacity: dict) -> None:
+        await self.allocation.request(self._own("add-node"), {
+            "nodename": self.node, "resource": capacity, "labels": self.config.labels}, dict)
+
+    async def _set_capacity(self, capacity: dict) -> None:
+        await self.allocation.request(self._own("set-node-resource-capacity"), {
+            "nodename": self.node, "resource_request": capacity, "delta": False}, dict)
+        if self.config.labels:
+            await self.allocation.request(self._own("set-node-labels"), {
+                "nodename": self.node, "labels": self.config.labels}, dict)
 
     async def heartbeat(self) -> None:
         """Renew the node's lease; after a time down, stop what was released meanwhile."""
@@ -133,6 +145,7 @@ class HostAgent:
                 raise
             log.warning("node %s was removed: registering it again", self.node)
             self.capacity = {}
+            self._registered_file.unlink(missing_ok=True)
             await self.register()
             return
         self.status = "draining" if self.draining else "up"

@@ -1,20 +1,25 @@
 // The berth dashboard: one server-sent event stream (/api/stream) keeps `state` up to date, and
 // each kind of message redraws only its own part of the page. No framework, no build step.
 
-import { sparkline, stackedBar, usageBar } from "./charts.js";
+import { heatColor, heatInk, heatLegend, sparkline, stackedBar, usageBar } from "./charts.js";
 
 const MAX_NODES_SHOWN = 200;
+const MAX_CELLS = 2000; // heat map cells drawn
+const COMPACT_CELLS = 150; // past this many cells, they are small squares without text
+const PLUGIN_RANK = { cpumem: 0, storage: 1, gpu: 2 };
 
 const state = {
   prefix: "",
   bus: { connected: false, error: "connecting" },
   online: false, // the stream to this server is open
   services: [],
+  servicesAvailable: null, // null: not read yet (each part says "connecting…" until its first data)
   nodes: new Map(), // nodename -> {nodename, labels, bars}
   nodesAvailable: null,
   pools: [],
   poolsAvailable: null,
   events: [],
+  eventsRead: false,
   charts: [],
   agents: [],
   agent: null, // the metrics agent whose charts are shown
@@ -77,6 +82,20 @@ function clock(unixSeconds) {
 
 const now = () => Date.now() / 1000;
 
+function percent(fraction) {
+  return `${Math.round(fraction * 100)}%`;
+}
+
+// The line a panel shows when it lists nothing: "connecting…" until its first data arrives (never
+// a claim that there is nothing), then what the emptiness means; hidden while there is something.
+function emptyLine(selector, { pending, empty }, ...said) {
+  const line = $(selector);
+  line.dataset.pending = String(pending);
+  line.hidden = !pending && !empty;
+  if (pending) line.replaceChildren("connecting…");
+  else if (empty) line.replaceChildren(...said);
+}
+
 // -- header --------------------------------------------------------------------------------------
 
 function renderStatus() {
@@ -92,13 +111,19 @@ function renderStatus() {
 
 // -- services ------------------------------------------------------------------------------------
 
+function errorsTitle(instance) {
+  const last = Object.entries(instance.last_errors ?? {});
+  return last.length ? `latest error of each endpoint:\n${last.map(([name, error]) => `${name}: ${error}`).join("\n")}` : null;
+}
+
 function renderServices() {
   const box = $("#services");
+  const pending = state.servicesAvailable === null;
   box.replaceChildren(
     ...state.services.map((service) => {
       const n = service.instances.length;
       const tile = el("div", {
-        class: `service ${n ? "present" : "absent"}`,
+        class: `service ${n ? "present" : pending ? "pending" : "absent"}`,
         "data-service": service.name,
         "data-instances": String(n),
       });
@@ -106,18 +131,18 @@ function renderServices() {
         el("div", { class: "service-head" },
           el("span", { class: "dot" }),
           el("b", {}, service.name),
-          el("span", { class: "count" }, n ? `${n} instance${n > 1 ? "s" : ""}` : "absent")),
+          el("span", { class: "count" }, n ? `${n} instance${n > 1 ? "s" : ""}` : pending ? "connecting…" : "absent")),
       );
       if (!n) {
-        tile.append(el("p", { class: "muted" }, `no instance of ${service.service} answers`));
+        if (!pending) tile.append(el("p", { class: "muted" }, `no instance of ${service.service} answers`));
         return tile;
       }
       const rows = service.instances.map((i) =>
-        el("tr", {},
+        el("tr", { "data-instance": i.id, "data-requests": String(i.requests) },
           el("td", { title: i.id }, i.id.slice(0, 8), i.node ? el("span", { class: "muted" }, ` ${i.node}`) : null),
           el("td", {}, i.started ? ago(now() - i.started) : "?"),
           el("td", { class: "num" }, number(i.requests)),
-          el("td", { class: `num ${i.errors ? "bad" : ""}` }, number(i.errors)),
+          el("td", { class: `num ${i.errors ? "bad" : ""}`, "data-errors": String(i.errors), title: errorsTitle(i) }, number(i.errors)),
           el("td", { class: "num" }, `${number(i.avg_ms)} ms`)));
       tile.append(
         el("table", { class: "instances" },
@@ -129,6 +154,7 @@ function renderServices() {
       return tile;
     }),
   );
+  $("#services-note").textContent = state.servicesAvailable === false ? "the services could not be asked: as last read" : "";
 }
 
 // -- nodes ---------------------------------------------------------------------------------------
@@ -144,7 +170,7 @@ function agentBadge(node) {
 function nodeRow(node) {
   const labels = Object.entries(node.labels).map(([k, v]) => `${k}=${v}`);
   const row = el("div", { class: "node", "data-node": node.nodename });
-  row.dataset.search = [node.nodename, ...labels].join(" ").toLowerCase();
+  row.dataset.search = searchText(node);
   row.append(
     el("div", { class: "node-head" },
       el("b", {}, node.nodename),
@@ -177,6 +203,7 @@ function renderNodes() {
   const names = [...state.nodes.keys()].sort();
   box.replaceChildren(...names.map((name) => nodeRow(state.nodes.get(name))));
   filterNodes();
+  renderHeatmap();
 }
 
 function upsertNode(node) {
@@ -190,16 +217,27 @@ function upsertNode(node) {
     box.insertBefore(row, next ?? null);
   }
   filterNodes();
+  renderHeatmap();
 }
 
 function removeNode(name) {
   state.nodes.delete(name);
   $("#nodes").querySelector(`[data-node="${CSS.escape(name)}"]`)?.remove();
   filterNodes();
+  renderHeatmap();
+}
+
+// The selection both node panels show: every word of the filter in the node's name or labels.
+function selectionWords() {
+  return $("#node-filter").value.toLowerCase().split(/\s+/).filter(Boolean);
+}
+
+function searchText(node) {
+  return [node.nodename, ...Object.entries(node.labels).map(([k, v]) => `${k}=${v}`)].join(" ").toLowerCase();
 }
 
 function filterNodes() {
-  const words = $("#node-filter").value.toLowerCase().split(/\s+/).filter(Boolean);
+  const words = selectionWords();
   let matching = 0;
   for (const row of $("#nodes").children) {
     const match = words.every((w) => row.dataset.search.includes(w));
@@ -210,10 +248,117 @@ function filterNodes() {
   let note = `${total} node${total === 1 ? "" : "s"}`;
   if (matching !== total) note += `, ${matching} matching`;
   if (matching > MAX_NODES_SHOWN) note += `, first ${MAX_NODES_SHOWN} shown`;
-  $("#node-count").textContent = note;
+  $("#node-count").textContent = state.nodesAvailable === null && !total ? "" : note;
   const absent = state.nodesAvailable === false;
   $("#nodes-note").textContent = absent ? "allocation is not answering: the nodes as last read" : "";
-  $("#nodes-empty").hidden = total > 0 || absent;
+  emptyLine("#nodes-empty", { pending: state.nodesAvailable === null && !total, empty: !total && !absent },
+    "no node yet: add one with ", el("code", {}, "resource.add-node"));
+}
+
+// -- placement heat map --------------------------------------------------------------------------
+
+// One cell per node of the selection, coloured by how much of one resource is used, grouped by a
+// label: spread placements colour the cells alike, packed ones make a few hot and the rest pale.
+const heat = { measure: "cpu", group: "" };
+
+function measures() {
+  const seen = new Map(); // resource -> plugin, in the order the bars come
+  for (const node of state.nodes.values()) for (const bar of node.bars) if (!seen.has(bar.resource)) seen.set(bar.resource, bar.plugin);
+  return [...seen].sort((a, b) => (PLUGIN_RANK[a[1]] ?? 9) - (PLUGIN_RANK[b[1]] ?? 9)).map(([resource]) => resource);
+}
+
+function labelKeys() {
+  const keys = new Set();
+  for (const node of state.nodes.values()) for (const key of Object.keys(node.labels)) keys.add(key);
+  return [...keys].sort();
+}
+
+// Keep a <select>'s options to `values` (a first option `none`, if given), and its choice if it is still one.
+function syncSelect(select, values, chosen, none = null) {
+  const options = [...(none === null ? [] : [["", none]]), ...values.map((v) => [v, v])];
+  if (select.options.length !== options.length || options.some(([v], i) => select.options[i].value !== v)) {
+    select.replaceChildren(...options.map(([value, text]) => el("option", { value }, text)));
+  }
+  const value = options.some(([v]) => v === chosen) ? chosen : (options[0]?.[0] ?? "");
+  select.value = value;
+  return value;
+}
+
+function heatCell(node, measure) {
+  const bar = node.bars.find((b) => b.resource === measure);
+  const fraction = bar ? (bar.total > 0 ? bar.used / bar.total : 0) : null;
+  const labels = Object.entries(node.labels).map(([k, v]) => `${k}=${v}`);
+  const title = [
+    `${node.nodename} (${node.status})${labels.length ? ` ${labels.join(" ")}` : ""}`,
+    ...node.bars.map((b) => `${b.resource}: ${usedOfTotal(b)}${b.total > 0 ? ` (${percent(b.used / b.total)})` : ""}`),
+  ].join("\n");
+  const cell = el("div", {
+    class: `heat-cell status-${node.status}${fraction === null ? " none" : ""}${fraction > 1 ? " over" : ""}`,
+    "data-heat-node": node.nodename,
+    "data-fraction": fraction === null ? "" : fraction.toFixed(3),
+    "data-status": node.status,
+    title,
+  },
+  el("span", { class: "heat-name" }, node.nodename),
+  el("span", { class: "heat-value" }, fraction === null ? "–" : percent(fraction)));
+  if (fraction !== null) {
+    cell.style.background = heatColor(fraction);
+    cell.style.color = heatInk(fraction);
+  }
+  return cell;
+}
+
+function groupSummary(name, nodes, measure) {
+  const fractions = nodes
+    .map((n) => n.bars.find((b) => b.resource === measure))
+    .filter((b) => b && b.total > 0)
+    .map((b) => b.used / b.total);
+  let text = `${nodes.length} node${nodes.length === 1 ? "" : "s"}`;
+  if (fractions.length) {
+    const mean = fractions.reduce((a, b) => a + b, 0) / fractions.length;
+    text += ` · ${measure} ${percent(Math.min(...fractions))}–${percent(Math.max(...fractions))}, mean ${percent(mean)}`;
+  }
+  return el("div", { class: "heat-group-name" }, name ? el("b", {}, name) : null, name ? " · " : null, text);
+}
+
+function renderHeatmap() {
+  const [resources, keys] = [measures(), labelKeys()];
+  heat.measure = syncSelect($("#heat-measure"), resources, heat.measure);
+  heat.group = syncSelect($("#heat-group"), keys, heat.group, "none");
+  $("#heat-measure").parentElement.hidden = !resources.length;
+  $("#heat-group").parentElement.hidden = !keys.length;
+  const words = selectionWords();
+  const names = [...state.nodes.keys()].sort();
+  const selected = names.map((name) => state.nodes.get(name)).filter((node) => words.every((w) => searchText(node).includes(w)));
+  const shown = selected.slice(0, MAX_CELLS);
+  const groups = new Map();
+  for (const node of shown) {
+    const key = heat.group ? (node.labels[heat.group] === undefined ? null : `${heat.group}=${node.labels[heat.group]}`) : "";
+    if (!groups.has(key)) groups.set(key, []);
+    groups.get(key).push(node);
+  }
+  const order = [...groups.keys()].sort((a, b) => (a === null) - (b === null) || String(a).localeCompare(String(b)));
+  const box = $("#heatmap");
+  box.classList.toggle("compact", shown.length > COMPACT_CELLS);
+  box.replaceChildren(...order.map((key) => {
+    const nodes = groups.get(key);
+    return el("div", { class: "heat-group", "data-group": key ?? `no ${heat.group}` },
+      groupSummary(key === null ? `no ${heat.group}` : key, nodes, heat.measure),
+      el("div", { class: "heat-cells" }, ...nodes.map((node) => heatCell(node, heat.measure))));
+  }));
+  let count = `${selected.length} of ${names.length} node${names.length === 1 ? "" : "s"}`;
+  if (selected.length > MAX_CELLS) count += `, first ${MAX_CELLS} shown`;
+  $("#heat-count").textContent = names.length ? count : "";
+  const legend = $("#heat-legend");
+  legend.hidden = !shown.length;
+  if (shown.length) {
+    legend.replaceChildren(
+      el("span", {}, `${heat.measure} used`), el("span", {}, "0%"), heatLegend(), el("span", {}, "100%"),
+      el("span", { class: "heat-key status-down" }, "down"), el("span", { class: "heat-key none" }, "–"),
+      el("span", {}, `no ${heat.measure}`));
+  }
+  emptyLine("#heat-empty", { pending: state.nodesAvailable === null && !names.length, empty: !selected.length },
+    names.length ? "no node matches the selection" : "no node to place on yet");
 }
 
 // -- pools ---------------------------------------------------------------------------------------
@@ -250,7 +395,8 @@ function renderPools() {
       el("td", { class: `pool-status ${cooling ? "bad" : pool.idle >= pool.target ? "good" : "warn"}` }, status));
     }),
   );
-  $("#pools-empty").hidden = state.pools.length > 0;
+  emptyLine("#pools-empty", { pending: state.poolsAvailable === null, empty: !state.pools.length },
+    "no warm pool: add one with ", el("code", {}, "broker.add-broker"));
   $("#pools-note").textContent = state.poolsAvailable === false ? "broker is not answering: the pools as last read" : "";
 }
 
@@ -265,7 +411,7 @@ function eventItem(event) {
 
 function renderEvents() {
   $("#events").replaceChildren(...state.events.slice().reverse().map(eventItem));
-  $("#events-empty").hidden = state.events.length > 0;
+  emptyLine("#events-empty", { pending: !state.eventsRead && !state.events.length, empty: !state.events.length }, "no event yet");
 }
 
 function addEvent(event) {
@@ -276,7 +422,7 @@ function addEvent(event) {
     state.events.shift();
     list.lastElementChild?.remove();
   }
-  $("#events-empty").hidden = true;
+  emptyLine("#events-empty", { pending: false, empty: false });
 }
 
 // -- metrics -------------------------------------------------------------------------------------
@@ -287,7 +433,8 @@ function renderAgents() {
   select.replaceChildren(...state.agents.map((a) => el("option", { value: a }, a)));
   select.value = state.agent ?? "";
   select.hidden = state.agents.length === 0;
-  $("#metrics-empty").hidden = state.agents.length > 0;
+  emptyLine("#metrics-empty", { pending: state.servicesAvailable === null && !state.agents.length, empty: !state.agents.length },
+    "no metrics agent answers");
   renderCharts();
 }
 
@@ -327,10 +474,10 @@ function renderCharts(only = null) {
 const handlers = {
   snapshot(data) {
     Object.assign(state, {
-      prefix: data.prefix, bus: data.bus, services: data.services,
+      prefix: data.prefix, bus: data.bus, services: data.services.services, servicesAvailable: data.services.available,
       nodes: new Map(data.nodes.nodes.map((n) => [n.nodename, n])), nodesAvailable: data.nodes.available,
       pools: data.pools.pools, poolsAvailable: data.pools.available,
-      events: data.events, charts: data.charts, agents: data.agents, series: data.series,
+      events: data.events, eventsRead: data.events_read, charts: data.charts, agents: data.agents, series: data.series,
     });
     renderStatus();
     renderServices();
@@ -345,8 +492,10 @@ const handlers = {
     renderStatus();
   },
   services(data) {
-    state.services = data;
+    state.services = data.services;
+    state.servicesAvailable = data.available;
     renderServices();
+    renderAgents();
   },
   nodes(data) {
     state.nodes = new Map(data.nodes.map((n) => [n.nodename, n]));
@@ -362,6 +511,7 @@ const handlers = {
   },
   events(data) {
     state.events = data;
+    state.eventsRead = true;
     renderEvents();
   },
   event: addEvent,
@@ -397,7 +547,18 @@ function connect() {
   }
 }
 
-$("#node-filter").addEventListener("input", filterNodes);
+$("#node-filter").addEventListener("input", () => {
+  filterNodes();
+  renderHeatmap();
+});
+$("#heat-measure").addEventListener("change", (e) => {
+  heat.measure = e.target.value;
+  renderHeatmap();
+});
+$("#heat-group").addEventListener("change", (e) => {
+  heat.group = e.target.value;
+  renderHeatmap();
+});
 $("#agent").addEventListener("change", (e) => {
   state.agent = e.target.value;
   renderCharts();

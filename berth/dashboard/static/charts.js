@@ -1,5 +1,5 @@
-// Tiny SVG charts, written for this page: a usage bar, a stacked bar and a sparkline.
-// Each function returns a new <svg> element; the page replaces it when the data changes.
+// Tiny SVG charts, written for this page: a usage bar, a stacked bar, a sparkline, and the heat
+// map's colour ramp. Each chart is a new <svg> element; the page replaces it when the data changes.
 
 const NS = "http://www.w3.org/2000/svg";
 
@@ -59,5 +59,40 @@ export function sparkline(points, { width = 220, height = 48, low = 0, high = nu
     svg("polyline", { class: "line", points: line }),
     svg("circle", { class: "dot", cx: last, cy: y(values[values.length - 1]).toFixed(1), r: 2.5 }),
   );
+  return root;
+}
+
+// The heat map's colour ramp, from an idle node (pale) to a full one (red); past 1 stays red.
+const HEAT = [
+  [0, [237, 242, 247]],
+  [0.25, [190, 224, 210]],
+  [0.5, [242, 207, 110]],
+  [0.75, [232, 137, 72]],
+  [1, [196, 50, 72]],
+];
+
+// The colour of a fraction used (0..1) as `rgb(...)`.
+export function heatColor(fraction) {
+  const f = clamp01(fraction);
+  let i = 1;
+  while (i < HEAT.length - 1 && f > HEAT[i][0]) i += 1;
+  const [[f0, c0], [f1, c1]] = [HEAT[i - 1], HEAT[i]];
+  const t = (f - f0) / (f1 - f0);
+  return `rgb(${c0.map((c, k) => Math.round(c + (c1[k] - c) * t)).join(",")})`;
+}
+
+// The ink that reads on `heatColor(fraction)`.
+export function heatInk(fraction) {
+  return clamp01(fraction) >= 0.7 ? "#ffffff" : "#1d2733";
+}
+
+// The ramp as a bar, for the legend.
+export function heatLegend({ width = 140, height = 10 } = {}) {
+  const root = svg("svg", { width, height, viewBox: `0 0 ${width} ${height}`, class: "heat-ramp", role: "img" });
+  const gradient = svg("linearGradient", { id: "heat-ramp", x1: 0, x2: 1, y1: 0, y2: 0 });
+  for (const [at, rgb] of HEAT) gradient.append(svg("stop", { offset: at, "stop-color": `rgb(${rgb.join(",")})` }));
+  const defs = svg("defs");
+  defs.append(gradient);
+  root.append(defs, svg("rect", { x: 0, y: 0, width, height, rx: 3, fill: "url(#heat-ramp)" }));
   return root;
 }
