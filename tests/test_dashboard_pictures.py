@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from bus import discovery
-from services.dashboard.live import Live
+from berth.dashboard.live import Live
 from tests.broker_helpers import FAST_ARGS, const_broker, marked
 from tests.bus_helpers import eventually
 from tests.test_dashboard import ROOT, WAIT_MS, browser_page, dashboard, running_dashboard  # noqa: F401

@@ -4,7 +4,7 @@ The dashboard is a plain NATS client (the client user's rights are enough). Ever
 one asyncio loop, the web server's. Each part of the page has its own rule:
 
 - services: `$SRV.STATS`, every `refresh` seconds (no event says that an instance came or went),
-  shown for every service `berth up` starts (services/registry.py), the node agents included;
+  shown for every service `berth up` starts (berth/registry.py), the node agents included;
 - nodes: `resource.list-nodes`, page by page, every `resync` seconds; a node alone (`list-nodes`
   with its name) when one of its `events.resource.<node>.*` comes;
 - pools: `broker.list-brokers`, on any broker event and every `refresh` seconds (`add-broker` and

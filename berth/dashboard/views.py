@@ -7,7 +7,7 @@ import json
 from datetime import UTC
 from typing import Any
 
-from services.registry import SERVICES as KNOWN
+from berth.registry import SERVICES as KNOWN
 
 # Every service berth knows, as `berth up` starts them (an agent process also serves its node's
 # metrics, so `berth up` shows one metrics instance per agent and no metrics worker).
