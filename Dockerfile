@@ -5,5 +5,6 @@ COPY pyproject.toml README.md ./
 COPY bus bus
 COPY schemas schemas
 COPY services services
+COPY berth berth
 RUN pip install --no-cache-dir .
 ENTRYPOINT ["berth"]

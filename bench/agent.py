@@ -56,7 +56,7 @@ class Bench:
         self.procs: list[subprocess.Popen] = []
 
     def start(self, module: str, *args: str) -> subprocess.Popen:
-        argv = [sys.executable, "-m", "services.runner", module, "--nats", self.nats, "--redis", self.redis,
+        argv = [sys.executable, "-m", "bus.runner", module, "--nats", self.nats, "--redis", self.redis,
                 "--prefix", self.prefix, "--memory-stream", *args]
         proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         if not proc.stdout.readline().startswith("ready"):

@@ -139,7 +139,7 @@ class Workers:
         self, nats_url: str, redis_url: str, prefix: str, started: Callable[[int], None] = lambda pid: None,
         options: Sequence[str] = (),
     ) -> None:
-        self.argv = [sys.executable, "-m", "services.runner", "services.allocation.worker",
+        self.argv = [sys.executable, "-m", "bus.runner", "services.allocation.worker",
                      "--nats", nats_url, "--redis", redis_url, "--prefix", prefix, "--memory-stream", *options]
         self.started = started
         self.procs: list[subprocess.Popen] = []

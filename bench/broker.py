@@ -60,7 +60,7 @@ def start_workers(count: int, nats: str, redis: str, prefix: str) -> list[subpro
             [
                 sys.executable,
                 "-m",
-                "services.runner",
+                "bus.runner",
                 "services.broker.worker",
                 "--nats",
                 nats,

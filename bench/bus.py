@@ -116,7 +116,7 @@ def main() -> None:
         asyncio.run(serve(args.serve))
         return
 
-    from services.servers import start_nats
+    from berth.servers import start_nats
 
     server = None if args.nats else start_nats(Path(tempfile.mkdtemp(prefix="berth-bench-")), jetstream=False)
     url = args.nats or server.url

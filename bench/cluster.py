@@ -40,8 +40,8 @@ from bench.allocation import (  # noqa: E402
     raw_lua_rate,
 )
 from bench.stats import percentile  # noqa: E402
+from berth.servers import start_nats, start_nats_cluster, start_redis, start_redis_cluster  # noqa: E402
 from bus.redis import connect_redis, ready  # noqa: E402
-from services.servers import start_nats, start_nats_cluster, start_redis, start_redis_cluster  # noqa: E402
 
 
 async def measure(table: Table, label: str, nats_url: str, redis_url: str, pids: dict[str, int], args) -> None:

@@ -32,13 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import msgspec  # noqa: E402
 
 from bench.stats import percentile  # noqa: E402
+from berth.servers import start_nats, start_redis  # noqa: E402
 from bus.codec import encode  # noqa: E402
 from bus.connection import connect  # noqa: E402
 from schemas.metrics import MAX_LIST_LIMIT, MetricEvent  # noqa: E402
 from services.metrics.cgroups import detect_layout  # noqa: E402
 from services.metrics.client import MetricsClient  # noqa: E402
 from services.metrics.provisioners import PROVISIONERS, CgroupProvisioner  # noqa: E402
-from services.servers import start_nats, start_redis  # noqa: E402
 
 PREFIX = "bench"
 ANCHORS = {1: "goal < 2 % at 1 s; Netdata 1-5 % at 1 s", 5: "metrics-server: 1 millicore at 15 s"}
@@ -77,7 +77,7 @@ def cpu_seconds(pid: int) -> float:
 
 def start_agent(nats: str, redis: str, interval: int) -> subprocess.Popen:
     argv = [
-        sys.executable, "-m", "services.runner", "services.metrics.worker", "--nats", nats, "--redis", redis,
+        sys.executable, "-m", "bus.runner", "services.metrics.worker", "--nats", nats, "--redis", redis,
         "--prefix", PREFIX, "--memory-stream", "--node", NODE, "--interval", str(interval),
         *[arg for path in cgroup_paths() for arg in ("--cgroup-path", path)],
     ]  # fmt: skip

@@ -40,13 +40,13 @@ sys.path.insert(0, str(ROOT))
 import msgpack  # noqa: E402
 from bench.allocation import LABELS, REQUEST, EchoResponders, Requests, Table, add_nodes, load, ms  # noqa: E402
 from bench.stats import percentile  # noqa: E402
+from berth import streams  # noqa: E402
+from berth.accounts import STREAMS_ADMIN  # noqa: E402
+from berth.credentials import Credentials, prepare  # noqa: E402
+from berth.servers import ServerProcess, start_nats, start_redis  # noqa: E402
+from berth.tls import prepare as prepare_tls  # noqa: E402
 from bus.callers import Role  # noqa: E402
-from bus.connection import connect  # noqa: E402
-from services import streams  # noqa: E402
-from services.accounts import STREAMS_ADMIN, inbox_prefix  # noqa: E402
-from services.credentials import Credentials, prepare  # noqa: E402
-from services.servers import ServerProcess, start_nats, start_redis  # noqa: E402
-from services.tls import prepare as prepare_tls  # noqa: E402
+from bus.connection import connect, inbox_prefix  # noqa: E402
 
 PREFIX = "sec"
 ECHO_SUBJECT = f"{PREFIX}.resource.echo-anchor"
@@ -93,7 +93,7 @@ def start(name: str, state: Path, accounts: bool, tls: bool) -> Deployment:
         argv = ["--prefix", PREFIX, "--nats", nats.url, "--redis", redis.url]
         service_url = client_url = admin_url = agent_url = nats.url
     worker = subprocess.Popen(
-        [sys.executable, "-m", "services.runner", "services.allocation.worker", "--memory-stream", *argv],
+        [sys.executable, "-m", "bus.runner", "services.allocation.worker", "--memory-stream", *argv],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     line = worker.stdout.readline()
     assert line.startswith("ready"), f"{name}: {line!r}"

@@ -11,8 +11,8 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
+from berth.servers import ServerProcess, start_nats, start_redis
 from services.processes import procfs
-from services.servers import ServerProcess, start_nats, start_redis
 
 
 @contextlib.contextmanager

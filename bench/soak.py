@@ -95,7 +95,7 @@ class Run:
     errors: dict[str, int] = field(default_factory=dict)
 
     def start(self, module: str, *args: str) -> subprocess.Popen:
-        argv = [sys.executable, "-m", "services.runner", module, "--nats", self.nats, "--redis", self.redis,
+        argv = [sys.executable, "-m", "bus.runner", module, "--nats", self.nats, "--redis", self.redis,
                 "--prefix", self.prefix, "--memory-stream", "--idempotency-window", str(self.window), *args]
         proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         if not proc.stdout.readline().startswith("ready"):

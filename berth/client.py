@@ -11,7 +11,7 @@
             async for sample in samples:
                 print(sample.value)
 
-`Client.connect` finds the servers as the `berth` commands do (services/commands/connection.py):
+`Client.connect` finds the servers as the `berth` commands do (berth/commands/connection.py):
 its keyword arguments, else NATS_URL and the BERTH_* variables (BERTH_NATS_CREDS, BERTH_TLS_CA,
 BERTH_JS_DOMAIN, BERTH_PREFIX), else the `up.env` that `berth up` wrote in its state folder
 (BERTH_STATE, default ./.berth), else nats://127.0.0.1:4222.
@@ -34,14 +34,14 @@ from nats.aio.client import Client as Nats
 
 from berth._base import Bus
 from berth._commands import AgentCommands, AllocationCommands, BrokerCommands, MetricsCommands
+from berth.commands.connection import Connection, redact, resolve_server
+from berth.commands.exits import EXIT_USAGE, CommandError
 from berth.errors import InvalidInput, Unavailable
 from berth.events import Events, Since
+from berth.settings import add_client_flags
 from bus.client import DEFAULT_TIMEOUT, RETRY_FOR
 from schemas.metrics import Scope
-from services.commands.connection import Connection, redact, resolve_server
-from services.commands.exits import EXIT_USAGE, CommandError
 from services.metrics.client import MetricsClient, Watch
-from services.settings import add_client_flags
 
 
 class Metrics(MetricsCommands):

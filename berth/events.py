@@ -5,7 +5,7 @@
             print(event.subject, event.message.workload_ids)
 
 The events the streams kept since `since` come first, then the live ones, with no gap and no
-duplicate: the same `Feed` as `berth events --since` (services/commands/events.py). Each event's
+duplicate: the same `Feed` as `berth events --since` (berth/commands/events.py). Each event's
 message is decoded as its service's event Struct (the `EVENTS` tables: `NodeEvent`,
 `BrokerEvent`, `MetricEvent`...), or as a plain map when no table names its subject.
 """
@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from berth.commands.events import Feed, check_pattern, parse_since
+from berth.commands.exits import EXIT_USAGE, CommandError
 from berth.errors import Error, InvalidInput, PermissionDenied, Unavailable
+from berth.registry import contracts
 from bus.codec import decoder
 from bus.tasks import cancel_and_wait
-from services.commands.events import Feed, check_pattern, parse_since
-from services.commands.exits import EXIT_USAGE, CommandError
-from services.registry import contracts
 
 if TYPE_CHECKING:
     from berth.client import Client

@@ -1,6 +1,6 @@
 """Who sent a request, as NATS authenticated it, and what that caller may do (DESIGN.md §8).
 
-With berth's accounts (services/credentials.py) every caller is a NATS account of its own, named
+With berth's accounts (berth/credentials.py) every caller is a NATS account of its own, named
 `<role>_<name>` (`tenant_alice`), and reaches the services only through service imports made with
 `share: true`. For such a request the server adds a `Nats-Request-Info` header whose `acc` names the
 caller's account; a header the caller sent under that name is replaced, so the caller cannot choose

@@ -3,18 +3,23 @@ through here.
 
 A payload that fails to decode or validate raises `InvalidArgument` naming the field, so the
 service runtime can answer `invalid_argument` instead of losing the endpoint to an exception.
-Bytes berth wrote itself (records, events, kept answers) are read with `decode_stored` or a
-`decoder`, without those checks.
+A request's unknown key, at any depth, is refused too (DESIGN.md §8): request Structs forbid them
+(`schemas.common.Request`), and where a request holds a Struct that replies or records share (and
+so stays lenient) `decode` walks the payload for them. Bytes berth wrote itself (records, events,
+kept answers) are read with `decode_stored` or a `decoder`, without those checks.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 import types
 import typing
+from collections.abc import Collection
 from typing import Any, TypeVar
 
 import msgspec
+import msgspec.inspect as inspect
 
 from schemas.errors import InvalidArgument
 from schemas.patterns import in_words
@@ -54,14 +59,18 @@ def decode_stored(data: bytes, type_: type[T] = Any) -> T:  # type: ignore[assig
 
 
 def decode(data: bytes, type_: type[T]) -> T:
-    """Decode `data` as `type_`; any failure is an `InvalidArgument` naming the field at fault."""
+    """Decode a request's `data` as `type_`; any failure, an unknown key included, is an
+    `InvalidArgument` naming the field at fault."""
     check_depth(data)
     try:
-        return _decoder(type_).decode(data)
+        value = _decoder(type_).decode(data)
     except msgspec.ValidationError as error:
         raise invalid_argument_from(error, value=_untyped(data), type_=type_) from None
     except msgspec.DecodeError as error:
         raise InvalidArgument("$", f"not a MessagePack map: {error}") from None
+    if _holds_lenient(type_):
+        refuse_unknown_fields(_untyped(data), type_, "")
+    return value
 
 
 MAX_DEPTH = 32  # maps and lists inside one another (DESIGN.md §8); msgspec itself recurses
@@ -176,7 +185,108 @@ def convert(value: Any, type_: type[T], *, path: str = "") -> T:
 def invalid_argument_from(
     error: msgspec.ValidationError, prefix: str = "", *, value: Any = _UNKNOWN, type_: Any = None
 ) -> InvalidArgument:
+    if str(error).startswith(_UNKNOWN_FIELD) and value is not _UNKNOWN and type_ is not None:
+        # A Struct that forbids unknown fields met one: find it in the value, to list the accepted keys.
+        refuse_unknown_fields(value, type_, prefix)
     return InvalidArgument(*error_field(str(error), prefix, value=value, type_=type_))
+
+
+# -- unknown keys -----------------------------------------------------------------------------------
+
+_UNKNOWN_FIELD = "Object contains unknown field"
+_LISTS = (inspect.ListType, inspect.SetType, inspect.FrozenSetType, inspect.VarTupleType)
+_NESTING = (inspect.StructType, inspect.DictType, inspect.UnionType, *_LISTS)
+
+
+def unknown_key(field: str, key: object, accepted: Collection[str]) -> InvalidArgument:
+    """A key a client sent that nothing reads at `field` ("" for the payload's top): a typo must never
+    place a workload on every node, lose a request id or register an empty node (DESIGN.md §8)."""
+    listed = f"accepted: {', '.join(sorted(accepted))}" if accepted else "it takes no keys"
+    return InvalidArgument(_joined(field, key), f"unknown key {str(key)!r}; {listed}",
+                           accepted=sorted(accepted))
+
+
+def refuse_unknown_keys(raw: object, accepted: Collection[str], field: str) -> None:
+    """Refuse the first key of a client's map (in the order sent) that is not in `accepted`."""
+    if isinstance(raw, dict) and any(key not in accepted for key in raw):
+        raise unknown_key(field, next(key for key in raw if key not in accepted), accepted)
+
+
+def refuse_unknown_fields(raw: object, type_: Any, field: str) -> None:
+    """Refuse a key a client sent that `type_` does not read, at any depth (`disks[0].read_iops`), under
+    its wire name (a tagged Struct's tag key included).
+
+    For a Struct that replies or stored records share, which therefore stays lenient (old data may
+    carry keys no longer read): what a client sends in that shape is checked here. Values of the
+    wrong type are left to the decoder.
+    """
+    _refuse_unknown(raw, _type_info(type_), field)
+
+
+@functools.lru_cache(maxsize=None)
+def _type_info(type_: Any) -> inspect.Type:
+    return inspect.type_info(type_)
+
+
+@functools.lru_cache(maxsize=None)
+def _holds_lenient(type_: Any) -> bool:
+    """Whether a Struct that does not forbid unknown fields is part of `type_` (then `decode` walks)."""
+    seen: set[type] = set()
+
+    def lenient(info: inspect.Type) -> bool:
+        if isinstance(info, inspect.StructType):
+            if info.cls in seen:
+                return False
+            seen.add(info.cls)
+            return not info.forbid_unknown_fields or any(lenient(f.type) for f in info.fields)
+        if isinstance(info, _LISTS):
+            return lenient(info.item_type)
+        if isinstance(info, inspect.DictType):
+            return lenient(info.value_type)
+        if isinstance(info, inspect.UnionType):
+            return any(lenient(member) for member in info.types)
+        return False
+
+    return lenient(_type_info(type_))
+
+
+def _joined(field: str, key: object) -> str:
+    return f"{field}.{key}" if field else str(key)
+
+
+def _refuse_unknown(value: object, info: inspect.Type, field: str) -> None:
+    if isinstance(info, inspect.StructType):
+        if isinstance(value, dict):
+            fields = {f.encode_name: f.type for f in info.fields}
+            refuse_unknown_keys(value, fields.keys() | ({info.tag_field} if info.tag_field else set()), field)
+            for key, item in value.items():
+                if key in fields and isinstance(fields[key], _NESTING):
+                    _refuse_unknown(item, fields[key], _joined(field, key))
+    elif isinstance(info, _LISTS):
+        if isinstance(value, list) and isinstance(info.item_type, _NESTING):
+            for index, item in enumerate(value):
+                _refuse_unknown(item, info.item_type, f"{field}[{index}]")
+    elif isinstance(info, inspect.DictType):
+        if isinstance(value, dict) and isinstance(info.value_type, _NESTING):
+            for key, item in value.items():
+                _refuse_unknown(item, info.value_type, _joined(field, key))
+    elif isinstance(info, inspect.UnionType):
+        member = _member(value, info)
+        if member is not None:
+            _refuse_unknown(value, member, field)
+
+
+def _member(value: object, union: inspect.UnionType) -> inspect.Type | None:
+    """The member of `union` that `value` decodes as, as far as keys go: a tagged Struct by its tag."""
+    for member in union.types:
+        if isinstance(member, inspect.StructType) and isinstance(value, dict):
+            if member.tag_field is None or value.get(member.tag_field) == member.tag:
+                return member
+        elif isinstance(member, inspect.DictType) and isinstance(value, dict):
+            return member
+        elif isinstance(member, _LISTS) and isinstance(value, list):
+            return member
+    return None
 
 
 def error_field(message: str, prefix: str = "", *, value: Any = _UNKNOWN, type_: Any = None) -> tuple[str, str]:
@@ -196,11 +306,11 @@ def error_field(message: str, prefix: str = "", *, value: Any = _UNKNOWN, type_:
     if "[...]" in path:
         path = _with_map_keys(path, value, type_)
     field = (prefix + path).lstrip(".") or "$"
-    if reason.startswith("Object missing required field"):
-        # "Object missing required field `x`": the missing key is the field, not its parent.
-        missing = reason.split("`")[1]
-        field = f"{field}.{missing}" if field != "$" else missing
-        reason = "required field is missing"
+    if reason.startswith(("Object missing required field", _UNKNOWN_FIELD)):
+        # "Object missing required field `x`", "... unknown field `x`": the key is the field, not its parent.
+        key = reason.split("`")[1]
+        field = f"{field}.{key}" if field != "$" else key
+        reason = f"unknown key {key!r}" if reason.startswith(_UNKNOWN_FIELD) else "required field is missing"
     return field, in_words(reason)
 
 

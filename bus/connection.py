@@ -6,7 +6,8 @@ reconnects and asynchronous errors (slow consumers above all) are logged, never 
 the other servers from the one it reaches, and moves to another when its server goes away.
 Credentials come as `user`/`password` options or in the URLs (`nats://user:password@host:port`).
 `tls://` URLs check the server's certificate against the CA file in `tls_ca` or `BERTH_TLS_CA`
-(the one `berth up` makes), else against the system's CAs.
+(the one `berth up` makes), else against the system's CAs. A worker's own inbox root
+(`inbox_prefix`, which the permissions `berth up` writes expect) and `--nats-creds` files are here too.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import ssl
+from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 import nats
@@ -89,6 +91,36 @@ def url_credentials(servers: list[str]) -> dict[str, str]:
         if parts.username is not None and parts.password is not None:
             return {"user": unquote(parts.username), "password": unquote(parts.password)}
     return {}
+
+
+# -- a worker's inbox root, and creds files (`--nats-creds`, as `berth up` writes them) ------------
+
+
+def inbox_prefix(prefix: str, service: str, node: str | None = None) -> str:
+    """The inbox root of a service's own requests (nats-py `inbox_prefix`), private to it; a node
+    agent's is its node's (`_INBOX_P-agent.<node>`): no agent reads another's answers."""
+    root = f"_INBOX_{prefix}-{service}"
+    return f"{root}.{node}" if node else root
+
+
+def read_creds_file(path: str | Path) -> tuple[str, str]:
+    """(user, password) from a `--nats-creds` file."""
+    values = creds_values(path)
+    return values["user"], values["password"]
+
+
+def creds_values(path: str | Path) -> dict[str, str]:
+    """A `--nats-creds` file's values: `user=...` and `password=...` lines, and `node=...` for a
+    node agent's identity."""
+    values: dict[str, str] = {}
+    for line in Path(path).read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#") and "=" in line:
+            key, _, value = line.partition("=")
+            values[key.strip()] = value.strip()
+    if "user" not in values or "password" not in values:
+        raise ValueError(f"{path}: expected user=... and password=... lines")
+    return values
 
 
 async def subscriptions_in_place(nc: Client, timeout: float = 10.0, *, as_client: bool = False) -> None:

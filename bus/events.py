@@ -122,7 +122,7 @@ class Acknowledgements:
 
 class EventBus:
     """`js_domain`: the streams' JetStream API is at `$JS.<js_domain>.API` (where the streams live
-    in another NATS account, see services/accounts.py); None: the connection's own `$JS.API`."""
+    in another NATS account, see berth/accounts.py); None: the connection's own `$JS.API`."""
 
     def __init__(self, nc: Client, *, prefix: str = "berth", js_domain: str | None = None) -> None:
         self.nc = nc
@@ -145,7 +145,7 @@ class EventBus:
         again and adds what is still missing. On a NATS cluster that is still starting, or whose
         JetStream leader just went away, every step is asked again until JetStream answers, for
         `wait` seconds at most. `create` False: only check that the stream is there with this
-        service's subjects (a worker whose user may not change streams, services/accounts.py)."""
+        service's subjects (a worker whose user may not change streams, berth/accounts.py)."""
         js = self.nc.jetstream(domain=self.js_domain)
         deadline = asyncio.get_running_loop().time() + wait
         wanted = [self.subject(subject) for subject in spec.subjects]

@@ -8,7 +8,7 @@ One way to call a script, two ways to load it. The scripts of a package are also
 Functions library (`Library`, Redis >= 7.0) that an administrator loads (`berth up` does it,
 `berth redis-functions` elsewhere). A client that finds the library loaded calls the script's
 function with FCALL, so its Redis user needs no right to run Lua of its own choosing
-(services/credentials.py); a client that does not (Redis 6.2, or nobody loaded it) runs the script
+(berth/credentials.py); a client that does not (Redis 6.2, or nobody loaded it) runs the script
 with EVALSHA, registered with redis-py's `register_script`, which loads it on the server when it is
 first needed (see `bus.redis.Pipelined` for pipelines). Each client asks once per library, on first
 use (FUNCTION LIST; on a cluster every primary must have it).

@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 from msgspec import Meta, Struct
 
-from schemas.common import Event
+from schemas.common import Event, Request
 from schemas.patterns import END, matching, printable
 from schemas.subjects import ShortName
 
@@ -62,7 +62,10 @@ class StartInstance(Struct):
     process is confined to them (a cpuset cgroup where the host allows it, else its CPU affinity).
     `memory_limit` (bytes, 0: none) is its memory cgroup's limit. With `workload_id` the instance
     lives only as long as the node's allocation ledger holds that workload: an agent that finds it
-    released (after the node was down, say) stops the instance."""
+    released (after the node was down, say) stops the instance.
+
+    Not a `Request` by type: the agent keeps it in its state folder, read leniently at restart; the
+    bus refuses an unknown key in a `start` all the same (`bus.codec.decode`)."""
 
     instance: InstanceId
     param: InstanceParam
@@ -73,15 +76,15 @@ class StartInstance(Struct):
     owner: Owner = Owner()
 
 
-class InstanceRequest(Struct):
+class InstanceRequest(Request):
     instance: InstanceId
 
 
-class InstancesRequest(Struct):
+class InstancesRequest(Request):
     instances: Annotated[list[InstanceId], Meta(max_length=MAX_INSTANCES_PER_REQUEST)]
 
 
-class ListInstances(Struct):
+class ListInstances(Request):
     offset: Annotated[int, Meta(ge=0)] = 0
     limit: Annotated[int, Meta(ge=1, le=1000)] = 100
 
@@ -125,7 +128,7 @@ class Stopped(Struct):
     stopped: bool
 
 
-class Drain(Struct):
+class Drain(Request):
     """`draining: true` takes the node out of new placements until `draining: false`."""
 
     draining: bool = True

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta, Struct
 
-from schemas.common import Event
+from schemas.common import Event, Request
 from schemas.patterns import END, matching
 from schemas.subjects import NodeName
 
@@ -33,7 +33,7 @@ Strategy = matching(f"^(spread|pack|each){END}", "spread, pack or each")
 # -- the eru plugin commands (both levels) --------------------------------------------------
 
 
-class CalculateDeploy(Struct):
+class CalculateDeploy(Request):
     nodename: NodeName
     deploy_count: DeployCount
     workload_resource_request: Raw | None = None
@@ -44,7 +44,7 @@ class CalculateDeployReply(Struct):
     workloads_resource: list[Raw]
 
 
-class CalculateRealloc(Struct):
+class CalculateRealloc(Request):
     nodename: NodeName
     workload_resource: Raw
     workload_resource_request: Raw | None = None
@@ -56,7 +56,7 @@ class CalculateReallocReply(Struct):
     workload_resource: Raw
 
 
-class CalculateRemap(Struct):
+class CalculateRemap(Request):
     nodename: NodeName
     workloads_resource: dict[WorkloadId, Raw] = {}
 
@@ -65,14 +65,14 @@ class CalculateRemapReply(Struct):
     engine_params_map: dict[str, Raw]
 
 
-class EngineInfoMsg(Struct, forbid_unknown_fields=False):
+class EngineInfoMsg(Request):
     ncpu: Annotated[int, Meta(ge=0, le=1_000_000)] = 0
     memory_total: Annotated[int, Meta(ge=0)] = 0
     storage_total: Annotated[int, Meta(ge=0)] = 0
     resources: dict[str, Raw] = {}
 
 
-class AddNode(Struct):
+class AddNode(Request):
     nodename: NodeName
     resource: Raw | None = None
     info: EngineInfoMsg | None = None
@@ -85,12 +85,12 @@ class CapacityUsage(Struct):
     usage: Raw
 
 
-class NodeRequest(Struct):
+class NodeRequest(Request):
     nodename: NodeName
     request_id: RequestId = ""
 
 
-class GetNodesDeployCapacity(Struct):
+class GetNodesDeployCapacity(Request):
     """`nodenames` lists the nodes, `labels` selects those whose labels match; neither: every node."""
 
     nodenames: list[NodeName] | None = None
@@ -114,7 +114,7 @@ class GetNodesDeployCapacityReply(Struct):
     total: int
 
 
-class SetNodeResourceCapacity(Struct):
+class SetNodeResourceCapacity(Request):
     nodename: NodeName
     resource: Raw | None = None
     resource_request: Raw | None = None
@@ -128,7 +128,7 @@ class BeforeAfter(Struct):
     after: Raw
 
 
-class GetNodeResourceInfo(Struct):
+class GetNodeResourceInfo(Request):
     nodename: NodeName
     workloads_resource: list[Raw] | None = None
     request_id: RequestId = ""
@@ -140,14 +140,14 @@ class NodeResourceInfo(Struct):
     diffs: list[str]
 
 
-class SetNodeResourceInfo(Struct):
+class SetNodeResourceInfo(Request):
     nodename: NodeName
     capacity: Raw
     usage: Raw
     request_id: RequestId = ""
 
 
-class SetNodeResourceUsage(Struct):
+class SetNodeResourceUsage(Request):
     nodename: NodeName
     resource: Raw | None = None
     resource_request: Raw | None = None
@@ -157,7 +157,7 @@ class SetNodeResourceUsage(Struct):
     request_id: RequestId = ""
 
 
-class GetMostIdleNode(Struct):
+class GetMostIdleNode(Request):
     """`nodenames` lists the nodes, `labels` selects those whose labels match; neither: every node."""
 
     nodenames: Annotated[list[NodeName], Meta(min_length=1, max_length=100_000)] | None = None
@@ -180,7 +180,7 @@ class MetricsDescriptionReply(Struct):
     descriptions: list[MetricDescription]
 
 
-class GetMetrics(Struct):
+class GetMetrics(Request):
     podname: Annotated[str, Meta(max_length=256)]
     nodename: NodeName
 
@@ -199,7 +199,7 @@ class MetricsReply(Struct):
 # -- manager-only commands ------------------------------------------------------------------
 
 
-class Allocate(Struct, omit_defaults=True):
+class Allocate(Request, omit_defaults=True):
     """One `nodename`; or `nodenames` and/or `labels` (the listed nodes, those whose labels match, or
     the listed ones that match); or neither: every node. `dry_run`: answer the plan (the nodes and
     the resources each instance would get) and commit nothing; its request id is neither claimed
@@ -231,7 +231,7 @@ class AllocateReply(Struct):
     allocations: list[Allocation]
 
 
-class ReleaseWorkloads(Struct):
+class ReleaseWorkloads(Request):
     workload_ids: Annotated[list[WorkloadId], Meta(min_length=1, max_length=10_000)]
     request_id: RequestId = ""
 
@@ -240,7 +240,7 @@ class ReleaseReply(Struct):
     released: list[str]
 
 
-class Realloc(Struct):
+class Realloc(Request):
     workload_id: WorkloadId
     workload_resource_request: Raw | None = None
     request_id: RequestId = ""
@@ -254,7 +254,7 @@ class ReallocReply(Struct):
     delta_resource: Raw
 
 
-class GetAllocations(Struct):
+class GetAllocations(Request):
     nodename: NodeName
 
 
@@ -267,7 +267,7 @@ class AllocationsReply(Struct):
     allocations: list[WorkloadAllocation]
 
 
-class ListNodes(Struct):
+class ListNodes(Request):
     nodenames: list[NodeName] | None = None
     labels: Labels = {}
     offset: Annotated[int, Meta(ge=0)] = 0
@@ -284,7 +284,7 @@ class AgentReport(Struct, frozen=True):
     started_at: float = 0.0
 
 
-class NodeHeartbeat(Struct):
+class NodeHeartbeat(Request):
     """An agent renews its node's lease for `ttl_seconds`; past it, without another heartbeat,
     the node is down. `draining` takes it out of new placements while it stays alive."""
 
@@ -334,7 +334,7 @@ class ListNodesReply(Struct):
     next_offset: int | None = None
 
 
-class SetNodeLabels(Struct):
+class SetNodeLabels(Request):
     nodename: NodeName
     labels: Labels
     request_id: RequestId = ""

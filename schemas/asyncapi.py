@@ -171,7 +171,7 @@ def document(
     services: Mapping[str, Any], prefix: str = "berth", servers: Iterable[str] = DEFAULT_SERVERS
 ) -> dict[str, Any]:
     """The AsyncAPI 3.0.0 document of `services` (name -> a module or object with `COMMANDS` and
-    `EVENTS`: each service's commands.py, as `services.registry.contracts()` gives them)."""
+    `EVENTS`: each service's commands.py, as `berth.registry.contracts()` gives them)."""
     modules = services
     commands = [(service, c) for service, module in modules.items() for c in getattr(module, "COMMANDS", [])]
     events = [
@@ -333,7 +333,9 @@ def document(
                 + prefix
                 + "-events` and `"
                 + prefix
-                + "-metrics` keep them for replay. Messages are MessagePack maps with string keys."
+                + "-metrics` keep them for replay. Messages are MessagePack maps with string keys. A "
+                "request's unknown key, at any level, is refused (`invalid_argument` naming it); replies and "
+                "events may gain keys, which a client ignores."
             ),
         },
         "defaultContentType": CONTENT_TYPE,

@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 from msgspec import UNSET, Meta, Struct, UnsetType, field
 
-from schemas.common import Event
+from schemas.common import Event, Request
 from schemas.patterns import printable
 from schemas.subjects import ShortName as Token
 
@@ -56,7 +56,7 @@ class ResourceParam(Struct):
     broker_name: str = ""
 
 
-class InstanceFilter(Struct):
+class InstanceFilter(Request):
     """crm's instance filter callback as data: take min(available, request) when available >= least."""
 
     least_instance: Annotated[int, Meta(ge=0, le=10_000)]
@@ -102,14 +102,14 @@ class ServiceInfo(Struct):
 # -- resource commands ------------------------------------------------------------------------
 
 
-class Init(Struct):
+class Init(Request):
     user: Token
     resource_id: ResourceId
     param: ResourceParam
     request_id: RequestId = ""
 
 
-class Launch(Struct):
+class Launch(Request):
     user: Token
     resource_id: ResourceId
     filter: InstanceFilter
@@ -117,25 +117,25 @@ class Launch(Struct):
     request_id: RequestId = ""
 
 
-class Scale(Struct):
+class Scale(Request):
     user: Token
     resource_id: ResourceId
     filter: InstanceFilter
     request_id: RequestId = ""
 
 
-class ResourceRef(Struct):
+class ResourceRef(Request):
     user: Token
     resource_id: ResourceId
 
 
-class Release(Struct):
+class Release(Request):
     user: Token
     resource_id: ResourceId
     request_id: RequestId = ""
 
 
-class Apply(Struct):
+class Apply(Request):
     user: Token
     resource_id: ResourceId
     param: ResourceParam
@@ -173,7 +173,7 @@ class ResourceView(Struct):
     message: str = ""
 
 
-class ListResources(Struct):
+class ListResources(Request):
     """Filters that are absent match everything the caller may see; a present one is typed
     strictly (null is invalid)."""
 
@@ -190,7 +190,7 @@ class ResourceList(Struct):
     total: int
 
 
-class GetResourceDetail(Struct):
+class GetResourceDetail(Request):
     user: Token
     offset: Offset = 0
     limit: Limit = 100
@@ -231,7 +231,7 @@ class ResourceDetailReply(Struct):
     total: int
 
 
-class GetInstanceType(Struct):
+class GetInstanceType(Request):
     user: Token
     platform: str = ""
     group: str = ""
@@ -242,7 +242,7 @@ class InstanceType(Struct):
     mem_per_instance: int
 
 
-class GetNamespace(Struct):
+class GetNamespace(Request):
     user: Token
 
 
@@ -267,11 +267,11 @@ class BrokerConfig(Struct):
     idle_keep_seconds: Seconds = 0.0
 
 
-class AddBroker(BrokerConfig):
+class AddBroker(BrokerConfig, Request):
     request_id: RequestId = ""
 
 
-class RemoveBroker(Struct):
+class RemoveBroker(Request):
     user: Token
     name: Token
     request_id: RequestId = ""
@@ -281,7 +281,7 @@ class RemovedBroker(Struct):
     released: list[str]
 
 
-class ListBrokers(Struct):
+class ListBrokers(Request):
     user: Token | UnsetType = UNSET  # absent: every user the caller may see (a tenant: itself)
 
 

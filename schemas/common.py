@@ -32,8 +32,20 @@ class ErrorBody(msgspec.Struct):
     error: ErrorInfo
 
 
+class Request(msgspec.Struct, forbid_unknown_fields=True):
+    """The base of a request, or of a part only requests carry: an unknown key is `invalid_argument`
+    naming it, with the accepted keys (DESIGN.md §8: a typo of `nodenames` must not place on every
+    node, nor one of `request_id` place twice).
+
+    Replies, events and stored records stay lenient (a client ignores keys it does not know, and old
+    records may carry keys no longer read): a Struct they share with requests (a broker's `param`, an
+    agent's `owner`) keeps the default, and the bus checks a request's keys in it (`bus.codec.decode`).
+    """
+
+
 class Empty(msgspec.Struct):
-    """A request or reply without fields (`{}`)."""
+    """A request or reply without fields (`{}`): lenient, as a reply; the bus refuses any key sent in
+    a request."""
 
 
 class Event(msgspec.Struct, kw_only=True):

@@ -37,7 +37,9 @@ def document(services: Mapping[str, Any], prefix: str = "berth") -> dict[str, An
     """The JSON Schema document of `services` (name -> a module or object with `COMMANDS` and
     `EVENTS`)."""
     doc: dict[str, Any] = {
-        "encoding": "MessagePack maps with string keys; see docs/concepts.md 'Talking to berth'",
+        "encoding": "MessagePack maps with string keys; a request's unknown key, at any level, is refused "
+        "(invalid_argument naming it), replies and events may gain keys; see docs/concepts.md 'Talking to "
+        "berth'",
         "error_reply": msgspec.json.schema(ErrorBody),
         "event_envelope": msgspec.json.schema(Event),
         "services": {},

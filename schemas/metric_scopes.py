@@ -10,6 +10,7 @@ from typing import Annotated, Any
 
 import msgspec
 
+from schemas.common import Request
 from schemas.errors import InvalidArgument
 
 # Scope -> the id keys that name one entity in it, in order. A sample's `ids` is a tuple of these.
@@ -48,7 +49,7 @@ class MetricValue(msgspec.Struct, frozen=True):
     time: float
 
 
-class PodRef(msgspec.Struct, frozen=True):
+class PodRef(Request, frozen=True):
     """A pod in an aggregation request: its UID and the containers to add up."""
 
     uid: Annotated[str, msgspec.Meta(min_length=1)]

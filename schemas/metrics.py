@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 
 from msgspec import UNSET, Meta, Struct, UnsetType, field
 
+from schemas.common import Request
 from schemas.errors import InvalidArgument
 from schemas.metric_scopes import AGGREGATORS, KINDS, MAX_CPU_ID, SCOPES, Ids, PodRef, entity_key
 from schemas.patterns import END, matching
@@ -78,11 +79,11 @@ class MetricRef(EntityIds, kw_only=True):
 # -- commands ---------------------------------------------------------------------------------
 
 
-class Get(MetricRef, kw_only=True):
+class Get(MetricRef, Request, kw_only=True):
     """`get`: the latest value of a metric."""
 
 
-class Aggregate(Struct, kw_only=True):
+class Aggregate(Request, kw_only=True):
     """`aggregate`: sum or average over pods' containers, their containers on one NUMA node, or a cpuset."""
 
     kind: Kind
@@ -93,7 +94,7 @@ class Aggregate(Struct, kw_only=True):
     cpuset: Annotated[str, Meta(max_length=65536)] | UnsetType = UNSET  # kind cores, e.g. "0-3,8"
 
 
-class Put(MetricRef, kw_only=True):
+class Put(MetricRef, Request, kw_only=True):
     """`put`: store an external metric; without `time` the sample time is now.
 
     With `request_id`, a retry replays the first answer (the same sample time) instead of storing
@@ -106,7 +107,7 @@ class Put(MetricRef, kw_only=True):
     request_id: RequestId | UnsetType = UNSET
 
 
-class RegisterNotifier(MetricRef, kw_only=True):
+class RegisterNotifier(MetricRef, Request, kw_only=True):
     """`register-notifier`: publish this metric's new samples as events while the lease lives."""
 
     lease_seconds: LeaseSeconds | UnsetType = UNSET
@@ -120,7 +121,7 @@ class Lease(Struct):
     lease_seconds: float
 
 
-class NotifierRequest(Struct):
+class NotifierRequest(Request):
     """`renew-notifier` and `deregister-notifier`; a retry with the same `request_id` replays the
     first answer (a renewal is not restarted again, a deregistration still says `removed`)."""
 
@@ -140,7 +141,7 @@ class Synced(Struct):
     interval_seconds: float
 
 
-class ListMetrics(Struct, kw_only=True):
+class ListMetrics(Request, kw_only=True):
     """`list`: what is stored, ordered by scope, ids and metric, a page at a time."""
 
     scope: Scope | UnsetType = UNSET

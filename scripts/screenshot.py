@@ -23,9 +23,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from berth.servers import start_nats, start_redis  # noqa: E402
 from bus.client import BusClient  # noqa: E402
 from bus.connection import connect  # noqa: E402
-from services.servers import start_nats, start_redis  # noqa: E402
 
 PREFIX = "berth"
 GiB = 1 << 30
@@ -65,7 +65,7 @@ def start(module: str, nats_url: str, redis_url: str, *args: str) -> subprocess.
         [
             sys.executable,
             "-m",
-            "services.runner",
+            "bus.runner",
             module,
             "--nats",
             nats_url,
@@ -209,7 +209,7 @@ async def main(output: Path) -> None:
             start("services.metrics.worker", nats.url, redis.url, "--node", "sz-web-01", "--interval", "1")
         )
         dashboard = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "dashboard", "--nats", nats.url, "--prefix", PREFIX],
+            [sys.executable, "-m", "berth.cli", "dashboard", "--nats", nats.url, "--prefix", PREFIX],
             cwd=ROOT,
             stdout=subprocess.PIPE,
             text=True,

@@ -1,5 +1,5 @@
 """A deployment as `berth up` makes it, for the tests of identities, roles and ownership: a
-nats-server with berth's accounts (services/accounts.py), a redis-server with the services' ACL
+nats-server with berth's accounts (berth/accounts.py), a redis-server with the services' ACL
 users and berth's Redis Functions loaded, real workers on their own users, and a connection per
 identity.
 
@@ -22,14 +22,14 @@ import pytest
 import redis as sync_redis
 from nats.aio.client import Client
 
+from berth import redis_functions, streams
+from berth.accounts import STREAMS_ADMIN
+from berth.credentials import Credentials, prepare
+from berth.servers import reload_nats, set_redis_users, start_nats, start_redis
 from bus.callers import Role
 from bus.client import BusClient
 from bus.connection import connect
 from schemas.errors import BusError
-from services import redis_functions, streams
-from services.accounts import STREAMS_ADMIN
-from services.credentials import Credentials, prepare
-from services.servers import reload_nats, set_redis_users, start_nats, start_redis
 from tests.agent_hosts import fake_host
 from tests.broker_helpers import CATALOG
 from tests.worker_helpers import Worker, start_worker, stop_workers
@@ -154,7 +154,7 @@ class Deployment:
         return BusClient(await self.connect(user), prefix=self.prefix, timeout=timeout)
 
     def jetstream(self, nc: Client):
-        """The streams' JetStream API as an identity reaches it (services/accounts.py `js_api`)."""
+        """The streams' JetStream API as an identity reaches it (berth/accounts.py `js_api`)."""
         return nc.jetstream(domain=self.prefix)
 
     def redis_admin(self) -> sync_redis.Redis:

@@ -8,6 +8,7 @@
 - `idempotency_keys` lists the answers stored for request ids in a namespace: a refusal of bad input
   (400) keeps none (bus/idempotency.py), any other refusal is kept under its own id and replayed.
 - `eventually` polls a condition with a deadline (for state that has no event to wait on).
+- `with_request_id` adds a request id to a payload where the command takes one.
 """
 
 from __future__ import annotations
@@ -127,3 +128,13 @@ async def stream_events(nc, subject: str) -> list[dict[str, Any]]:
 def stopped(pid: int) -> bool:
     """The process is stopped (SIGSTOP): its state in /proc is T."""
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def with_request_id(commands: list, command: str, payload: dict[str, Any], request_id: str) -> dict[str, Any]:
+    """`payload` with `request_id` if `command` (the last token of its subject in `commands`, a service's
+    command table) takes one; a command that changes nothing refuses it as an unknown key (DESIGN.md §8)."""
+    takes = any(
+        entry.subject.rsplit(".", 1)[-1] == command and "request_id" in entry.request.__struct_fields__
+        for entry in commands
+    )
+    return {**payload, "request_id": request_id} if takes else payload

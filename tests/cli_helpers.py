@@ -18,7 +18,7 @@ import msgpack
 import nats
 
 ROOT = Path(__file__).resolve().parent.parent
-BERTH = [sys.executable, "-m", "services.cli"]
+BERTH = [sys.executable, "-m", "berth.cli"]
 
 
 def processes_mentioning(text: str) -> list[int]:
@@ -87,7 +87,7 @@ def client_options(printed: dict[str, str]) -> dict:
     """nats.connect options for the admin identity `berth up` printed: its creds file and CA."""
     import ssl
 
-    from services.credentials import read_creds_file
+    from bus.connection import read_creds_file
 
     options = {"servers": printed["NATS_URL"].split(",")}
     if "BERTH_NATS_CREDS" in printed:

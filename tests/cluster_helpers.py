@@ -1,4 +1,4 @@
-"""Looking into a Redis Cluster of `services.servers.start_redis_cluster`: who owns a key's slot, who
+"""Looking into a Redis Cluster of `berth.servers.start_redis_cluster`: who owns a key's slot, who
 replicates it, what role a member plays now. Plain synchronous redis-py, one short connection each."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 import redis as sync_redis
 from redis.crc import key_slot
 
-from services.servers import ServerCluster, ServerProcess, wait_for_port
+from berth.servers import ServerCluster, ServerProcess, wait_for_port
 
 
 def port(member: ServerProcess) -> int:

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
+from berth.servers import start_nats, start_nats_cluster, start_redis, start_redis_cluster
 from bus.client import BusClient
 from bus.connection import connect
 from bus.events import EventBus
 from bus.redis import connect_redis
-from services.servers import start_nats, start_nats_cluster, start_redis, start_redis_cluster
 from tests.worker_helpers import spawning
 
 
@@ -106,7 +106,7 @@ async def prefix(nc, redis):
 
 async def connected(nc) -> None:
     """Wait while the session's connection reconnects: the servers drop a client that answers no
-    ping for a few seconds (services/servers.py), as this one does while synchronous tests hold
+    ping for a few seconds (berth/servers.py), as this one does while synchronous tests hold
     the event loop."""
     for _ in range(100):
         if nc.is_connected:

@@ -1,6 +1,6 @@
 """A test-only service that exercises the runtime: slow calls, errors, typed input, idempotency.
 
-Run in-process by the tests, or as worker processes: `python -m services.runner tests.echo_service`.
+Run in-process by the tests, or as worker processes: `python -m bus.runner tests.echo_service`.
 
 Two commands let tests know what is in flight instead of sleeping and hoping:
 - `echo.meet` {parties}: each request waits in its handler until `parties` requests of its group

@@ -184,7 +184,7 @@ async def test_berth_agent_drain_waits_for_the_instances_to_end(spawn_worker, sp
 
     def drain_now(node: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-m", "services.cli", "agent", "--node", node, "--drain", "--wait", "0",
+            [sys.executable, "-m", "berth.cli", "agent", "--node", node, "--drain", "--wait", "0",
              "--nats", nats_url, "--prefix", prefix], cwd=ROOT, capture_output=True, text=True, timeout=60)
 
     # the exit status tells "no agent answered" (3) from "accepted, instances still run" (6)
@@ -195,7 +195,7 @@ async def test_berth_agent_drain_waits_for_the_instances_to_end(spawn_worker, sp
     assert "node busy is draining (it takes no new placement) and still runs 1 instances after 0 s" in accepted.stderr
     await client.request("agent.busy.drain", {"draining": False}, dict)  # as it was, for the wait below
     drain = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "agent", "--node", "busy", "--drain", "--wait", "60",
+        [sys.executable, "-m", "berth.cli", "agent", "--node", "busy", "--drain", "--wait", "60",
          "--nats", nats_url, "--prefix", prefix], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         async def draining():
@@ -212,7 +212,7 @@ async def test_berth_agent_drain_waits_for_the_instances_to_end(spawn_worker, sp
     assert drain.returncode == 0, err
     assert "still run" in out and out.strip().endswith("drained, nothing runs there")
     resumed = subprocess.run(
-        [sys.executable, "-m", "services.cli", "agent", "--node", "busy", "--resume", "--nats", nats_url,
+        [sys.executable, "-m", "berth.cli", "agent", "--node", "busy", "--resume", "--nats", nats_url,
          "--prefix", prefix], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert resumed.returncode == 0, resumed.stderr
     listed = await client.request("resource.list-nodes", {"nodenames": ["busy"]}, dict)

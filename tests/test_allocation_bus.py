@@ -8,8 +8,9 @@ import msgpack
 import pytest
 
 from schemas.errors import BusError, NoResponders
+from services.allocation.commands import MANAGER_COMMANDS
 from tests.allocation_helpers import ONE_CORE, GiB, add_node, requester
-from tests.bus_helpers import EventLog, idempotency_keys
+from tests.bus_helpers import EventLog, idempotency_keys, with_request_id
 
 UNBOUND = {"cpumem": {"cpu-request": 0.5, "memory-request": GiB}}
 
@@ -368,7 +369,7 @@ async def test_bad_input_is_refused_naming_the_field_and_changes_nothing(
 
     before = await state()
     log = await EventLog.open(nc, prefix, "resource.>")
-    request = {**payload, "request_id": f"bad-{command}"}
+    request = with_request_id(MANAGER_COMMANDS, command, payload, f"bad-{command}")
     err = await error_of(call, command, request)
     assert (err.code, err.status, err.details["field"]) == ("invalid_argument", 400, field), err.message
     assert err.message.startswith(f"{field}: ") and len(err.message) > len(field) + 2, err.message

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from schemas.errors import BusError
+from services.allocation.commands import MANAGER_COMMANDS
 from tests.allocation_helpers import GiB, requester
-from tests.bus_helpers import EventLog, idempotency_keys
+from tests.bus_helpers import EventLog, idempotency_keys, with_request_id
 
 NODE = {
     "cpumem": {"cpu": 2, "memory": "4G"},
@@ -97,7 +98,7 @@ async def test_error_code(call, nc, redis, prefix, code, status, command, payloa
 
     before = await state()
     log = await EventLog.open(nc, prefix, "resource.>")
-    request = {**payload, "request_id": f"failing-{command}"}
+    request = with_request_id(MANAGER_COMMANDS, command, payload, f"failing-{command}")
     with pytest.raises(BusError) as caught:
         await call(command, request)
     err = caught.value

@@ -389,7 +389,7 @@ async def test_a_worker_whose_nats_link_goes_silent_is_sent_no_requests_once_the
     nc, client, prefix, nats_url, redis_url, proxies, workers
 ):
     """The server pings every client every two seconds and drops one that misses two
-    (services/servers.py): within about five seconds it stops routing requests into the silence,
+    (berth/servers.py): within about five seconds it stops routing requests into the silence,
     so a client that does not retry at all is answered by the other worker."""
     proxy = await proxies(nats_url)
     silent = await workers(proxy.url("nats"), redis_url)

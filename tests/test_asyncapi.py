@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
+from berth.registry import contracts
 from schemas.asyncapi import document, parse_pattern
 from schemas.export import document as json_schema_document
-from services.registry import contracts
 
 ROOT = Path(__file__).resolve().parent.parent
 EXTRA = ("tests.echo_service",)
@@ -347,7 +347,7 @@ def test_berth_schema_asyncapi_writes_it(tmp_path):
         [
             sys.executable,
             "-m",
-            "services.cli",
+            "berth.cli",
             "schema",
             "--asyncapi",
             "--prefix",

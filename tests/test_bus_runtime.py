@@ -113,8 +113,18 @@ async def test_bad_input_is_invalid_argument_naming_the_field(echo, client, nc, 
     assert body["error"]["details"]["field"] == field
     assert field in body["error"]["message"]
     # The endpoint keeps serving after bad input.
-    good = await client.request("echo.typed", {"count": 3, "name": "a", "flag": False, "extra": "ignored"}, Typed)
+    good = await client.request("echo.typed", {"count": 3, "name": "a", "flag": False}, Typed)
     assert good == Typed(count=3, name="a", flag=False)
+
+
+async def test_an_unknown_key_is_invalid_argument_naming_it_in_any_request_type(echo, client):
+    """DESIGN.md §8: unknown keys are refused at every level, also for a request Struct that does not
+    forbid them itself (`Typed` is a plain Struct): the bus checks the keys it was sent."""
+    sent = {"count": 3, "name": "a", "flag": False, "extra": 1}
+    caught = await error_of(client.request("echo.typed", sent, Typed))
+    assert (caught.code, caught.status, caught.field) == ("invalid_argument", 400, "extra")
+    assert caught.message == "extra: unknown key 'extra'; accepted: count, flag, name, ratio"
+    assert caught.details["accepted"] == ["count", "flag", "name", "ratio"]
 
 
 async def test_a_reply_over_the_max_payload_is_an_error_naming_it_not_a_timeout(echo, client, nc):

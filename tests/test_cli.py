@@ -18,8 +18,8 @@ import msgpack
 import nats
 import pytest
 
-from services.redis_functions import every_library
-from services.registry import SERVICES
+from berth.redis_functions import every_library
+from berth.registry import SERVICES
 from tests.cli_helpers import (
     BERTH,
     ROOT,
@@ -86,7 +86,7 @@ def _next_steps_work(up: subprocess.Popen, state: Path, env: dict[str, str]) -> 
     this machine, with what to do next; each command it suggests works as printed."""
     import shlex
 
-    from services.settings import default_node
+    from bus.settings import default_node
 
     lines = read_until(up, "Ctrl-C here stops everything", timeout=120)
     start = next(i for i, line in enumerate(lines) if line.startswith("berth is ready: "))
@@ -121,8 +121,8 @@ def test_schema_groups_messages_by_subject(tmp_path):
 
 
 def test_schema_export_of_a_service_module():
+    from berth.registry import contracts
     from schemas.export import document
-    from services.registry import contracts
 
     doc = document(contracts(("tests.echo_service",)), "p")
     subjects = doc["services"]["tests.echo_service"]["subjects"]
@@ -197,7 +197,7 @@ def _host_port(url: str) -> tuple[str, int]:
 
 def _nats_answers_in_clear(url: str, creds: str) -> bool:
     """Whether nats-server answers a PING sent in clear after a CONNECT with the admin's password."""
-    from services.credentials import read_creds_file
+    from bus.connection import read_creds_file
 
     user, password = read_creds_file(creds)
     connect = json.dumps({"user": user, "pass": password, "verbose": False, "pedantic": False})
@@ -281,7 +281,7 @@ async def test_up_without_tls_serves_in_clear(tmp_path, off):
 def test_redis_functions_loads_every_library_and_prints_rules_a_service_user_works_with(tmp_path):
     import redis
 
-    from services.servers import start_redis
+    from berth.servers import start_redis
 
     server = start_redis(tmp_path / "redis", appendonly=False)
     try:

@@ -1,6 +1,6 @@
-"""`berth call`, `events`, `nodes` and `status` against real workers (services/commands/).
+"""`berth call`, `events`, `nodes` and `status` against real workers (berth/commands/).
 
-Every command runs as the user runs it, `python -m services.cli ...` in a process of its own, on
+Every command runs as the user runs it, `python -m berth.cli ...` in a process of its own, on
 this test's prefix. Besides what each test checks, `berth()` checks that no log line ever reaches
 standard output.
 """
@@ -18,23 +18,23 @@ from pathlib import Path
 
 import msgpack
 
+from berth import streams
+from berth.accounts import STREAMS_ADMIN
+from berth.credentials import prepare
+from berth.servers import start_nats, start_redis
 from bus.callers import Role
 from bus.connection import subscriptions_in_place
 from schemas.common import Event
-from services import streams
-from services.accounts import STREAMS_ADMIN
-from services.credentials import prepare
 from services.processes.ports import free_port
-from services.servers import start_nats, start_redis
 from tests.bus_helpers import eventually
 from tests.conftest import new_prefix
 from tests.worker_helpers import start_worker, stop_workers
 
 ROOT = Path(__file__).resolve().parent.parent
-BERTH = [sys.executable, "-m", "services.cli"]
+BERTH = [sys.executable, "-m", "berth.cli"]
 ALLOCATION = "services.allocation.worker"
 ECHO = "tests.echo_service"
-LOG_MARK = "level="  # every log line carries it (services/runner.py configure_logging)
+LOG_MARK = "level="  # every log line carries it (bus/runner.py configure_logging)
 
 N1 = {
     "nodename": "n1",

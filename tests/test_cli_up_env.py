@@ -1,6 +1,6 @@
 """Where the everyday commands talk to: `--nats` > `NATS_URL` > the `up.env` file `berth up` leaves in
 its state folder > nats://127.0.0.1:4222; and every message about nothing answering, or NATS
-failing, names the server (and prefix) asked (services/commands/connection.py).
+failing, names the server (and prefix) asked (berth/commands/connection.py).
 
 No test here reaches the default server: this machine may run an unrelated one on 4222.
 """
@@ -16,12 +16,12 @@ import sys
 import time
 from pathlib import Path
 
-from services.commands.connection import read_up_env, resolve_server, write_up_env
-from services.servers import start_nats
+from berth.commands.connection import read_up_env, resolve_server, write_up_env
+from berth.servers import start_nats
 from tests.cli_helpers import read_until
 
 ROOT = Path(__file__).resolve().parent.parent
-BERTH = [sys.executable, "-m", "services.cli"]
+BERTH = [sys.executable, "-m", "berth.cli"]
 SET = ("NATS_URL", "REDIS_URL", "BERTH_PREFIX", "BERTH_STATE", "BERTH_NATS_CREDS", "BERTH_TLS_CA",
        "BERTH_JS_DOMAIN", "BERTH_REDIS_MAXMEMORY")
 CLEAN = {k: v for k, v in os.environ.items() if k not in SET}

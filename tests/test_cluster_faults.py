@@ -14,10 +14,10 @@ import signal
 
 import pytest
 
+from berth.servers import start_nats_cluster, start_redis_cluster
 from bus import discovery
 from bus.client import BusClient
 from bus.connection import connect
-from services.servers import start_nats_cluster, start_redis_cluster
 from tests.allocation_helpers import allocate_until_answered, check_invariants
 from tests.cluster_helpers import ask, replica_of, restart, role, slot_owner, wait_until
 from tests.conftest import clean_namespace, new_prefix

@@ -25,12 +25,12 @@ import pytest_asyncio
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from berth.servers import ServerCluster, ServerProcess, start_redis_cluster
 from bus.client import BusClient
 from bus.redis import connect_redis
 from schemas.errors import BusError
 from services.broker.layout import key_base
 from services.metrics.notifier_store import node_base
-from services.servers import ServerCluster, ServerProcess, start_redis_cluster
 from tests.broker_fixtures import Broker
 from tests.broker_helpers import FAST_ARGS, const_broker, kill_marked, marked, param
 from tests.bus_helpers import EventLog, eventually

@@ -97,6 +97,13 @@ def test_a_message_without_a_path_names_the_prefix_or_the_payload():
     assert error_field("Expected `object`, got `array`", "info") == ("info", "Expected `object`, got `array`")
 
 
+def test_an_unknown_field_names_the_key_under_its_map():
+    """msgspec's "unknown field" of a Struct that forbids them: the key is the field (the bus finds the
+    accepted keys from the value; without it, the key alone is named)."""
+    assert error_field("Object contains unknown field `x`") == ("x", "unknown key 'x'")
+    assert error_field("Object contains unknown field `x` - at `$.filter`", "spec") == ("spec.filter.x", "unknown key 'x'")
+
+
 def test_the_bus_decoders_name_the_key_from_messagepack():
     with pytest.raises(InvalidArgument) as caught:
         decode(msgpack.packb({"m": {"a": 1, "b": "x"}}), Tree)

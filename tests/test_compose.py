@@ -18,11 +18,11 @@ import nats
 import pytest
 import yaml
 
-from services.cli import parser
-from services.credentials import read_creds_file
-from services.prepare import read_env
+from berth.cli import parser
+from berth.prepare import read_env
+from berth.servers import find_binary, wait_for_port
+from bus.connection import read_creds_file
 from services.processes.ports import free_port
-from services.servers import find_binary, wait_for_port
 from tests.agent_hosts import fake_host
 from tests.worker_helpers import ROOT
 
@@ -73,7 +73,7 @@ def localised(command: list[str], state: str, swaps: dict[str, str]) -> list[str
 def run_berth(command: list[str], state: str, *extra: str) -> subprocess.Popen:
     """A compose berth service as its container runs it: its environment file, then `berth ...`."""
     env = {**os.environ, **read_env(f"{state}/env/{command[0]}.env")}
-    return subprocess.Popen([sys.executable, "-m", "services.cli", *command[1:], *extra], cwd=ROOT, env=env,
+    return subprocess.Popen([sys.executable, "-m", "berth.cli", *command[1:], *extra], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, start_new_session=True)
 
 
@@ -82,7 +82,7 @@ def test_the_default_deployment_runs_with_compose_s_own_configuration(tmp_path):
     state, nats_port, redis_port = str(tmp_path / "state"), free_port(), free_port()
     prepare = localised(DEFAULT["prepare"]["command"], state, {
         "tls://nats:4222": f"tls://localhost:{nats_port}", "rediss://redis:6379/0": f"rediss://localhost:{redis_port}/0"})
-    subprocess.run([sys.executable, "-m", "services.cli", *prepare], cwd=ROOT, check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "berth.cli", *prepare], cwd=ROOT, check=True, capture_output=True)
     (tmp_path / "data").mkdir()
     servers = [
         subprocess.Popen([find_binary("nats-server"), *localised(DEFAULT["nats"]["command"], state, {

@@ -1,4 +1,4 @@
-"""Credentials (services/credentials.py): a nats-server and a redis-server started with the users
+"""Credentials (berth/credentials.py): a nats-server and a redis-server started with the users
 `berth up` writes, with berth's Redis Functions loaded as `berth up` loads them, real workers on
 their own users, and what a user without rights cannot do.
 What identities and roles may do on the bus is in tests/test_tenancy.py.
@@ -20,14 +20,14 @@ from redis.backoff import NoBackoff
 from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 from redis.retry import Retry
 
+from berth import accounts, credentials, redis_functions
+from berth.credentials import REDIS_ADMIN, load, prepare
+from berth.servers import start_redis_cluster
 from bus import discovery, scripts
 from bus.callers import Role
-from bus.connection import connect
+from bus.connection import connect, read_creds_file
 from bus.redis import Pipelined, connect_redis
 from bus.scripts import FunctionMissing
-from services import accounts, credentials, redis_functions
-from services.credentials import REDIS_ADMIN, load, prepare
-from services.servers import start_redis_cluster
 from tests.accounts_helpers import NODE, Deployment
 from tests.broker_helpers import HTTP, SERVER
 from tests.bus_helpers import eventually
@@ -219,7 +219,7 @@ def test_files_are_private_and_passwords_survive_a_restart_with_rules_for_the_ne
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
     assert '"two.resource.>"' in second.nats_config.read_text() and "one." not in second.nats_config.read_text()
     assert "~two:allocation:*" in second.redis_acl.read_text()
-    assert credentials.read_creds_file(second.nats_creds("broker")) == ("broker", second.nats_passwords["broker"])
+    assert read_creds_file(second.nats_creds("broker")) == ("broker", second.nats_passwords["broker"])
     assert {name: i.role for name, i in second.identities.items()} == {"admin": Role.ADMIN, "dashboard": Role.READER}
     assert second.identities == first.identities  # the same passwords: creds files handed out stay valid
 
@@ -233,7 +233,7 @@ def test_berth_user_adds_lists_and_removes_identities_of_a_state_folder(tmp_path
     prepare(tmp_path / "credentials", "kept")
 
     def berth(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "services.cli", "user", "--state", str(tmp_path), *args],
+        return subprocess.run([sys.executable, "-m", "berth.cli", "user", "--state", str(tmp_path), *args],
                               capture_output=True, text=True, timeout=60)
 
     added = berth("add", "alice", "--role", "tenant")
@@ -242,7 +242,7 @@ def test_berth_user_adds_lists_and_removes_identities_of_a_state_folder(tmp_path
     alice = creds.identities["alice"]
     assert alice.role == Role.TENANT and alice.password not in added.stdout  # the file's path, never the password
     assert f"BERTH_NATS_CREDS={creds.nats_creds('alice')}" in added.stdout
-    assert credentials.read_creds_file(creds.nats_creds("alice")) == ("alice", alice.password)
+    assert read_creds_file(creds.nats_creds("alice")) == ("alice", alice.password)
     config = creds.nats_config.read_text()
     assert '"tenant_alice"' in config and '"kept.resource.>"' in config
     assert berth("add", "alice", "--role", "reader").returncode == 0  # a new role, the same password
@@ -264,7 +264,7 @@ def test_a_worker_gets_no_secret_on_its_command_line(tmp_path):
     assert argv[argv.index("--nats-creds") + 1] == str(creds.nats_creds("broker"))
     assert env == {"REDIS_URL": f"redis://broker:{creds.redis_passwords['broker']}@127.0.0.1:2/0"}
     # `berth worker` too: a URL that carries a password goes in the environment
-    from services.cli import _url_args
+    from berth.cli import _url_args
 
     given = argparse.Namespace(nats="nats://u:secret@127.0.0.1:1", redis="redis://127.0.0.1:2/0", prefix="p")
     argv, env = _url_args(given)
@@ -274,7 +274,7 @@ def test_a_worker_gets_no_secret_on_its_command_line(tmp_path):
 
 
 def test_the_streams_and_subjects_the_permissions_name_are_the_services_own():
-    from services.registry import available
+    from berth.registry import available
 
     assert set(available()) <= set(accounts.SERVICES)
     for service, name in available().items():

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from services.dashboard.live import Live
+from berth.dashboard.live import Live
 from tests.accounts_helpers import NODE as AGENT
 from tests.accounts_helpers import Deployment
 from tests.broker_helpers import FAST_ARGS, const_broker, marked, param
@@ -77,7 +77,7 @@ def dashboard(nats_url, prefix):
         [
             sys.executable,
             "-m",
-            "services.cli",
+            "berth.cli",
             "dashboard",
             "--nats",
             nats_url,
@@ -242,7 +242,7 @@ def test_a_favicon_so_that_browsers_get_no_404(dashboard):
 
 
 def test_unbound_cpu_past_the_cores_is_shown_as_shared():
-    from services.dashboard.views import SHARED_CPU, node_view
+    from berth.dashboard.views import SHARED_CPU, node_view
 
     node = {"nodename": "n", "capacity": {"cpumem": {"cpu": 2, "memory": 1 << 30}},
             "usage": {"cpumem": {"cpu": 3, "memory": 1 << 29}}}

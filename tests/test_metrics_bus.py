@@ -18,10 +18,11 @@ import pytest
 from schemas.errors import BusError
 from schemas.metric_scopes import PodRef
 from services.metrics.client import MetricsClient
+from services.metrics.commands import COMMANDS
 from services.metrics.config import MetricsServiceConfig
 from services.metrics.provisioners import Provisioner
 from services.metrics.worker import MetricsWorker
-from tests.bus_helpers import eventually, idempotency_keys
+from tests.bus_helpers import eventually, idempotency_keys, with_request_id
 
 NODE = "n1"
 
@@ -56,7 +57,7 @@ def metrics(nc, prefix) -> MetricsClient:
 
 async def wait_synced(metrics: MetricsClient, timeout: float = 10.0):
     """has-synced, polled until the first round is done. Every endpoint answers from the start (a
-    worker prints "ready" only once its subscriptions are in place: services/runner.py)."""
+    worker prints "ready" only once its subscriptions are in place: bus/runner.py)."""
 
     async def synced():
         answer = await metrics.has_synced()
@@ -152,7 +153,7 @@ async def test_put_then_get_and_list_in_every_scope(agent, metrics, scope, ids):
     # a fresh one is read normally.
     now = time.time()
     await metrics.put(scope, "ext.fresh", 7, time=now, **ids)
-    got = await metrics.get(scope, "ext.fresh", **ids, unrelated_id="ignored")
+    got = await metrics.get(scope, "ext.fresh", **ids)
     assert (got.value, got.time) == (7.0, now)
     listing = await metrics.list(scope)
     assert listing.total == 2
@@ -325,7 +326,8 @@ BAD_INPUT = [
 async def test_bad_input_is_invalid_argument_naming_the_field(
     agent, metrics, nc, redis, prefix, command, payload, field
 ):
-    data = payload if isinstance(payload, bytes) else msgpack.packb({**payload, "request_id": "bad"})
+    sent = payload if isinstance(payload, bytes) else with_request_id(COMMANDS, command, payload, "bad")
+    data = sent if isinstance(sent, bytes) else msgpack.packb(sent)
     msg = await nc.request(f"{prefix}.metrics.{NODE}.{command}", data, timeout=5)
     assert msg.headers["Nats-Service-Error-Code"] == "400"
     error = msgpack.unpackb(msg.data)["error"]

@@ -17,7 +17,7 @@ import redis as sync_redis
 
 from bus.callers import Role
 from bus.client import BusClient
-from services.accounts import inbox_prefix
+from bus.connection import inbox_prefix
 from tests.accounts_helpers import Errors, deployed, refused
 from tests.worker_helpers import ROOT
 
@@ -112,7 +112,7 @@ async def test_a_tenant_may_not_use_an_agents_subjects(d):
 def test_an_agent_started_with_another_nodes_identity_refuses_to_start_naming_both(d):
     argv, env = d.creds.worker_launch(A, d.nats.url, d.redis.url)
     run = subprocess.run(
-        [sys.executable, "-m", "services.runner", "services.agent.worker", *argv, "--node", "web-c",
+        [sys.executable, "-m", "bus.runner", "services.agent.worker", *argv, "--node", "web-c",
          "--state", str(d.directory / "web-c-state"), "--root", str(d.directory / f"{A}-host")],
         cwd=ROOT, env={**env, "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=60)
     assert run.returncode != 0

@@ -1,4 +1,4 @@
-"""Scripts as Redis Functions (bus/scripts.py, services/redis_functions.py): FCALL where a script's
+"""Scripts as Redis Functions (bus/scripts.py, berth/redis_functions.py): FCALL where a script's
 library is loaded, EVALSHA where it is not, libraries of two versions side by side, a lost
 function told apart, every primary and replica of a cluster.
 
@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 from redis.asyncio import Redis
 
+from berth import redis_functions
+from berth.servers import start_redis
 from bus import scripts
 from bus.redis import Pipelined, connect_redis
 from bus.scripts import FunctionMissing, Library
-from services import redis_functions
-from services.servers import start_redis
 from tests.bus_helpers import eventually
 from tests.cluster_helpers import ask, role
 

@@ -10,11 +10,11 @@ import pytest
 from redis.asyncio import Redis
 from redis.exceptions import OutOfMemoryError
 
+from berth.redis_functions import every_library
+from berth.servers import memory_limit, start_redis
 from bus import scripts
 from bus.client import BusClient
 from schemas.errors import BusError
-from services.redis_functions import every_library
-from services.servers import memory_limit, start_redis
 from tests.allocation_helpers import ONE_CORE, check_invariants
 from tests.worker_helpers import start_worker, stop_workers
 

@@ -28,8 +28,8 @@ def test_name_types_keep_their_length_limits(kind, longest):
 
 
 def test_every_service_uses_the_one_definition():
+    from bus import settings
     from schemas import allocation, asyncapi, broker
-    from services import settings
     from services.broker import model
 
     assert allocation.NodeName is NodeName
@@ -57,7 +57,7 @@ def test_escaped_ids_are_one_token():
 def test_the_subjects_a_nodes_agent_alone_answers_are_the_contracts_node_subjects():
     """`served_node` (which says "no agent serves node n9" when nobody answers) knows exactly the
     services whose commands the tables write `<service>.<node>.<command>`."""
-    from services.registry import contracts
+    from berth.registry import contracts
 
     per_node = {command.subject.split(".")[0] for tables in contracts().values() for command in tables.COMMANDS
                 if command.subject.split(".")[1:2] == ["<node>"]}

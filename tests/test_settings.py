@@ -1,4 +1,5 @@
-"""services/settings.py: flag > environment variable > default, for every config; frozen configs.
+"""bus/settings.py (a worker's) and berth/settings.py (the berth command's): flag > environment variable >
+default, for every config; frozen configs.
 
 Pure: no server, no process environment (every test passes its own `env`).
 """
@@ -10,20 +11,11 @@ import dataclasses
 
 import pytest
 
+from berth.settings import DashboardConfig, add_client_flags, add_metrics_port_flag, add_server_flags, state_dir
+from bus.settings import CommonConfig, default_node, log_level, parse_worker
 from services.allocation.config import AllocationServiceConfig
 from services.broker.config import BrokerServiceConfig, Timing
 from services.metrics.config import MetricsServiceConfig
-from services.settings import (
-    CommonConfig,
-    DashboardConfig,
-    add_client_flags,
-    add_metrics_port_flag,
-    add_server_flags,
-    default_node,
-    log_level,
-    parse_worker,
-    state_dir,
-)
 
 
 def test_common_defaults_without_flags_or_environment():

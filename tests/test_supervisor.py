@@ -43,7 +43,7 @@ async def test_crashed_worker_is_restarted_and_sigterm_stops_all(
     nats_url, redis_url, prefix, nc, client, redis
 ):
     script = textwrap.dedent(f"""
-        from services.supervisor import Supervisor, worker_argv
+        from berth.supervisor import Supervisor, worker_argv
         supervisor = Supervisor(backoff=0.2)
         for i in range(2):
             supervisor.add(f"echo[{{i}}]", worker_argv("tests.echo_service",

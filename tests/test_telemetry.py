@@ -21,8 +21,8 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from berth.cli import _metrics_args
 from schemas.errors import BusError
-from services.cli import _metrics_args
 from services.metrics.client import MetricsClient
 from services.metrics.provisioners import PROVISIONER_NAMES
 from tests.broker_helpers import FAST_ARGS, const_broker, marked, param
@@ -324,7 +324,7 @@ def test_a_port_in_use_is_refused_before_ready(nats_url, redis_url, prefix):
         taken.listen()
         port = taken.getsockname()[1]
         done = subprocess.run(
-            [sys.executable, "-m", "services.runner", "services.allocation.worker", "--nats", nats_url, "--redis", redis_url, "--prefix", prefix,
+            [sys.executable, "-m", "bus.runner", "services.allocation.worker", "--nats", nats_url, "--redis", redis_url, "--prefix", prefix,
              "--metrics-port", str(port), "--metrics-addr", "127.0.0.1"],
             capture_output=True, text=True, timeout=60, check=False,
         )

@@ -15,10 +15,10 @@ from nats.errors import NoRespondersError
 from nats.js.api import AckPolicy, ConsumerConfig
 from nats.js.errors import NotFoundError
 
+from berth.accounts import CONSUMER_SLOTS
 from bus.callers import REQUEST_INFO, Role
 from bus.client import BusClient
 from bus.connection import connect
-from services.accounts import CONSUMER_SLOTS
 from tests.accounts_helpers import NODE, Errors, deployed, refused
 
 NODE_4 = {"cpumem": {"cpu": 4, "memory": "8G"}}

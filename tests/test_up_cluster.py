@@ -13,9 +13,9 @@ from contextlib import contextmanager
 import nats
 import pytest
 
+from berth.redis_functions import every_library
+from berth.servers import start_nats_cluster
 from bus.events import EventBus, StreamSpec
-from services.redis_functions import every_library
-from services.servers import start_nats_cluster
 from tests.bus_helpers import eventually
 from tests.cli_helpers import (
     BERTH,

@@ -1,4 +1,4 @@
-"""One `berth up` per state folder (services/up_lock.py): a second one refuses at once, naming the
+"""One `berth up` per state folder (berth/up_lock.py): a second one refuses at once, naming the
 running deployment, and changes nothing of it; a deployment killed with SIGKILL blocks nothing, and
 what it left running on the folder's data is stopped before the next one starts its own."""
 
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from services.commands.connection import read_up_env, write_up_env
+from berth.commands.connection import read_up_env, write_up_env
+from berth.up_lock import FolderInUse, hold
 from services.processes.procfs import is_running, start_time
-from services.up_lock import FolderInUse, hold
 from tests.cli_helpers import BERTH, ROOT, processes_mentioning, read_until
 
 ENV = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "REDIS_URL", "BERTH_STATE")}

@@ -1,4 +1,4 @@
-"""Worker processes for the tests: `python -m services.runner <module>` in a test's namespace.
+"""Worker processes for the tests: `python -m bus.runner <module>` in a test's namespace.
 
 `spawning` gives the one way to start them for a scope and stop them at its end: the `spawn_worker`
 fixture (tests/conftest.py, one test) and `module_workers` (tests/contract/conftest.py, one module)
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 class Worker:
-    """A worker process started with `python -m services.runner`."""
+    """A worker process started with `python -m bus.runner`."""
 
     def __init__(self, proc: subprocess.Popen, ready_line: str) -> None:
         self.proc = proc
@@ -42,10 +42,10 @@ def start_worker(
     module: str, nats_url: str, redis_url: str, prefix: str, *args: str, env: dict[str, str] | None = None,
     wrap: Sequence[str] = (),
 ) -> Worker:
-    """Start `python -m services.runner <module>` and wait for its "ready" line. `wrap` runs it through
+    """Start `python -m bus.runner <module>` and wait for its "ready" line. `wrap` runs it through
     another command (`wrap=["ip", "netns", "exec", name]`: inside a network namespace)."""
     argv = [
-        *wrap, sys.executable, "-m", "services.runner", module,
+        *wrap, sys.executable, "-m", "bus.runner", module,
         "--nats", nats_url, "--redis", redis_url, "--prefix", prefix, "--memory-stream", *args,
     ]
     env = {**os.environ, **(env or {})}

@@ -1,5 +1,5 @@
 """A node agent's own options (`berth agent --help`): its metrics agent's, and the host's
-registration, lease and instances; the common ones are in services/settings.py."""
+registration, lease and instances; the common ones are in bus/settings.py."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bus.settings import Env, node_name, seconds
 from schemas.errors import BerthError
 from schemas.sizes import parse_size
 from services.metrics.config import MetricsServiceConfig
-from services.settings import Env, node_name, seconds
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -94,7 +94,7 @@ class HostAgent:
 
     def _own(self, command: str) -> str:
         """The allocation subject of `command` for this node: the only ones an agent's identity may
-        publish on (services/accounts.py)."""
+        publish on (berth/accounts.py)."""
         return f"resource.node.{self.node}.{command}"
 
     async def register(self) -> None:

@@ -1,5 +1,5 @@
 """The agent: `berth agent` (or `berth worker agent`) runs this module, one process per host (see
-services/runner.py). It serves `<prefix>.agent.<node>.<command>` and, in the same process, its
+bus/runner.py). It serves `<prefix>.agent.<node>.<command>` and, in the same process, its
 node's metrics (`<prefix>.metrics.<node>.<command>`, with a pod per instance it launched)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from services.metrics.worker import MetricsWorker
 from services.processes.catalog import Catalog, CatalogError
 
 NAME = "agent"
-NODE_SCOPED = True  # runs as its node's identity (services/accounts.py `agent_permissions`)
+NODE_SCOPED = True  # runs as its node's identity (berth/accounts.py `agent_permissions`)
 CONFIG = AgentServiceConfig
 __all__ = ["COMMANDS", "CONFIG", "EVENTS", "NAME", "NODE_SCOPED", "STREAM", "build", "make_agent"]
 

@@ -1,12 +1,12 @@
 """The allocation worker's own options (`berth worker allocation --help`); the common ones are in
-services/settings.py, which reads both the same way (flag > environment variable > default)."""
+bus/settings.py, which reads both the same way (flag > environment variable > default)."""
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
 
-from services.settings import Env, integer, own_fields, seconds
+from bus.settings import Env, integer, own_fields, seconds
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,4 +1,4 @@
-"""The allocation worker: `berth worker allocation` runs this module (see services/runner.py)."""
+"""The allocation worker: `berth worker allocation` runs this module (see bus/runner.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The broker worker's own options (`berth worker broker --help`: the common ones are in
-services/settings.py, read the same way), its intervals and timeouts, and its instance types."""
+bus/settings.py, read the same way), its intervals and timeouts, and its instance types."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from dataclasses import dataclass, field, fields
 
 import msgspec
 
+from bus.settings import Env, own_fields
 from schemas.broker import InstanceType
 from schemas.sizes import parse_size
-from services.settings import Env, own_fields
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The broker worker: `berth worker broker` runs this module (see services/runner.py)."""
+"""The broker worker: `berth worker broker` runs this module (see bus/runner.py)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,12 @@
 """A metrics worker's own options (`berth worker metrics --help`); the common ones are in
-services/settings.py, which reads both the same way (flag > environment variable > default)."""
+bus/settings.py, which reads both the same way (flag > environment variable > default)."""
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
 
-from services.settings import MIN_INTERVAL, Env, default_node, integer, node_name, seconds
+from bus.settings import MIN_INTERVAL, Env, default_node, integer, node_name, seconds
 
 
 def provisioner_names() -> tuple[str, ...]:

@@ -1,4 +1,4 @@
-"""The metrics agent: `berth worker metrics` runs this module (see services/runner.py).
+"""The metrics agent: `berth worker metrics` runs this module (see bus/runner.py).
 
 One agent per node samples the kernel, keeps the latest values in memory, answers
 `<prefix>.metrics.<node>.<command>` and publishes change events. More agents on one node share the

@@ -4,7 +4,7 @@ These tests never use berth's own Structs, codec or client: requests are plain `
 sent with nats-py, replies are decoded with `msgpack.unpackb`, and errors are read from the raw
 headers and body. A test here fails when the wire changes, whatever our code thinks the wire is.
 
-Each module talks to real worker processes (`python -m services.runner ...`) started once for the
+Each module talks to real worker processes (`python -m bus.runner ...`) started once for the
 module in a namespace of its own; tests keep apart by using their own node, user and resource names.
 """
 

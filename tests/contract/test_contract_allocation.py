@@ -154,16 +154,17 @@ def record_key(prefix: str, node: str) -> str:
 # -- §2 wire conventions ---------------------------------------------------------------------------
 
 
-async def test_success_reply_is_the_response_map_and_unknown_keys_are_ignored(wire):
-    """§2: "Success: the reply is the response map." "Unknown keys are ignored"; §8: "Unknown
-    top-level keys are still ignored" (but not inside a plugin's map: see TYPOS)."""
+async def test_success_reply_is_the_response_map_and_unknown_keys_are_refused(wire):
+    """§2: "Success: the reply is the response map." "Unknown keys ... are rejected with
+    `invalid_argument` naming the field"; §8: "Unknown keys are refused at every level" (the top
+    here, a plugin's map below and in TYPOS)."""
     held = await held_node(wire)
     plain = await wire.request("resource.calculate-deploy", deploy(held.node, BOUND_ONE))
     padded = await wire.request("resource.calculate-deploy", {
         **deploy(held.node, BOUND_ONE), "comment": [1, {"x": None}],
     })
     assert plain.ok and ERROR_HEADER not in plain.headers and isinstance(plain.body, dict)
-    assert padded.data == plain.data
+    assert_error(padded, INVALID, "comment")
     typo = deploy(held.node, {"cpumem": {**BOUND, "colour": "red"}})
     inside = await wire.request("resource.calculate-deploy", typo)
     assert_error(inside, INVALID, f"{WRR}.cpumem.colour")
@@ -304,7 +305,7 @@ DEPLOY = "calculate-deploy"
 class Refusal:
     id: str
     subject: str
-    payload: Callable[[Held], Any]  # a map (sent with a request_id) or raw bytes
+    payload: Callable[[Held], Any]  # a map (sent with a request_id where the command takes one) or raw bytes
     code: str
     field: Any = ANY
 
@@ -625,10 +626,26 @@ TYPOS = [
     R("typo-workload-resource-realloc", CPU + "calculate-realloc",
       lambda h: {**h.realloc("cpumem", {}), "workload_resource": {"cpu_requets": 1}}, INVALID,
       "workload_resource.cpu_requets"),
-    # A manager-level add-node without `resource` or `info` (`resources` is a typo) would register
-    # a node with no capacity at all.
-    R("add-node-without-resource-or-info", M + "add-node",
-      lambda h: {"nodename": unique("x"), "resources": full_resource()}, INVALID, "resource"),
+    # A manager-level add-node without `resource` or `info` would register a node with no capacity.
+    R("add-node-without-resource-or-info", M + "add-node", lambda h: {"nodename": unique("x")}, INVALID,
+      "resource"),
+    # §8: "Unknown keys are refused at every level": the top of any request, and its nested maps.
+    R("typo-top-add-node-resources", M + "add-node",
+      lambda h: {"nodename": unique("x"), "resources": full_resource()}, INVALID, "resources"),
+    R("typo-top-add-node-labels", M + "add-node",
+      lambda h: {"nodename": unique("x"), "resource": full_resource(), "lables": {"pool": "a"}}, INVALID,
+      "lables"),
+    R("typo-top-add-node-info", M + "add-node",
+      lambda h: {"nodename": unique("x"), "info": {"ncpu": 2, "memory_totl": GiB}}, INVALID,
+      "info.memory_totl"),
+    R("typo-top-allocate-nodenames", M + "allocate",
+      lambda h: {"nodesnames": [h.node], "deploy_count": 1}, INVALID, "nodesnames"),
+    R("typo-top-allocate-request-id", M + "allocate",
+      lambda h: {**deploy(h.node, BOUND_ONE), "requestId": unique("rid")}, INVALID, "requestId"),
+    R("typo-top-plugin-deploy", CPU + DEPLOY,
+      lambda h: {**deploy(h.node, {}), "deploy_cont": 2}, INVALID, "deploy_cont"),
+    R("typo-top-release", M + "release", lambda h: {"workload_ids": ["w"], "workloadids": []}, INVALID,
+      "workloadids"),
 ]
 REFUSALS += TYPOS
 
@@ -640,8 +657,8 @@ async def test_refusal_has_its_status_code_and_field_and_changes_nothing(wire, r
     held = await held_node(wire)
     payload = case.payload(held)
     request_id = unique("rid")
-    if isinstance(payload, dict):
-        payload = {**payload, "request_id": request_id}
+    if isinstance(payload, dict) and case.subject in {change.subject for change in CHANGES}:
+        payload = {**payload, "request_id": request_id}  # only commands that change state take one
     async with changes_nothing(wire, held.node):
         reply = await wire.request(case.subject, payload)
     assert_error(reply, case.code, case.field)
@@ -1157,14 +1174,15 @@ async def test_plugin_command_request_and_reply_keys_follow_the_table(wire, plug
 
 async def test_deploy_capacity_request_key_is_workload_resource_request(wire):
     """§3: "get-nodes-deploy-capacity's request key is `workload_resource_request`" (eru's
-    `workload_resource` is an unknown key, so ignored)."""
+    `workload_resource` is an unknown key, so refused: §8 "Unknown keys are refused at every level")."""
     node = await new_node(wire)
     ours = await wire.ok("resource.cpumem.get-nodes-deploy-capacity", {"nodenames": [node], WRR: BOUND})
-    erus = await wire.ok(
+    erus = await wire.request(
         "resource.cpumem.get-nodes-deploy-capacity", {"nodenames": [node], "workload_resource": BOUND}
     )
     assert ours["nodes_deploy_capacity_map"][node]["capacity"] == 2 and ours["total"] == 2
-    assert erus["total"] == MAX_INT  # the empty request: unbound, nothing asked
+    assert_error(erus, INVALID, "workload_resource")
+    assert WRR in erus.details["accepted"]
 
 
 async def test_resource_shapes_per_plugin_are_erus(wire):
@@ -1211,6 +1229,9 @@ SIZES = [
     ("9007199254740993", 9007199254740993), ("9223372036854775807", MAX_INT), (MAX_INT, MAX_INT),
     ("9223372036854775808", None), (2**63, None), ("--1G", None), ("lots", None), ("1E", None),
     (1024.5, None), ("1.0001", None), (True, None), (None, None),
+    # §8 (pinned): "Sizes also accept the IEC spelling berth itself prints (`"16Gi"`, `"512Mi"`)".
+    ("16Gi", 16 * GiB), ("512Mi", 512 << 20), ("1.5Ki", 1536), ("2Ti", 2 << 40), ("1Pi", 1 << 50),
+    ("16Gx", None), ("Gi", None), ("16i", None), ("1.3Gi", None),
 ]
 
 

@@ -281,11 +281,18 @@ async def test_invalid_argument_names_the_field(ctx, command, payload, field):
     assert_error(await ctx.call(command, payload(ctx.user)), 400, "invalid_argument", field)
 
 
-async def test_unknown_keys_are_ignored(ctx):
-    # §2: "Unknown keys are ignored".
-    await ctx.ok("init", {**ctx.ref("r"), "param": {**param(), "colour": "red"}, "colour": "blue"})
-    record = await ctx.ok("get-resource", {**ctx.ref("r"), "shape": "round"})
-    assert record["status"] == "init" and "colour" not in record["param"]
+async def test_unknown_keys_are_refused_at_every_level(ctx):
+    # §2: "Unknown keys ... are rejected with `invalid_argument` naming the field"; §8: "Unknown keys
+    # are refused at every level", "naming the key, with the accepted keys in the message".
+    for payload, field, known in [
+        ({**ctx.ref("r"), "param": param(), "colour": "blue"}, "colour", "resource_id"),
+        ({**ctx.ref("r"), "param": {**param(), "colour": "red"}}, "param.colour", "image"),
+    ]:
+        details = assert_error(await ctx.call("init", payload), 400, "invalid_argument", field)
+        assert known in details["accepted"]
+    shaped = await ctx.call("get-resource", {**ctx.ref("r"), "shape": "round"})
+    assert_error(shaped, 400, "invalid_argument", "shape")
+    assert_error(await ctx.call("get-resource", ctx.ref("r")), 404, "resource_not_found")  # nothing made
 
 
 # -- every error code, its status and body; refusals change nothing -------------------------------

@@ -149,7 +149,7 @@ async def test_default_prefix_names_the_services_berth(services, nats_url, redis
         stream_was_there = False
     unset = ("BERTH_PREFIX", "BERTH_NODE", "BERTH_METRICS_INTERVAL")
     env = {k: v for k, v in os.environ.items() if k not in unset}
-    argv = [sys.executable, "-m", "services.runner", "services.metrics.worker", "--nats", nats_url,
+    argv = [sys.executable, "-m", "bus.runner", "services.metrics.worker", "--nats", nats_url,
             "--redis", redis_url, "--memory-stream"]  # fmt: skip
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, text=True, env=env)
     try:
@@ -239,7 +239,7 @@ async def test_names_matching_the_pattern_are_accepted(services, place, command,
 def test_metrics_node_name_must_be_a_token(nats_url, redis_url, namespace):
     # §8: node names are subject tokens and must match `[A-Za-z0-9_-]+`: a metrics worker refuses a
     # `--node` that does not (it has no request to answer, so it refuses to start).
-    argv = [sys.executable, "-m", "services.runner", "services.metrics.worker", "--nats", nats_url,
+    argv = [sys.executable, "-m", "bus.runner", "services.metrics.worker", "--nats", nats_url,
             "--redis", redis_url, "--prefix", namespace, "--node", "node.one"]  # fmt: skip
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and not done.stdout.startswith("ready")

@@ -273,11 +273,19 @@ async def test_put_with_ttl_seconds_expires(ctx):
     assert metric not in [e["metric"] for e in listed["entries"]]
 
 
-async def test_unknown_keys_are_ignored(ctx):
-    # §2: "Unknown keys are ignored".
+async def test_unknown_keys_are_refused_and_ids_the_scope_does_not_need_ignored(ctx):
+    # §2: "Unknown keys ... are rejected with `invalid_argument` naming the field"; §8: "Unknown keys
+    # are refused at every level". An id key the scope does not need is known, so ignored.
     metric = metric_name()
-    await ctx.ok("put", {"scope": "node", "metric": metric, "value": 1, "colour": "red", "pod_uid": "x"})
-    assert (await ctx.ok("get", {"scope": "node", "metric": metric, "colour": "blue"}))["value"] == 1.0
+    reply = await ctx.call("put", {"scope": "node", "metric": metric, "value": 1, "colour": "red"})
+    assert_error(reply, 400, "invalid_argument", "colour")
+    assert "accepted: " in reply.error["message"] and "metric" in reply.details["accepted"]
+    assert_error(await ctx.call("get", {"scope": "node", "metric": metric}), 404, "metric_not_found")
+    await ctx.ok("put", {"scope": "node", "metric": metric, "value": 1, "pod_uid": "x"})
+    assert (await ctx.ok("get", {"scope": "node", "metric": metric, "pod_uid": "y"}))["value"] == 1.0
+    pods = [{"uid": "p", "container": ["c"]}]
+    reply = await ctx.call("aggregate", {"kind": "pods", "agg": "sum", "metric": metric, "pods": pods})
+    assert_error(reply, 400, "invalid_argument", "pods[0].container")
 
 
 # -- aggregations ---------------------------------------------------------------------------------------

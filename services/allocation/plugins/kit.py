@@ -6,14 +6,13 @@ Kept plugin-agnostic: nothing here knows a resource's shape.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Sequence
-from functools import lru_cache
+from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
 import msgspec
-import msgspec.inspect as inspect
 
-from bus.codec import invalid_argument_from
+# The plugins refuse unknown keys in their maps as the bus refuses them in a request (DESIGN.md §8).
+from bus.codec import invalid_argument_from, refuse_unknown_fields, refuse_unknown_keys  # noqa: F401
 from schemas.errors import BerthError, InvalidArgument
 from services.allocation.plugins.interface import Raw
 
@@ -36,64 +35,6 @@ def decode(raw: object, typ: type[T], field: str) -> T:
         return msgspec.convert(value, typ)
     except msgspec.ValidationError as exc:
         raise invalid_argument_from(exc, field, value=value, type_=typ) from None
-
-
-def unknown_key(field: str, key: object, accepted: Collection[str]) -> InvalidArgument:
-    """A key a client sent in a plugin's map that the plugin does not read (DESIGN.md §8: a typo must
-    never place an empty workload or register an empty node)."""
-    return InvalidArgument(
-        f"{field}.{key}", f"unknown key {str(key)!r}; accepted: {', '.join(sorted(accepted))}",
-        code="invalid_argument", accepted=sorted(accepted),
-    )
-
-
-def refuse_unknown_keys(raw: object, accepted: Collection[str], field: str) -> None:
-    """Refuse the first key of a client's map (in the order sent) that is not in `accepted`."""
-    if isinstance(raw, dict) and any(key not in accepted for key in raw):
-        raise unknown_key(field, next(key for key in raw if key not in accepted), accepted)
-
-
-def refuse_unknown_fields(raw: object, typ: type, field: str) -> None:
-    """Refuse a key a client sent that `typ` (a Struct) does not have, at any depth (`disks[0].read_iops`).
-
-    Stored records decode leniently (old data may carry keys no longer read); what a client sends in
-    a stored shape (set-node-resource-info, a `before` replayed, engine `info.resources`, a workload
-    resource) is checked here first. Values of the wrong type are left to the decoder.
-    """
-    _refuse_unknown(raw, _type_info(typ), field)
-
-
-_LISTS = (inspect.ListType, inspect.SetType, inspect.VarTupleType)
-
-
-@lru_cache(maxsize=None)
-def _type_info(typ: type) -> inspect.Type:
-    return inspect.type_info(typ)
-
-
-def _refuse_unknown(value: object, info: inspect.Type, field: str) -> None:
-    if isinstance(info, inspect.StructType):
-        if isinstance(value, dict):
-            fields = {f.encode_name: f.type for f in info.fields}
-            refuse_unknown_keys(value, fields.keys(), field)
-            for key, item in value.items():
-                _refuse_unknown(item, fields[key], f"{field}.{key}")
-    elif isinstance(info, _LISTS):
-        if isinstance(value, list):
-            for index, item in enumerate(value):
-                _refuse_unknown(item, info.item_type, f"{field}[{index}]")
-    elif isinstance(info, inspect.DictType):
-        if isinstance(value, dict):
-            for key, item in value.items():
-                _refuse_unknown(item, info.value_type, f"{field}.{key}")
-    elif isinstance(info, inspect.UnionType):
-        for member in info.types:
-            if isinstance(member, (inspect.StructType, inspect.DictType)) and isinstance(value, dict):
-                _refuse_unknown(value, member, field)
-                return
-            if isinstance(member, _LISTS) and isinstance(value, list):
-                _refuse_unknown(value, member, field)
-                return
 
 
 def decode_each(

@@ -21,22 +21,15 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.micro.request import ERROR_CODE_HEADER
 
+from berth.commands.connection import Connection, full_subject
+from berth.commands.exits import EXIT_FAILED, EXIT_NO_ANSWER, EXIT_OK, EXIT_REFUSED, EXIT_USAGE, CommandError
+from berth.commands.output import decode_msgpack, emit, to_json
+from berth.commands.running import add_command
+from berth.registry import contracts
 from bus.client import NOT_DEFINITE, RETRY_FOR, error_from, with_request_id
 from bus.codec import encode
 from schemas.errors import NoResponders
 from schemas.subjects import served_node
-from services.registry import contracts
-from services.commands.connection import Connection, full_subject
-from services.commands.exits import (
-    EXIT_FAILED,
-    EXIT_NO_ANSWER,
-    EXIT_OK,
-    EXIT_REFUSED,
-    EXIT_USAGE,
-    CommandError,
-    add_command,
-)
-from services.commands.output import decode_msgpack, emit, to_json
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

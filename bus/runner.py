@@ -1,10 +1,10 @@
-"""Running one worker process of a service: `python -m services.runner <module> [options]`.
+"""Running one worker process of a service: `python -m bus.runner <module> [options]`.
 
 A service module is a `ServiceModule`: `NAME`, its contract's tables `COMMANDS` and `EVENTS`,
 `STREAM` (the `bus.events.StreamSpec` keeping its events), `CONFIG` (its own config class, or None)
 and `async build(ctx) -> bus.Service` (or a list of them, started and drained together); the runner
 refuses a module that lacks one. Its options are read from flags and environment by
-`services.settings` (`parse_worker`): `ctx.common` is the `CommonConfig` every worker has,
+`bus.settings` (`parse_worker`): `ctx.common` is the `CommonConfig` every worker has,
 `ctx.config` its service's own frozen config (None when `CONFIG` is None). The
 runner connects to NATS and Redis, makes sure the events stream exists, builds and starts the
 service, serves until SIGTERM/SIGINT, drains, runs the service's clean-ups and closes.
@@ -27,12 +27,12 @@ from typing import Any, Awaitable, Callable, Protocol, runtime_checkable
 from nats.aio.client import Client
 from redis.asyncio import Redis
 
-from bus.connection import connect
+from bus.connection import connect, creds_values, inbox_prefix
 from bus.events import EventBus, StreamMissing, StreamSpec
 from bus.redis import connect_redis, ready
 from bus.service import Command, Service, serve_until_signalled
+from bus.settings import CommonConfig, ServiceConfig, parse_worker
 from bus.telemetry import MetricsServer
-from services.settings import CommonConfig, ServiceConfig, parse_worker
 
 log = logging.getLogger("berth.runner")
 
@@ -73,14 +73,11 @@ def nats_options(common: CommonConfig, service: str, node: str | None = None) ->
     """The worker's NATS credentials (a creds file first, then user and password) and inbox root;
     `node`: the worker is that node's agent.
 
-    The inbox root is the service's own (`services.accounts.inbox_prefix`), not `_INBOX`: with
+    The inbox root is the service's own (`bus.connection.inbox_prefix`), not `_INBOX`: with
     the permissions `berth up` writes, only this service (a node agent: only this node's) may
     subscribe to it, so the answers to its requests (JetStream API, calls to other services) are
     not visible to anyone else. A node agent's identity names its node: an agent started for
     another node stops here, rather than be refused subject by subject."""
-    from services.accounts import inbox_prefix
-    from services.credentials import creds_values
-
     options = {"inbox_prefix": common.nats_inbox_prefix or inbox_prefix(common.prefix, service, node)}
     user, password = common.nats_user, common.nats_password
     if common.nats_creds:
@@ -169,7 +166,7 @@ async def _serve(module: ServiceModule, common: CommonConfig, config: Any, metri
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
-        raise SystemExit("usage: python -m services.runner <service module> [options]")
+        raise SystemExit("usage: python -m bus.runner <service module> [options]")
     module = load(argv[0])
     common, config = parse_worker(module.NAME, module.CONFIG, argv[1:])
     configure_logging(common.log_level)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from berth.commands.connection import Connection, redact
+from berth.commands.exits import EXIT_OK
+from berth.commands.output import emit, format_table, to_json
+from berth.commands.running import add_command
 from bus import discovery
-from services.commands.connection import Connection, redact
-from services.commands.exits import EXIT_OK, add_command
-from services.commands.output import emit, format_table, to_json
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -1,5 +1,6 @@
 """The `berth` command: `up`, `worker`, `dashboard`, `schema`, `redis-functions`, and `call`, `events`,
-`nodes`, `status` (services/commands/). Flags and environment are read by services/settings.py."""
+`nodes`, `status` (berth/commands/). Flags and environment are read by berth/settings.py
+(and bus/settings.py, what every worker shares)."""
 
 from __future__ import annotations
 
@@ -12,25 +13,25 @@ import sys
 import threading
 from pathlib import Path
 
-from services import commands
-from services.commands.connection import UP_ENV, UP_PID, remove_up_env, write_up_env
-from services.processes.procfs import DEPLOYMENT
-from services.registry import SERVICES, available
-from services.runner import configure_logging
-from services.settings import (
+from berth import commands
+from berth.commands.connection import UP_ENV, UP_PID, remove_up_env, write_up_env
+from berth.registry import SERVICES, available
+from berth.servers import LOOPBACK
+from berth.settings import (
     DashboardConfig,
     add_metrics_port_flag,
     add_redis_admin_flags,
     add_server_flags,
-    log_level,
     redis_maxmemory,
     state_dir,
     up_catalog,
     up_tls,
 )
-from services.servers import LOOPBACK
-from services.supervisor import Supervisor, worker_argv
-from services.up_ready import announce, berth_command, next_steps
+from berth.supervisor import Supervisor, worker_argv
+from berth.up_ready import announce, berth_command, next_steps
+from bus.runner import configure_logging
+from bus.settings import log_level
+from services.processes.procfs import DEPLOYMENT
 
 log = logging.getLogger("berth")
 
@@ -75,7 +76,7 @@ def _agent_args(state: Path, service: str) -> list[str]:
 
 def _local_node() -> str:
     """The local machine's node (`berth agent`'s default)."""
-    from services.settings import default_node
+    from bus.settings import default_node
 
     return os.environ.get("BERTH_NODE") or default_node()
 
@@ -104,8 +105,8 @@ def _services_to_start() -> dict[str, str]:
 
 
 def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
-    """One `berth up` per state folder, holding its lock while it runs (services/up_lock.py)."""
-    from services.up_lock import FolderInUse, hold
+    """One `berth up` per state folder, holding its lock while it runs (berth/up_lock.py)."""
+    from berth.up_lock import FolderInUse, hold
 
     state = Path(args.state).resolve()
     try:
@@ -116,9 +117,9 @@ def cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _up(args: argparse.Namespace, state: Path, lock) -> int:
-    from services.credentials import REDIS_ADMIN, prepare
-    from services.redis_functions import FIRST_VERSION
-    from services.servers import (
+    from berth.credentials import REDIS_ADMIN, prepare
+    from berth.redis_functions import FIRST_VERSION
+    from berth.servers import (
         memory_limit,
         redis_version,
         start_nats,
@@ -128,7 +129,7 @@ def _up(args: argparse.Namespace, state: Path, lock) -> int:
     )
 
     # Credentials (unless --no-auth): users and permissions for the servers we start, a user per
-    # worker, see services/credentials.py. A server given by URL is used as it is. On a Redis that
+    # worker, see berth/credentials.py. A server given by URL is used as it is. On a Redis that
     # has Functions, berth's scripts are loaded as such, and the workers' users may only call them.
     own_nats, own_redis = not args.nats, not args.redis
     functions = own_redis and redis_version() >= FIRST_VERSION
@@ -138,7 +139,7 @@ def _up(args: argparse.Namespace, state: Path, lock) -> int:
         creds = _with_local_agent(creds)
     nats_config = creds.nats_config if creds else None
     redis_config, redis_admin = (creds.redis_config, creds.redis_admin) if creds else (None, None)
-    # TLS (unless --no-tls) with a CA of the deployment's own, made once (services/tls.py).
+    # TLS (unless --no-tls) with a CA of the deployment's own, made once (berth/tls.py).
     tls = _prepare_tls(state, args.listen) if args.tls and (own_nats or own_redis) else None
     tls_env = {"BERTH_TLS_CA": str(tls.ca)} if tls else {}
     _warn_if_open(args, creds, tls)
@@ -165,9 +166,9 @@ def _up(args: argparse.Namespace, state: Path, lock) -> int:
             lock.note_servers(servers[-1])
             if functions:  # before any worker looks for them
                 _load_functions(creds.redis_url(REDIS_ADMIN, args.redis) if creds else args.redis, tls)
-        if creds and own_nats:  # no worker's user may set a stream up (services/streams.py)
+        if creds and own_nats:  # no worker's user may set a stream up (berth/streams.py)
             _set_up_streams(args, creds, tls)
-        # The dashboard reads as an identity of its own, a reader (services/credentials.py).
+        # The dashboard reads as an identity of its own, a reader (berth/credentials.py).
         dashboard_url = creds.nats_url("dashboard", args.nats) if creds and own_nats else args.nats
         js_env = {"BERTH_JS_DOMAIN": args.prefix} if creds and own_nats else {}
         up_env = _print_connection(args, state, creds if own_nats else None, tls)
@@ -189,15 +190,15 @@ def _up(args: argparse.Namespace, state: Path, lock) -> int:
             supervisor.add(name, worker_argv(module, argv + metrics + own), env)
         if not supervisor.children:
             print("no service is installed yet; serving NATS and Redis only", flush=True)
-        if creds and own_nats:  # hosts that join with a one-time token (services/join.py)
+        if creds and own_nats:  # hosts that join with a one-time token (berth/join.py)
             join_env = {**os.environ, **tls_env, "NATS_URL": args.nats, DEPLOYMENT: str(state)}
-            supervisor.add("join", [sys.executable, "-m", "services.cli", "join-service", "--state", str(state)],
+            supervisor.add("join", [sys.executable, "-m", "berth.cli", "join-service", "--state", str(state)],
                            join_env, client=True)
-        if not args.no_dashboard:  # the live dashboard (services/dashboard/), a bus client as the client user
-            from services.servers import free_port
+        if not args.no_dashboard:  # the live dashboard (berth/dashboard/), a bus client as the client user
+            from berth.servers import free_port
 
             port = args.dashboard_port or free_port()
-            dashboard = [sys.executable, "-m", "services.cli", "dashboard", "--prefix", args.prefix,
+            dashboard = [sys.executable, "-m", "berth.cli", "dashboard", "--prefix", args.prefix,
                          "--port", str(port), "--quiet"]
             # no password on a command line
             env = {**os.environ, **tls_env, **js_env, "NATS_URL": dashboard_url, DEPLOYMENT: str(state)}
@@ -234,21 +235,21 @@ def _where_commands_find_it(state: Path, up_env: Path | None) -> str:
 
 
 def _set_up_streams(args: argparse.Namespace, creds, tls) -> None:
-    from services.accounts import STREAMS_ADMIN
-    from services.streams import set_up
+    from berth.accounts import STREAMS_ADMIN
+    from berth.streams import set_up
 
     asyncio.run(set_up(args.nats, args.prefix, user=STREAMS_ADMIN, password=creds.nats_password(STREAMS_ADMIN),
                        tls_ca=str(tls.ca) if tls else None))
 
 
 def _load_functions(admin_url: str, tls) -> None:
-    from services.redis_functions import load
+    from berth.redis_functions import load
 
     asyncio.run(load(admin_url, tls_ca=str(tls.ca) if tls else None))
 
 
 def _prepare_tls(state: Path, listen: str):
-    from services.tls import prepare
+    from berth.tls import prepare
 
     return prepare(state / "tls", (listen,))
 
@@ -266,7 +267,7 @@ def _print_connection(args: argparse.Namespace, state: Path, creds, tls) -> Path
     """What a client needs, as variables `berth call/status/events` read: the URLs, the admin
     identity's creds file, where the streams are, and the CA; never a password (stdout ends up in
     terminals and logs). The same go to `<state>/up.env`, which those commands read when neither
-    --nats nor NATS_URL is given (services/commands/connection.py); its path is returned, None when
+    --nats nor NATS_URL is given (berth/commands/connection.py); its path is returned, None when
     a URL carries a password (a file is no place for one either)."""
     values = {"NATS_URL": args.nats, "REDIS_URL": args.redis}
     if creds:
@@ -302,9 +303,9 @@ def _stop_launched(state: Path) -> None:
 def cmd_user(args: argparse.Namespace, extra: list[str]) -> int:
     """`berth user add|list|remove`: the identities of a `berth up` state folder; a change is
     written into its NATS configuration and the running servers read it again."""
+    from berth.credentials import load
+    from berth.servers import reload_nats
     from bus.callers import ROLES
-    from services.credentials import load
-    from services.servers import reload_nats
 
     state = Path(args.state).resolve()
     directory = state / "credentials"
@@ -346,10 +347,10 @@ def cmd_user(args: argparse.Namespace, extra: list[str]) -> int:
 
 def _written(state: Path, creds, name: str) -> str:
     """Write the credentials after a change of identity `name`, and tell the running servers."""
-    from services.credentials import load
-    from services.servers import reload_nats
+    from berth.credentials import load
+    from berth.servers import reload_nats
 
-    from services.commands.connection import read_up_env
+    from berth.commands.connection import read_up_env
 
     was_agent = (before := load(creds.directory).identities.get(name)) is not None and before.is_agent
     creds.write()
@@ -365,9 +366,9 @@ def _written(state: Path, creds, name: str) -> str:
 
 def _join_token(args: argparse.Namespace, state: Path, creds) -> int:
     """A one-time token for agent identity NAME (made, bound to --node or NAME, if it is new)."""
+    from berth import join
+    from berth.commands.connection import read_up_env
     from bus.callers import Role
-    from services import join
-    from services.commands.connection import read_up_env
 
     up = read_up_env(state / UP_ENV) or {}
     if not up.get("NATS_URL"):
@@ -389,8 +390,8 @@ def _join_token(args: argparse.Namespace, state: Path, creds) -> int:
 
 
 def _write_bundle(args: argparse.Namespace, state: Path, creds) -> int:
-    from services import join
-    from services.commands.connection import read_up_env
+    from berth import join
+    from berth.commands.connection import read_up_env
 
     try:
         bundle = join.make(creds, args.name, read_up_env(state / UP_ENV) or {})
@@ -405,9 +406,9 @@ def _write_bundle(args: argparse.Namespace, state: Path, creds) -> int:
 
 def _tell_redis(state: Path, creds, name: str) -> str:
     """A node agent's identity is a Redis user too: the running Redis servers learn it (or lose it)."""
-    from services.commands.connection import read_up_env
-    from services.credentials import REDIS_ADMIN
-    from services.servers import set_redis_users
+    from berth.commands.connection import read_up_env
+    from berth.credentials import REDIS_ADMIN
+    from berth.servers import set_redis_users
 
     up = read_up_env(state / UP_ENV) or {}
     if not up.get("REDIS_URL"):
@@ -418,7 +419,7 @@ def _tell_redis(state: Path, creds, name: str) -> str:
 
 
 def cmd_prepare(args: argparse.Namespace, extra: list[str]) -> int:
-    from services.prepare import prepare
+    from berth.prepare import prepare
 
     state = Path(args.state).resolve()
     prepare(state, args.prefix, agents=args.agents, nats_url=args.nats_url, redis_url=args.redis_url)
@@ -428,10 +429,10 @@ def cmd_prepare(args: argparse.Namespace, extra: list[str]) -> int:
 
 def cmd_join_service(args: argparse.Namespace, extra: list[str]) -> int:
     """`berth up`'s join service: as user `join-service`, until stopped."""
+    from berth import join
+    from berth.accounts import JOIN_SERVICE
+    from berth.credentials import load
     from bus.connection import connect
-    from services import join
-    from services.accounts import JOIN_SERVICE
-    from services.credentials import load
 
     state = Path(args.state).resolve()
     creds = load(state / "credentials")
@@ -451,8 +452,8 @@ def cmd_join_service(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_setup_streams(args: argparse.Namespace, extra: list[str]) -> int:
-    from services.credentials import read_creds_file
-    from services.streams import set_up
+    from berth.streams import set_up
+    from bus.connection import read_creds_file
 
     try:
         user, password = read_creds_file(os.environ["BERTH_NATS_CREDS"])
@@ -479,7 +480,7 @@ def cmd_worker(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_dashboard(args: argparse.Namespace, extra: list[str]) -> int:
-    from services.dashboard.app import run
+    from berth.dashboard.app import run
 
     return run(DashboardConfig.from_flags(args))
 
@@ -487,8 +488,8 @@ def cmd_dashboard(args: argparse.Namespace, extra: list[str]) -> int:
 def cmd_schema(args: argparse.Namespace, extra: list[str]) -> int:
     import json
 
+    from berth.registry import contracts
     from schemas import asyncapi, export
-    from services.registry import contracts
 
     tables = contracts()
     if args.asyncapi:
@@ -504,9 +505,9 @@ def cmd_schema(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_redis_functions(args: argparse.Namespace, extra: list[str]) -> int:
+    from berth.credentials import redis_rules
+    from berth.redis_functions import PACKAGES, load
     from bus.redis import redis_url
-    from services.credentials import redis_rules
-    from services.redis_functions import PACKAGES, load
 
     for library in asyncio.run(load(redis_url(args.redis), tls_ca=args.tls_ca)):
         print(f"loaded {library.name}: {len(library.functions)} functions", flush=True)
@@ -600,7 +601,7 @@ def parser() -> argparse.ArgumentParser:
     add_redis_admin_flags(functions)
     functions.set_defaults(run=cmd_redis_functions)
 
-    commands.add_parsers(sub)  # call, events, nodes, status: services/commands/
+    commands.add_parsers(sub)  # call, events, nodes, status: berth/commands/
 
     dashboard = sub.add_parser("dashboard", help="live web dashboard of a berth deployment (a client of the bus)")
     DashboardConfig.add_flags(dashboard)

@@ -1,11 +1,11 @@
 """Credentials of a berth deployment: a NATS user per service and per identity (an account of its
-own, see services/accounts.py), and a Redis ACL user per service limited to its own keys.
+own, see berth/accounts.py), and a Redis ACL user per service limited to its own keys.
 
 `berth up` calls `prepare(<state>/credentials, prefix)`, which keeps random passwords and the
 identities in `credentials.json` (made once, reused on every start, so creds files handed out stay
 valid) and renders, from them and the prefix, on every start and on every `berth user` change:
 
-    nats-server.conf     the NATS accounts and users (services/accounts.py), for nats-server -c
+    nats-server.conf     the NATS accounts and users (berth/accounts.py), for nats-server -c
     redis.conf           `aclfile`, plus `masteruser`/`masterauth` for replicas, for redis-server
     users.acl            the Redis users (SHA-256 password hashes)
     <user>.nats          `user=...` / `password=...`: a worker's `--nats-creds`, an identity's creds file
@@ -19,7 +19,7 @@ except the dangerous and admin ones, pub/sub, KEYS/SCAN/RANDOMKEY (key names of 
 CLIENT subcommands other than ID/GETNAME/SETNAME (CLIENT TRACKING would report other keys' names),
 and scripting: with Redis Functions (`prepare(..., redis_functions=True)`, which `berth up` asks
 for on Redis >= 7.0, where it loads them) only FUNCTION LIST and FCALL of its own functions
-(services/redis_functions.py), else EVAL/EVALSHA/SCRIPT LOAD/SCRIPT EXISTS. Redis Cluster's read
+(berth/redis_functions.py), else EVAL/EVALSHA/SCRIPT LOAD/SCRIPT EXISTS. Redis Cluster's read
 commands (CLUSTER SLOTS/SHARDS/NODES, COMMAND, ASKING, READONLY) stay allowed. The `default` user is
 the administrator, with its own password; replicas use it to reach their primary.
 """
@@ -35,10 +35,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from urllib.parse import quote, urlsplit, urlunsplit
 
+from berth import accounts
+from berth.accounts import JOIN_SERVICE, SERVICE_USERS, STREAMS_ADMIN, Identity
+from berth.redis_functions import fcall_rules
 from bus.callers import ROLES, Role
-from services import accounts
-from services.accounts import JOIN_SERVICE, SERVICE_USERS, STREAMS_ADMIN, Identity
-from services.redis_functions import fcall_rules
+from bus.connection import inbox_prefix
 
 REDIS_ADMIN = "default"
 NODE_NAME = re.compile(r"[A-Za-z0-9_-]{1,253}")  # schemas.subjects.NodeName: a subject token
@@ -132,29 +133,6 @@ def _with_userinfo(url: str, user: str, password: str) -> str:
     host = parts.netloc.rsplit("@", 1)[-1]
     netloc = f"{quote(user, safe='')}:{quote(password, safe='')}@{host}"
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
-
-
-# -- creds files ---------------------------------------------------------------------------------
-
-
-def read_creds_file(path: str | Path) -> tuple[str, str]:
-    """(user, password) from a `--nats-creds` file."""
-    values = creds_values(path)
-    return values["user"], values["password"]
-
-
-def creds_values(path: str | Path) -> dict[str, str]:
-    """A `--nats-creds` file's values: `user=...` and `password=...` lines, and `node=...` for a
-    node agent's identity."""
-    values: dict[str, str] = {}
-    for line in Path(path).read_text().splitlines():
-        line = line.strip()
-        if line and not line.startswith("#") and "=" in line:
-            key, _, value = line.partition("=")
-            values[key.strip()] = value.strip()
-    if "user" not in values or "password" not in values:
-        raise ValueError(f"{path}: expected user=... and password=... lines")
-    return values
 
 
 def write_private(path: Path, text: str) -> None:
@@ -301,7 +279,7 @@ class Credentials:
             context = {"description": f"berth {self.prefix}: {identity.role.label} {identity.name}", "url": nats_url,
                        "user": identity.name, "password": identity.password, "ca": ca or ""}
             if identity.is_agent:
-                context["inbox_prefix"] = accounts.inbox_prefix(self.prefix, "agent", identity.node)
+                context["inbox_prefix"] = inbox_prefix(self.prefix, "agent", identity.node)
             else:
                 context["jetstream_domain"] = self.prefix
             write_private(self.context(identity.name), json.dumps(context, indent=1) + "\n")

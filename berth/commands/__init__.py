@@ -28,15 +28,17 @@ Exit statuses, the same for every command:
 Bytes in a reply or an event (MessagePack bin) are printed as base64 strings, as in the JSON
 Schemas `berth schema` writes (msgspec's JSON encoding).
 
-Shared by the four: `exits` (statuses, `CommandError`, running a command), `connection` (a
-short-lived NATS client whose failures become exit statuses) and `output` (JSON, tables).
+Shared by the four: `exits` (statuses, `CommandError`), `connection` (a short-lived NATS client
+whose failures become exit statuses), `running` (a command's subparser, and running it: a
+`CommandError` becomes its exit status) and `output` (JSON, tables). They import one way:
+`running` -> `connection` -> `exits`.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from services.commands import agent, call, events, nodes, status
+from berth.commands import agent, call, events, nodes, status
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:

@@ -23,8 +23,8 @@ from starlette.responses import FileResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from services.dashboard.live import Live
-from services.settings import DashboardConfig
+from berth.dashboard.live import Live
+from berth.settings import DashboardConfig
 
 STATIC = Path(__file__).resolve().parent / "static"
 KEEP_ALIVE = 15.0  # seconds between comments on an idle stream, so that proxies keep it open

@@ -32,15 +32,15 @@ from typing import Any
 import msgspec
 from nats.js.errors import NotFoundError
 
+from berth.dashboard.charts import AgentCharts
+from berth.dashboard.feed import Feed
+from berth.dashboard.views import CHARTS, event_view, node_view, services_view, sse
 from bus import discovery
 from bus.client import BusClient
 from bus.codec import decode_stored
 from bus.connection import connect, subscriptions_in_place
 from bus.tasks import cancel_and_wait
 from schemas.errors import BusError
-from services.dashboard.charts import AgentCharts
-from services.dashboard.feed import Feed
-from services.dashboard.views import CHARTS, event_view, node_view, services_view, sse
 
 log = logging.getLogger("berth.dashboard")
 

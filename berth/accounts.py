@@ -1,6 +1,6 @@
 """The NATS accounts of a berth deployment: who is who on the bus, and what each may reach.
 
-`berth up` starts nats-server with the configuration `nats_config` renders (services/credentials.py
+`berth up` starts nats-server with the configuration `nats_config` renders (berth/credentials.py
 writes it, `berth user add|remove` renders it again and reloads the server):
 
 - `SERVICES` holds the workers' users (`allocation`, `broker`, `metrics`), each limited to what it
@@ -39,6 +39,7 @@ import json
 from dataclasses import dataclass
 
 from bus.callers import NAME, Role, account_name
+from bus.connection import inbox_prefix
 
 SERVICES = ("allocation", "broker", "metrics", "agent")
 # The workers' own users; an agent runs as its node's identity instead (`agent_permissions`).
@@ -47,7 +48,7 @@ SERVICES_ACCOUNT = "SERVICES"
 STREAMS_ACCOUNT = "STREAMS"
 # The user of `STREAMS` that sets the streams up (`berth up`, before any worker starts).
 STREAMS_ADMIN = "streams-admin"
-# Joining hosts (services/join.py): `berth up`'s join service answers `P.join.redeem` as this user of
+# Joining hosts (berth/join.py): `berth up`'s join service answers `P.join.redeem` as this user of
 # `SERVICES`; a host asks as the public user `join` of account `JOIN`, which may ask nothing else.
 JOIN_SERVICE = "join-service"
 JOIN_ACCOUNT = "JOIN"
@@ -77,13 +78,6 @@ NODE_EVENT_KINDS = ("added", "removed", "capacity", "labels", "down", "up", "dra
 # `P.events.broker.resource.>` (every resource's status events) its own broker events, and the
 # streams' administrator.
 RESERVED_NAMES = frozenset((*SERVICES, "resource", STREAMS_ADMIN, JOIN_SERVICE, "join"))
-
-
-def inbox_prefix(prefix: str, service: str, node: str | None = None) -> str:
-    """The inbox root of a service's own requests (nats-py `inbox_prefix`), private to it; a node
-    agent's is its node's (`_INBOX_P-agent.<node>`): no agent reads another's answers."""
-    root = f"_INBOX_{prefix}-{service}"
-    return f"{root}.{node}" if node else root
 
 
 def js_api(prefix: str) -> str:

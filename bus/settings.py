@@ -1,5 +1,5 @@
-"""The settings every worker and the `berth` command share, read from flags and the environment
-(each service's own are in its `config.py`, read the same way).
+"""The settings every worker shares, read from flags and the environment (each service's own are
+in its `config.py`, read the same way; the `berth` command's in berth/settings.py).
 
 Precedence, the same for every setting: a flag given on the command line wins over its
 environment variable, which wins over the default. (Each flag's argparse default is its variable's
@@ -10,9 +10,8 @@ The configs are frozen, in the style of nats.micro's `ServiceConfig`: a worker g
 `CommonConfig` (connections, prefix, request handling, Prometheus metrics, log level) and the
 config of its own service, which that service keeps in its `config.py` (`CONFIG` of its worker
 module: `services/allocation/config.py` and so on), built once when the process starts
-(`parse_worker`). `DashboardConfig` is `berth dashboard`'s. The
-`berth` command's connection options (`add_server_flags`, `add_client_flags`) and the rest of its
-environment (`log_level`, `state_dir`, `redis_maxmemory`) are read here too.
+(`parse_worker`). The argparse types and `--nats`, `--prefix`, `--js-domain` are the `berth`
+command's too.
 
 `env` is any mapping of variables (tests pass a dict); by default the process's environment.
 """
@@ -26,7 +25,6 @@ import re
 import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any, Protocol
 
 from bus.idempotency import DEFAULT_WINDOW
@@ -38,37 +36,13 @@ MIN_INTERVAL = 1.0  # metrics: the shortest sampling interval, seconds
 WEEK = 7 * 24 * 3600.0
 
 
-def _environ(env: Env | None) -> Env:
+def environ(env: Env | None) -> Env:
     return os.environ if env is None else env
 
 
 def log_level(env: Env | None = None) -> str:
     """The logging level of every berth process (`BERTH_LOG_LEVEL`, default INFO)."""
-    return _environ(env).get("BERTH_LOG_LEVEL", "INFO")
-
-
-def state_dir(env: Env | None = None) -> str:
-    """`berth up`'s state folder default (`BERTH_STATE`, default .berth)."""
-    return _environ(env).get("BERTH_STATE", ".berth")
-
-
-def redis_maxmemory(env: Env | None = None) -> str:
-    """`berth up`'s Redis memory limit default (`BERTH_REDIS_MAXMEMORY`, default 1gb): a size as
-    redis-server reads it (`512mb`, `2gb`; `0` is no limit)."""
-    return _environ(env).get("BERTH_REDIS_MAXMEMORY", "1gb")
-
-
-def up_tls(env: Env | None = None) -> bool:
-    """Whether `berth up` starts its servers with TLS (`BERTH_TLS`, default on; `0`, `no`, `off` or
-    `false`: off, as `--no-tls`)."""
-    return _environ(env).get("BERTH_TLS", "1").strip().lower() not in ("0", "no", "off", "false")
-
-
-def up_catalog(env: Env | None = None) -> str | None:
-    """`berth up`'s catalog of images the broker may run (`BERTH_CATALOG`, default: the development
-    catalog.toml of the repository berth runs from; none in an installed package)."""
-    development = Path(__file__).resolve().parent.parent / "catalog.toml"
-    return _environ(env).get("BERTH_CATALOG") or (str(development) if development.is_file() else None)
+    return environ(env).get("BERTH_LOG_LEVEL", "INFO")
 
 
 # -- argparse types ---------------------------------------------------------------------------------
@@ -229,7 +203,7 @@ class ServiceConfig(Protocol):
 
 
 def worker_parser(service: str, config: type[ServiceConfig] | None, env: Env | None = None) -> argparse.ArgumentParser:
-    env = _environ(env)
+    env = environ(env)
     parser = argparse.ArgumentParser(prog=f"berth worker {service}")
     CommonConfig.add_flags(parser, env)
     if config is not None:
@@ -242,38 +216,12 @@ def parse_worker(
 ) -> tuple[CommonConfig, Any]:
     """A worker's configs from its command line and environment (flag > env > default): the common
     one, and its service's own (`config`; None for a service without options)."""
-    env = _environ(env)
+    env = environ(env)
     args = worker_parser(service, config, env).parse_args(argv)
     return CommonConfig.from_flags(args, env), config.from_flags(args) if config is not None else None
 
 
-# -- the dashboard --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, kw_only=True)
-class DashboardConfig:
-    nats: str | None = None  # NATS_URL, a reader identity's
-    prefix: str = "berth"  # BERTH_PREFIX
-    js_domain: str | None = None  # BERTH_JS_DOMAIN
-    host: str = "127.0.0.1"
-    port: int = 0  # 0: a free one, printed
-    quiet: bool = False  # `berth up` prints the URL itself
-
-    @staticmethod
-    def add_flags(parser: argparse.ArgumentParser, env: Env | None = None) -> None:
-        env = _environ(env)
-        add_nats_and_prefix(parser, env, nats_help="NATS URL, a reader's (env NATS_URL)")
-        add_js_domain_flag(parser, env)
-        parser.add_argument("--host", default="127.0.0.1", help="address to serve on")
-        parser.add_argument("--port", type=int, default=0, help="port to serve on (default: a free one, printed)")
-        parser.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)  # `berth up` prints the URL
-
-    @classmethod
-    def from_flags(cls, args: argparse.Namespace) -> DashboardConfig:
-        return cls(**own_fields(cls, args))
-
-
-# -- the `berth` command's connection options -------------------------------------------------------
+# -- the connection options every worker and command takes ------------------------------------------
 
 
 def add_nats_and_prefix(
@@ -285,57 +233,12 @@ def add_nats_and_prefix(
                         help="subject and key prefix (env BERTH_PREFIX, default berth)")
 
 
-def add_server_flags(parser: argparse.ArgumentParser, env: Env | None = None) -> None:
-    """`berth up` and `berth worker`: the servers and the prefix."""
-    env = _environ(env)
-    add_nats_and_prefix(parser, env)
-    parser.add_argument("--redis", default=env.get("REDIS_URL"), help="Redis URL (env REDIS_URL)")
-
-
 def add_js_domain_flag(parser: argparse.ArgumentParser, env: Env | None = None) -> None:
     parser.add_argument(
-        "--js-domain", default=_environ(env).get("BERTH_JS_DOMAIN"), metavar="DOMAIN",
+        "--js-domain", default=environ(env).get("BERTH_JS_DOMAIN"), metavar="DOMAIN",
         help="reach the event streams' JetStream API at $JS.<DOMAIN>.API: with berth's accounts the streams live "
         "in an account of their own, reached there (berth up prints BERTH_JS_DOMAIN=<prefix>; env "
         "BERTH_JS_DOMAIN; default: the connection's own $JS.API)",
     )
 
 
-def add_redis_admin_flags(parser: argparse.ArgumentParser, env: Env | None = None) -> None:
-    """`berth redis-functions`: the Redis administrator's connection, and the prefix of the ACL
-    rules it prints."""
-    env = _environ(env)
-    parser.add_argument("--redis", default=env.get("REDIS_URL"),
-                        help="the administrator's Redis URL, redis[s]://default:PASSWORD@host:port/0 or "
-                        "redis[s]+cluster://default:PASSWORD@host:port,... (env REDIS_URL: a password on a "
-                        "command line is visible to every local user)")
-    _add_tls_ca_flag(parser, env, "rediss://")
-    parser.add_argument("--prefix", default=env.get("BERTH_PREFIX", "berth"),
-                        help="key prefix the printed ACL rules name (env BERTH_PREFIX, default berth)")
-
-
-def add_metrics_port_flag(parser: argparse.ArgumentParser, env: Env | None = None) -> None:
-    """`berth worker --metrics-port`: process k serves on PORT+k."""
-    parser.add_argument("--metrics-port", type=metrics_port, default=_environ(env).get("BERTH_METRICS_PORT", ""),
-                        metavar="PORT", help="Prometheus metrics: process k serves on PORT+k (0: free ports; "
-                        "env BERTH_METRICS_PORT; default: off)")
-
-
-def add_client_flags(parser: argparse.ArgumentParser, env: Env | None = None) -> None:
-    """`berth call`, `events`, `nodes`, `status`: a short-lived client's connection and prefix."""
-    env = _environ(env)
-    add_nats_and_prefix(
-        parser, env, nats_help="NATS URL(s), comma-separated; nats://user:password@host:port works (env NATS_URL)"
-    )
-    parser.add_argument("--nats-creds", default=env.get("BERTH_NATS_CREDS"), metavar="FILE",
-                        help="user=... and password=... lines, as .berth/credentials/admin.nats "
-                        "(env BERTH_NATS_CREDS)")
-    add_js_domain_flag(parser, env)
-    _add_tls_ca_flag(parser, env, "tls://")
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="log to standard error (-vv: debug)")
-
-
-def _add_tls_ca_flag(parser: argparse.ArgumentParser, env: Env, scheme: str) -> None:
-    parser.add_argument("--tls-ca", default=env.get("BERTH_TLS_CA"), metavar="FILE",
-                        help=f"CA that signed a {scheme} server's certificate, as .berth/tls/ca.pem "
-                        "(env BERTH_TLS_CA; default: the system's CAs)")

@@ -1,14 +1,14 @@
 """The administrator's step of a deployment with accounts: its events streams are set up before any
-worker starts, as the streams' own user (services/accounts.py `STREAMS_ADMIN`), because no service
+worker starts, as the streams' own user (berth/accounts.py `STREAMS_ADMIN`), because no service
 user may create, change or delete a stream. `berth up` runs it on every start (a stream that is
 there already gets only the subjects it lacks; its limits stay as they are), and an upgrade that
 adds a service's subjects runs it again."""
 
 from __future__ import annotations
 
+from berth.registry import contracts
 from bus.connection import connect
 from bus.events import EventBus, StreamSpec
-from services.registry import contracts
 
 
 def every_stream() -> list[StreamSpec]:

@@ -16,10 +16,10 @@ import sys
 import threading
 import time
 
+from berth.accounts import served
 from bus import discovery
 from bus.client import BusClient
 from bus.connection import connect
-from services.accounts import served
 
 WAIT_SECONDS = 90.0
 POLL_SECONDS = 0.5

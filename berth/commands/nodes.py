@@ -5,19 +5,13 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable
 
+from berth.commands.connection import Connection
+from berth.commands.exits import EXIT_FAILED, EXIT_NO_ANSWER, EXIT_OK, EXIT_REFUSED, EXIT_USAGE, CommandError
+from berth.commands.output import emit, format_table, to_json
+from berth.commands.running import add_command
 from bus.client import BusClient
 from schemas.errors import BusError, NoResponders, RequestTimeout
-from services.commands.connection import Connection
-from services.commands.exits import (
-    EXIT_FAILED,
-    EXIT_NO_ANSWER,
-    EXIT_OK,
-    EXIT_REFUSED,
-    EXIT_USAGE,
-    CommandError,
-    add_command,
-)
-from services.commands.output import emit, format_table, to_json
+from schemas.sizes import format_size
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -97,11 +91,8 @@ def _amount(value: float) -> str:
 
 
 def human_bytes(value: float) -> str:
-    for unit in ("", "Ki", "Mi", "Gi", "Ti", "Pi"):
-        if abs(value) < 1024 or unit == "Pi":
-            return f"{value:.1f}".rstrip("0").rstrip(".") + unit if unit else str(int(value))
-        value /= 1024
-    return str(value)
+    """Bytes as a request takes them back (`format_size`: "16Gi", "1.5Ki", or exact bytes)."""
+    return str(value) if isinstance(value, float) and not value.is_integer() else format_size(int(value))
 
 
 def format_nodes(rows: list[dict[str, Any]], total: int) -> str:

@@ -1,4 +1,6 @@
-"""Exit statuses of the everyday commands, the error that carries one, and running a command."""
+"""Running an everyday command: its subparser, with the client's connection options and the exit
+statuses in its help, and the run itself (the server resolved, then the command; a `CommandError`
+told on standard error, its status returned)."""
 
 from __future__ import annotations
 
@@ -8,29 +10,9 @@ import logging
 import sys
 from typing import Awaitable, Callable
 
-from services.settings import add_client_flags
-
-EXIT_OK = 0
-EXIT_REFUSED = 1
-EXIT_USAGE = 2
-EXIT_NO_ANSWER = 3
-EXIT_FAILED = 4
-EXIT_UNREACHABLE = 5
-EXIT_NOT_DONE = 6
-
-EXIT_STATUSES = """exit status: 0 done; 1 an error reply with a 4xx status (the request was refused);
-2 usage; 3 no responders or no reply in time; 4 an error reply with a 5xx status (the service
-failed); 5 NATS unreachable, refusing us (authorization, permissions) or lost, or JetStream
-unable to replay; 6 accepted but not done within the wait (`agent --drain`: the node drains,
-instances still run)."""
-
-
-class CommandError(Exception):
-    """What the user is told on standard error, with the exit status."""
-
-    def __init__(self, message: str, status: int) -> None:
-        super().__init__(message)
-        self.status = status
+from berth.commands.connection import asked, redact, resolve_server
+from berth.commands.exits import EXIT_NO_ANSWER, EXIT_STATUSES, EXIT_UNREACHABLE, CommandError
+from berth.settings import add_client_flags
 
 
 def add_command(
@@ -46,7 +28,7 @@ def add_command(
     )
     add_client_flags(parser)
     # no --prefix and no BERTH_PREFIX: the prefix of the `berth up` file, if that is what we use
-    # (services/commands/connection.py resolve_server), else berth
+    # (berth/commands/connection.py resolve_server), else berth
     parser.set_defaults(prefix=None, run=_runner(command))
     return parser
 
@@ -58,8 +40,6 @@ def _runner(command: Callable[[argparse.Namespace], Awaitable[int]]) -> Callable
         for handler in logging.getLogger().handlers:  # whatever configured it, never standard output
             if getattr(handler, "stream", None) is sys.stdout:
                 handler.setStream(sys.stderr)
-        from services.commands.connection import asked, redact, resolve_server
-
         resolve_server(args)
         try:
             return asyncio.run(command(args))

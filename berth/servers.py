@@ -1,6 +1,6 @@
 """Embedded nats-server and redis-server processes (for `berth up` and the test session).
 
-With `tls` (services/tls.py's files) a server speaks TLS only: nats-server on its client port
+With `tls` (berth/tls.py's files) a server speaks TLS only: nats-server on its client port
 (and, in a cluster, on its routes), redis-server on a TLS port with its plain port closed (and,
 in a cluster, on its cluster bus and for replication); their URLs are then `tls://`, `rediss://`
 and `rediss+cluster://`.
@@ -26,11 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from services.credentials import write_private
+from berth.credentials import write_private
 from services.processes.ports import free_port
 
 if TYPE_CHECKING:
-    from services.tls import TlsFiles
+    from berth.tls import TlsFiles
 
 
 NATS_PID = "nats-server.pid"
@@ -125,7 +125,7 @@ def start_nats(
     state_dir: Path, port: int | None = None, *, jetstream: bool = True, config: Path | None = None,
     tls: TlsFiles | None = None, host: str = LOOPBACK,
 ) -> ServerProcess:
-    """`config`: a nats-server configuration file (users and permissions, see services.credentials);
+    """`config`: a nats-server configuration file (users and permissions, see berth.credentials);
     the options given here on the command line take precedence over it. `host`: the address it
     listens on (`berth up --listen`)."""
     port = port or free_port()
@@ -221,7 +221,7 @@ def start_redis(
     tls: TlsFiles | None = None,
     host: str = LOOPBACK,
 ) -> ServerProcess:
-    """`config`: a redis.conf to start from (ACL users, see services.credentials); the options
+    """`config`: a redis.conf to start from (ACL users, see berth.credentials); the options
     given here on the command line take precedence over it. `host`: an address it listens on
     besides loopback (`berth up --listen`), and the one its URL names.
 

@@ -30,13 +30,14 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError, ServiceUnavailableError
 
+from berth.accounts import CONSUMER_SLOTS, Identity, event_patterns, streams
+from berth.commands.connection import Connection, describe
+from berth.commands.exits import EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, CommandError
+from berth.commands.output import decode_msgpack, emit, to_json
+from berth.commands.running import add_command
 from bus.callers import Role
 from bus.connection import subscriptions_in_place
 from bus.tasks import cancel_and_wait
-from services.accounts import CONSUMER_SLOTS, Identity, event_patterns, streams
-from services.commands.connection import Connection, describe
-from services.commands.exits import EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, CommandError, add_command
-from services.commands.output import decode_msgpack, emit, to_json
 
 log = logging.getLogger("berth.cli")
 
@@ -176,7 +177,7 @@ class Replay:
     consumer: in stream order, none missed or seen twice.
 
     With berth's accounts an identity may hold only the consumers named `<name>-<k>`
-    (services/accounts.py): the replay takes the first of them that is free. A consumer that goes
+    (berth/accounts.py): the replay takes the first of them that is free. A consumer that goes
     away (a server restart) is made again from the next sequence."""
 
     BATCH = 256
@@ -253,7 +254,7 @@ class Replay:
 
 
 def _allowed(prefix: str, pattern: str, user: str | None) -> str:
-    """For a refused replay (only a tenant's is: services/accounts.py), the patterns its role may
+    """For a refused replay (only a tenant's is: berth/accounts.py), the patterns its role may
     give, those within `pattern` first."""
     if not user:
         return ""

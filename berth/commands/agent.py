@@ -1,7 +1,7 @@
 """`berth agent`: run this host's agent, or (`--drain`, `--resume`) ask a running one.
 
     berth agent --nats URL --redis URL --node n1 --label city=sz ...   # run the agent; its options:
-                            # python -m services.runner services.agent.worker --help
+                            # python -m bus.runner services.agent.worker --help
     berth agent --node n1 --drain [--wait 600]    # no new placement on n1; wait until nothing runs there
                                                   # (exit 6: accepted, some still run after --wait;
                                                   # 3: no agent of n1 answered)
@@ -16,20 +16,20 @@ import os
 import time
 from pathlib import Path
 
-from bus.client import BusClient
-from schemas.errors import BusError, NoResponders, RequestTimeout
-from services.commands.connection import Connection
-from services.commands.exits import (
+from berth.commands.connection import Connection
+from berth.commands.exits import (
     EXIT_FAILED,
     EXIT_NO_ANSWER,
     EXIT_NOT_DONE,
     EXIT_OK,
     EXIT_REFUSED,
     CommandError,
-    add_command,
 )
-from services.settings import default_node
-from services.supervisor import Supervisor, worker_argv
+from berth.commands.running import add_command
+from berth.supervisor import Supervisor, worker_argv
+from bus.client import BusClient
+from bus.settings import default_node
+from schemas.errors import BusError, NoResponders, RequestTimeout
 
 POLL_SECONDS = 0.5
 
@@ -39,7 +39,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         sub, "agent", drain_command,
         help="run this host's agent; --drain / --resume: ask the running one",
         description="Without --drain or --resume: run the agent of this host (one process; every option "
-        "not listed here goes to it: `python -m services.runner services.agent.worker --help` lists them). With --drain: the node takes "
+        "not listed here goes to it: `python -m bus.runner services.agent.worker --help` lists them). With --drain: the node takes "
         "no new placement and this command waits until no instance runs on it; --resume undoes it.",
     )
     parser.add_argument("--node", default=None,
@@ -95,8 +95,8 @@ def run_agent(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _joined(args: argparse.Namespace) -> str:
-    """Redeem the join token for this host's bundle (services/join.py); its path, in `.berth/agent/`."""
-    from services import join
+    """Redeem the join token for this host's bundle (berth/join.py); its path, in `.berth/agent/`."""
+    from berth import join
 
     prefix = args.prefix or os.environ.get("BERTH_PREFIX") or "berth"
     try:
@@ -116,9 +116,9 @@ def _joined(args: argparse.Namespace) -> str:
 
 
 def _from_bundle(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
-    """The bundle's servers, identity and node (services/join.py); a --node that is not the
+    """The bundle's servers, identity and node (berth/join.py); a --node that is not the
     bundle's is refused here, naming both (the worker would refuse it too)."""
-    from services import join
+    from berth import join
 
     try:
         argv, env = join.unpack(args.bundle)

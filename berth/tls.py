@@ -7,7 +7,7 @@ a client handed `ca.pem` keeps trusting the deployment. The server certificate i
 it is near its end or the CA changed. The one certificate serves every server and also acts as a
 client: nats-server routes authenticate each other with it (route TLS always verifies the peer),
 and Redis replicas and the cluster bus present it to their primary. Keys are ECDSA P-256 (a quick
-handshake); every file is readable by its owner only, like services/credentials.py's.
+handshake); every file is readable by its owner only, like berth/credentials.py's.
 
 Clients trust `ca.pem`: `BERTH_TLS_CA=<state>/tls/ca.pem` (bus/connection.py, bus/redis.py).
 """
@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from services.credentials import write_private
+from berth.credentials import write_private
 
 CA_DAYS = 3650
 SERVER_DAYS = 825

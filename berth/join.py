@@ -38,11 +38,11 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from services.credentials import Credentials, write_private
+from berth.credentials import Credentials, write_private
 
 VERSION = 1
 TOKEN_SECONDS = 600.0
-# The public user of account JOIN (services/accounts.py): it may only ask to redeem a token.
+# The public user of account JOIN (berth/accounts.py): it may only ask to redeem a token.
 JOIN_USER = JOIN_PASSWORD = "join"
 log = logging.getLogger("berth.join")
 
@@ -168,8 +168,8 @@ def _key(secret: str, token_id: str) -> bytes:
 
 async def serve(nc, creds_directory: Path, state: Path, prefix: str) -> None:
     """Answer `P.join.redeem` until cancelled (`berth up` runs it, as the `join-service` user)."""
-    from services.commands.connection import UP_ENV, read_up_env
-    from services.credentials import load
+    from berth.commands.connection import UP_ENV, read_up_env
+    from berth.credentials import load
 
     async def answer(msg) -> None:
         try:

@@ -9,9 +9,9 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from berth.dashboard.views import CHARTS, is_number
 from bus.client import BusClient
 from schemas.errors import NoResponders
-from services.dashboard.views import CHARTS, is_number
 
 log = logging.getLogger("berth.dashboard")
 

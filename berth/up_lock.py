@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from services.commands.connection import UP_ENV, read_up_env
+from berth.commands.connection import UP_ENV, read_up_env
 from services.processes import procfs
 
 LOCK = "up.lock"

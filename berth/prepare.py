@@ -1,9 +1,9 @@
 """`berth prepare`: a deployment's files for servers that `berth up` does not start (compose.yaml).
 
 Into a state folder it writes what `berth up` would: the credentials (NATS accounts and users,
-Redis ACL users, creds files; services/credentials.py), one node agent identity per agent
+Redis ACL users, creds files; berth/credentials.py), one node agent identity per agent
 (`node-1` ... `node-N`), the TLS CA and a server certificate naming the servers' hosts
-(services/tls.py), the nats-server configuration (`nats/nats.conf`, which includes the accounts),
+(berth/tls.py), the nats-server configuration (`nats/nats.conf`, which includes the accounts),
 and an environment file per process (`env/<name>.env`, `export NAME='value'` lines a shell
 sources): its server URLs, its creds file, its Redis URL with its own Redis user, the CA, the
 prefix and, for an agent, its node. Paths are the folder's own: run it where the servers and
@@ -17,11 +17,11 @@ import shlex
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from berth import tls
+from berth.accounts import STREAMS_ADMIN
+from berth.credentials import Credentials, prepare as prepare_credentials, write_private
+from berth.servers import nats_config_file
 from bus.callers import Role
-from services import tls
-from services.accounts import STREAMS_ADMIN
-from services.credentials import Credentials, prepare as prepare_credentials, write_private
-from services.servers import nats_config_file
 
 # The processes compose runs, each with an environment file of its own, and the user each runs as.
 PROCESSES = {"allocation": "allocation", "broker": "broker", "metrics": "metrics", STREAMS_ADMIN: STREAMS_ADMIN,

@@ -15,11 +15,10 @@ from nats.aio.client import Client
 from nats.errors import Error as NatsError
 from nats.errors import NoServersError
 
-from bus.connection import DEFAULT_NATS_URL, connect, url_credentials
+from berth.commands.exits import EXIT_UNREACHABLE, EXIT_USAGE, CommandError
+from berth.settings import state_dir
+from bus.connection import DEFAULT_NATS_URL, connect, read_creds_file, url_credentials
 from bus.tasks import cancel_and_wait
-from services.commands.exits import EXIT_UNREACHABLE, EXIT_USAGE, CommandError
-from services.credentials import read_creds_file
-from services.settings import state_dir
 
 log = logging.getLogger("berth.cli")
 

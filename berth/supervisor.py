@@ -100,4 +100,4 @@ class Supervisor:
 
 
 def worker_argv(module: str, extra: list[str]) -> list[str]:
-    return [sys.executable, "-m", "services.runner", module, *extra]
+    return [sys.executable, "-m", "bus.runner", module, *extra]
