@@ -43,14 +43,28 @@ SCRUBBED = re.compile(r"^(BERTH_|NATS_|REDIS_URL$)")
 
 
 def _first_module(*names: str):
-    """The first of `names` that exists (the CLI may live in `berth/` or in `services/`)."""
+    """The first of `names` that this checkout has (a module moves: the CLI from `services/` to
+    `berth/`, the worker runner to `bus/`), else the first that can be imported at all (an
+    editable install of another checkout can also answer for a module this one lacks)."""
+    found = []
     for name in names:
         try:
-            if importlib.util.find_spec(name) is not None:
-                return importlib.import_module(name)
+            spec = importlib.util.find_spec(name)
         except ModuleNotFoundError:
             continue
+        if spec is not None and spec.origin and Path(spec.origin).resolve().is_relative_to(ROOT):
+            return importlib.import_module(name)
+        if spec is not None:
+            found.append(name)
+    if found:
+        return importlib.import_module(found[0])
     raise SystemExit(f"none of {', '.join(names)} can be imported")
+
+
+SETTINGS = ("bus.settings", "services.settings")  # the flags every worker shares, default_node
+RUNNER = ("bus.runner", "services.runner")
+REGISTRY = ("berth.registry", "services.registry")
+CLI = ("berth.cli", "services.cli")
 
 
 # -- Markdown ------------------------------------------------------------------------------------
@@ -96,7 +110,7 @@ def _default(action: argparse.Action) -> str:
     if value is None or value == argparse.SUPPRESS or value in ("", []):
         return ""
     if isinstance(value, str):
-        settings = _first_module("berth.settings", "services.settings")
+        settings = _first_module(*SETTINGS)
         if value == settings.default_node() or value == socket.gethostname():
             return "this host's name"
         if os.path.isabs(value) and Path(value).is_relative_to(ROOT):
@@ -160,16 +174,16 @@ def _command(name: str, summary: str, parser: argparse.ArgumentParser, level: in
 
 def _worker_options() -> list[str]:
     """Each service's worker options: the ones every worker takes, then each service's own."""
-    settings = _first_module("berth.settings", "services.settings")
-    runner = _first_module("services.runner")
-    registry = _first_module("services.registry")
+    settings = _first_module(*SETTINGS)
+    runner = _first_module(*RUNNER)
+    registry = _first_module(*REGISTRY)
     common = settings.worker_parser("SERVICE", None, env={})
     common_dests = {action.dest for action in common._actions}
     lines = [
         "## Worker options", "",
         "`berth worker SERVICE` passes every option it does not know to the service's processes, and "
         "`berth agent` to the agent it runs; these are those options (the same as `python -m "
-        "services.runner <module> --help` lists).", "",
+        f"{runner.__name__} <module> --help` lists).", "",
         "### Every service", "",
     ]
     lines += _options(common) + [""]
@@ -184,7 +198,7 @@ def _worker_options() -> list[str]:
 
 
 def cli_page() -> str:
-    cli = _first_module("berth.cli", "services.cli")
+    cli = _first_module(*CLI)
     build = getattr(cli, "parser", None) or getattr(cli, "build_parser")
     berth = build()
     lines = [
@@ -387,7 +401,7 @@ def _codes_in(tree: ast.AST) -> Iterable[tuple[str, int | None, str]]:
 def wire_page() -> str:
     from schemas.common import ErrorBody, Event
 
-    registry = _first_module("services.registry")
+    registry = _first_module(*REGISTRY)
     methods: dict[str, str] = getattr(_first_module("berth._commands"), "SUBJECTS", {})
     types = Types()
     lines = [

@@ -119,7 +119,9 @@ def blocks(path: Path) -> list[Block]:
 
 def _cli_module() -> str:
     """The `berth` command's module in this checkout (berth/cli.py, or services/cli.py before it moved)."""
-    return "berth.cli" if importlib.util.find_spec("berth.cli") else "services.cli"
+    spec = importlib.util.find_spec("berth.cli")
+    here = spec is not None and spec.origin is not None and Path(spec.origin).resolve().is_relative_to(ROOT)
+    return "berth.cli" if here else "services.cli"
 
 
 @pytest.fixture
