@@ -1,7 +1,8 @@
-# The commands the README shows. `make setup` once, then `make up` or `make test`.
+# The commands the README shows. `make setup` once, then `make up` or `make test`; `make docs` builds
+# the manual (docs/) into site/.
 VENV ?= .venv
 
-.PHONY: setup up test bench schema
+.PHONY: setup up test bench schema docs
 
 setup:
 	@bash scripts/setup.sh
@@ -17,3 +18,7 @@ bench: setup
 
 schema: setup
 	$(VENV)/bin/berth schema -o schema.json
+
+docs: setup
+	$(VENV)/bin/python scripts/docs_reference.py
+	$(VENV)/bin/mkdocs build --strict

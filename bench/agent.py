@@ -1,4 +1,4 @@
-"""What an agent costs and how fast it makes the platform react (README "Agents").
+"""What an agent costs and how fast it makes the platform react (docs/agents.md).
 
     .venv/bin/python bench/agent.py [--nodes 1000] [--beats 5000] [--launches 10] [--deaths 5]
                                     [--nats URL --redis URL]

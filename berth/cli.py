@@ -530,10 +530,11 @@ def parser() -> argparse.ArgumentParser:
                     help="memory limit of the embedded redis-server(s), e.g. 512mb; at the limit writes are "
                     "refused and answered `unavailable` (env BERTH_REDIS_MAXMEMORY, default 1gb; 0: none)")
     up.add_argument("--no-auth", action="store_true",
-                    help="start the servers without users and permissions (default: a user per service, see README)")
+                    help="start the servers without users and permissions (default: a user per service, "
+                    "docs/security.md)")
     up.add_argument("--no-tls", dest="tls", action="store_false", default=up_tls(),
                     help="start the servers without TLS, for development (env BERTH_TLS=0; default: TLS with a "
-                    "CA of the state folder's own, see README)")
+                    "CA of the state folder's own, docs/security.md)")
     up.add_argument("--listen", default=os.environ.get("BERTH_LISTEN") or LOOPBACK, metavar="ADDRESS",
                     help="address the servers listen on, for other hosts' agents and workers (env BERTH_LISTEN; "
                     "default 127.0.0.1); Redis listens on loopback too; the TLS certificate names it")

@@ -227,7 +227,7 @@ def start_redis(
 
     A hash keeps its compact encoding while every value is at most `hash-max-ziplist-value` bytes
     (Redis 7 calls it `hash-max-listpack-value`, and takes the old name too): at Redis's default of
-    64, a broker record whose `param` is longer took three times the memory (README "Sizing Redis")."""
+    64, a broker record whose `param` is longer took three times the memory (docs/operations/sizing.md)."""
     port = port or free_port()
     state_dir.mkdir(parents=True, exist_ok=True)
     args = [

@@ -79,7 +79,7 @@ def _kept(status: str | None, body: bytes) -> bool:
     return status not in _NOT_KEPT and not (status == "503" and _UNAVAILABLE in body)
 
 
-DEFAULT_WINDOW = 120.0  # seconds; README "Sizing Redis" derives it from the measured bytes and rates
+DEFAULT_WINDOW = 120.0  # seconds; docs/operations/sizing.md derives it from the measured bytes and rates
 _RECIPE = b"\x01"  # the first byte of a kept recipe; a kept whole answer is a MessagePack array or map
 
 

@@ -9,7 +9,7 @@ are `rediss://` and `rediss+cluster://`; the server's certificate is checked aga
 in `tls_ca` or `BERTH_TLS_CA` (the one `berth up` makes), else the system's.
 
 A command sent on its own costs redis-py several times its share of a pipeline (pool checkout,
-health check, its own write and read, a timeout context: README "Measurements behind the code"
+health check, its own write and read, a timeout context: docs/benchmarks.md, "Measurements behind the code"
 has the figures). `Pipelined` gathers the commands
 that concurrent tasks issue and sends them as one pipeline, so a worker serving 64 requests at
 once pays the pipeline price. It keeps a bounded number of pipelines in flight: under light load

@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     configure_logging(common.log_level)
     # A worker allocates many short-lived objects per request while holding large long-lived
     # ones (capacity views, memos). With the default threshold (700) the cycle collector runs
-    # every few requests and walks them all (README "Measurements behind the code").
+    # every few requests and walks them all (docs/benchmarks.md, "Measurements behind the code").
     gc.set_threshold(50_000, 20, 100)
     asyncio.run(run(module, common, config))
 

@@ -160,7 +160,7 @@ class CommonConfig:
             "--idempotency-window", type=seconds(1, WEEK), metavar="SECONDS",
             default=env.get("BERTH_IDEMPOTENCY_WINDOW", str(int(DEFAULT_WINDOW))),
             help="how long the answer to a request_id is kept for its retries, and everything kept under it "
-            f"(env BERTH_IDEMPOTENCY_WINDOW; default {DEFAULT_WINDOW:g}; README \"Sizing Redis\")",
+            f"(env BERTH_IDEMPOTENCY_WINDOW; default {DEFAULT_WINDOW:g}; docs/operations/sizing.md)",
         )
         parser.add_argument("--drain-timeout", type=float, default=10.0, help="seconds to finish requests on SIGTERM")
         parser.add_argument("--memory-stream", action="store_true", help="keep the events stream in memory (tests)")

@@ -1,4 +1,4 @@
-"""Requests, replies and events of the agent service (README "Agents").
+"""Requests, replies and events of the agent service (docs/agents.md).
 
 Every command is `agent.<node>.<command>` below the prefix: each host's agent answers for its own
 node only. An instance is one process the agent runs for a caller (the broker's operator): its id

@@ -356,8 +356,9 @@ def document(
             "securitySchemes": {
                 "user_password": {
                     "type": "userPassword",
-                    "description": "NATS user and password: `berth up` makes one user per service and a "
-                    "`client` user (README, Credentials); servers started with --no-auth need none.",
+                    "description": "NATS user and password: `berth up` makes one user per service and one "
+                    "per identity (`berth user add`; docs/security.md); servers started with --no-auth "
+                    "need none.",
                 },
             },
         },

@@ -73,7 +73,7 @@ class ReactiveStrategy(Struct, tag="reactive", tag_field="type"):
     """Follow demand: as many unsold resources as applies (hits and misses) in the last window.
 
     Never fewer than `min` nor more than `max`; a surplus idle resource is released once it has
-    been idle for `keep_seconds` (README, "Broker").
+    been idle for `keep_seconds` (docs/broker.md, "Strategies").
     """
 
     max: Annotated[int, Meta(ge=0, le=10_000)]

@@ -38,7 +38,8 @@ def document(services: Mapping[str, Any], prefix: str = "berth") -> dict[str, An
     `EVENTS`)."""
     doc: dict[str, Any] = {
         "encoding": "MessagePack maps with string keys; a request's unknown key, at any level, is refused "
-        "(invalid_argument naming it), replies and events may gain keys; see README 'Talking to berth'",
+        "(invalid_argument naming it), replies and events may gain keys; see docs/concepts.md 'Talking to "
+        "berth'",
         "error_reply": msgspec.json.schema(ErrorBody),
         "event_envelope": msgspec.json.schema(Event),
         "services": {},

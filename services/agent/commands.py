@@ -1,4 +1,4 @@
-"""A node agent's commands and events: which subject takes which message (README, Agents).
+"""A node agent's commands and events: which subject takes which message (docs/agents.md).
 
 Only the contract's tables: the exporters (`berth schema`) and clients read them without starting a
 worker. endpoints.py binds each command's `handler` to the code that answers it.

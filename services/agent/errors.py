@@ -1,4 +1,4 @@
-"""The node agent's errors, each built in one place (codes as the README's "Agents" section lists them)."""
+"""The node agent's errors, each built in one place (codes as docs/agents.md lists them)."""
 
 from __future__ import annotations
 

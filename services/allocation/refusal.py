@@ -1,5 +1,5 @@
 """Why an allocate or a calculate-deploy could not place: what keeps the instances off each node,
-and, over the selection, what a refusal reports (README "When an allocate is refused").
+and, over the selection, what a refusal reports (docs/allocation.md, "When an allocate is refused").
 
 Pure and synchronous, like the rest of the calculation core: explain.py reads the nodes again and
 hands their records here, and only once a request has been refused, so the placing path never pays

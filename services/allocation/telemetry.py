@@ -21,7 +21,7 @@ the node names and versions are the worker's directory (kept by change events, n
 only the nodes whose version moved since the last refresh are read, 500 at a time in the worker's
 shared pipeline (one HMGET each: version and plugin states); each plugin state is decoded into the
 few numbers the totals need (memoised on its bytes: identical nodes are decoded once), so a scrape
-costs little when few nodes changed (README "Measurements behind the code").
+costs little when few nodes changed (docs/benchmarks.md, "Measurements behind the code").
 """
 
 from __future__ import annotations

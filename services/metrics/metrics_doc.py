@@ -1,7 +1,8 @@
-"""Print the README's table of every metric the agent writes: `python -m services.metrics.metrics_doc`.
+"""Print the table of every metric the agent writes: `python -m services.metrics.metrics_doc`.
 
 The table comes from `metrics_list.METRICS`, the list the tests check every sampled metric
-against; paste the output into the README again whenever that list changes.
+against; scripts/docs_reference.py writes it into docs/reference/metrics.md, and tests/test_docs.py
+fails when that page is out of date.
 """
 
 from __future__ import annotations

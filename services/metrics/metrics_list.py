@@ -1,4 +1,4 @@
-"""Every metric the provisioners write, with its scope and unit: the data behind the README's table.
+"""Every metric the provisioners write, with its scope and unit: the data behind docs/reference/metrics.md.
 
 Names follow katalyst-core's `pkg/consts/metric.go` where it has one (node names end in `.system`,
 per-CPU names in `.cpu`, NUMA names in `.numa`, container names in `.container`, cgroup names in

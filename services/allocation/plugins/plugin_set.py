@@ -27,7 +27,7 @@ Raw = dict[str, Any]
 Keyed = dict[str, Raw | None]  # plugin name -> that plugin's part of a request or resource
 States = dict[str, PluginState]  # plugin name -> one node's stored state for it
 
-MEMO_BYTES = 16 << 20  # each memo's bound (README "What a worker keeps")
+MEMO_BYTES = 16 << 20  # each memo's bound (docs/operations/sizing.md, "What a worker keeps")
 _ENTRY = 200  # a memo entry's own bytes beside the state it is keyed by: tuples, a Struct, dict slots
 
 

@@ -1,5 +1,5 @@
 """The `allocation` operator: instances are placed by the allocation service, then run by the agent
-of the node each was placed on (`berth agent`, README "Agents").
+of the node each was placed on (`berth agent`, docs/agents.md).
 
 - A resource's capacity block is "<platform>/<city>": the nodes whose labels (`--city-label`,
   `--platform-label`) hold that city and platform.
