@@ -20,7 +20,7 @@ from bus.idempotency import DEFAULT_WINDOW
 
 WINDOW = 4.0
 WARMUP = WINDOW + 6.0
-SECONDS = 28.0
+SECONDS = 20.0
 RSS_SLACK = 4 << 20
 RSS_PER_LOOP = 100
 
