@@ -8,8 +8,10 @@ while B is cut, and B, back, stops it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -60,7 +62,13 @@ class Bridge:
         ip("link", "set", self.hosts[host][1], "down" if down else "up")
 
     def remove(self) -> None:
+        """Every host goes, with whatever still runs in it: the servers an agent launched outlive
+        the agent on purpose (a restarted agent adopts them), and nothing else would stop them."""
         for namespace, _, _ in self.hosts.values():
+            listed = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True).stdout
+            for pid in map(int, listed.split()):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
         subprocess.run(["ip", "link", "del", self.name], capture_output=True)
 
