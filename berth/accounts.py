@@ -22,7 +22,8 @@ writes it, `berth user add|remove` renders it again and reloads the server):
   nobody else sees them, and a reply subject it names is one of its own account's subjects (a
   request cannot make a service publish an event anywhere but back to its sender).
 - an identity reads the event subjects its role may see (`visible_events`: a tenant sees node-level
-  changes, its own broker events and the metrics; admins and readers see everything), and the
+  changes, the events of its own workloads (`resource.workload.<name>.>`, naming only its ids), its
+  own broker events and the metrics; admins and readers see everything), and the
   streams through `CONSUMER_SLOTS` pull consumers per stream named `<name>-<k>`: it may create,
   read, acknowledge and delete those and no other consumer, and a tenant's consumers only filter
   what it may see (the filter travels in the API subject, which the export checks). A consumer's
@@ -40,6 +41,7 @@ from dataclasses import dataclass
 
 from bus.callers import NAME, Role, account_name
 from bus.connection import inbox_prefix
+from schemas.allocation import WORKLOAD_EVENTS
 
 SERVICES = ("allocation", "broker", "metrics", "agent")
 # The workers' own users; an agent runs as its node's identity instead (`agent_permissions`).
@@ -151,6 +153,7 @@ def consumer_filters(prefix: str, identity: Identity) -> dict[str, list[str]]:
     root, me = f"{prefix}.events", identity.name
     return {
         events: [*(f"{root}.resource.*.{kind}" for kind in NODE_EVENT_KINDS),
+                 f"{root}.resource.{WORKLOAD_EVENTS}.{me}.>",
                  f"{root}.broker.{me}.>", f"{root}.broker.resource.{me}.>"],
         metrics: kept[metrics],
     }

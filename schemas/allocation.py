@@ -365,3 +365,26 @@ def node_event(node: str, kind: str, **fields: Any) -> tuple[str, NodeEvent]:
     """An event of a node's change and the subject it goes on (under `<prefix>.events.`); its version
     is set when the change is committed."""
     return f"resource.{node}.{kind}", NodeEvent(nodename=node, **fields)
+
+
+# Below `resource.`, the events of one owner's workloads: `resource.workload.<owner>.<node>.<kind>`
+# (five tokens, so no node's `resource.<node>.<kind>` matches them, nor they `resource.*.*`).
+WORKLOAD_EVENTS = "workload"
+
+
+def workload_events(
+    node: str, kind: str, workload_ids: list[str], owners: dict[str, str], **fields: Any
+) -> list[tuple[str, NodeEvent]]:
+    """The node's event of a change to `workload_ids` (`allocated`, `released`, `usage`), and for each
+    owner named in `owners` (workload id -> the identity that placed it) the same event on its own
+    subject with its own ids only: a tenant, who may not see the node's event (it names everyone's
+    workloads), follows its own there."""
+    events = [node_event(node, kind, workload_ids=workload_ids, **fields)]
+    by_owner: dict[str, list[str]] = {}
+    for wid in workload_ids:
+        if owner := owners.get(wid):
+            by_owner.setdefault(owner, []).append(wid)
+    for owner, ids in by_owner.items():
+        events.append((f"resource.{WORKLOAD_EVENTS}.{owner}.{node}.{kind}",
+                       NodeEvent(nodename=node, workload_ids=ids, **fields)))
+    return events

@@ -490,7 +490,8 @@ def test_as_the_identities_berth_up_gives_out(tmp_path):
         assert everything.returncode == 5 and "not allowed" in everything.stderr
         # the refusal names the patterns a tenant may give, those within the one refused first
         allowed = ("resource.*.added, resource.*.removed, resource.*.capacity, resource.*.labels, resource.*.down, "
-                   "resource.*.up, resource.*.draining, broker.ten.>, broker.resource.ten.>, metrics.>")
+                   "resource.*.up, resource.*.draining, resource.workload.ten.>, broker.ten.>, broker.resource.ten.>, "
+                   "metrics.>")
         assert f"give one of {allowed} (within resource.>: resource.*.added, " in everything.stderr
         one_node = berth(tenant, prefix, "events", "resource.n1.>", "--since", "1h", "--count", "1", *domain)
         assert one_node.returncode == 5 and f"give one of {allowed} (within resource.n1.>: resource.n1.added, " \

@@ -258,3 +258,12 @@ def test_unbound_cpu_past_the_cores_is_shown_as_shared():
     bars = {bar["resource"]: bar for bar in node_view(node)["bars"]}
     assert (bars["cpu"]["used"], bars["cpu"]["total"], bars["cpu"]["note"]) == (3, 2, SHARED_CPU)
     assert "note" not in bars["memory"]
+
+
+def test_an_owners_copy_of_a_node_event_is_not_listed_twice():
+    """The page lists a node's `allocated`; the copy for the workloads' owner repeats it. A node
+    named like the copies' token is still a node."""
+    from berth.dashboard.views import shown
+
+    assert shown("resource.n1.allocated") and shown("resource.workload.allocated")
+    assert not shown("resource.workload.alice.n1.allocated")

@@ -205,6 +205,51 @@ async def test_a_tenant_sees_node_changes_and_its_own_broker_events_only(d, node
                                                     f"{d.prefix}.events.resource.{node}.allocated")).data
 
 
+async def _workload_events(sub, count: int) -> list:
+    return [await sub.next_msg(timeout=10) for _ in range(count)]
+
+
+async def test_a_tenant_follows_its_own_workloads_and_sees_no_one_elses_ids(d, node):
+    """alice's placements, reallocation and release reach her on `resource.workload.alice.>`, each
+    naming her ids only, also when one release (the admin's) removes bob's beside hers; bob's own
+    subject carries his; alice receives nothing of his, live or replayed."""
+    alice_nc = await d.connect("alice")
+    sub = await alice_nc.subscribe(f"{d.prefix}.events.>")
+    await alice_nc.flush()
+    alice, bob, admin = await d.client("alice"), await d.client("bob"), await d.client("admin")
+    request = {"nodename": node, "deploy_count": 2, "workload_resource_request": ONE_CPU}
+    hers = [a["workload_id"] for a in (await alice.request("resource.allocate", request))["allocations"]]
+    his = [a["workload_id"] for a in (await bob.request("resource.allocate", request))["allocations"]]
+    await alice.request("resource.realloc", {"workload_id": hers[0], "workload_resource_request": ONE_CPU})
+    released = await admin.request("resource.release", {"workload_ids": [hers[1], *his]})
+    assert sorted(released["released"]) == sorted([hers[1], *his])
+
+    own = f"{d.prefix}.events.resource.workload.alice.{node}"
+    got = await _workload_events(sub, 3)
+    assert [(m.subject, msgpack.unpackb(m.data)["workload_ids"]) for m in got] == [
+        (f"{own}.allocated", hers), (f"{own}.usage", [hers[0]]), (f"{own}.released", [hers[1]])]
+    assert all(msgpack.unpackb(m.data)["nodename"] == node for m in got)
+    await asyncio.sleep(0.5)  # anything else alice would receive has come by now
+    assert sub.pending_msgs == 0
+
+    watcher = d.jetstream(await d.connect("watcher"))  # bob's own events were published, and kept
+    last = await watcher.get_last_msg(f"{d.prefix}-events", f"{d.prefix}.events.resource.workload.bob.{node}.released")
+    assert msgpack.unpackb(last.data)["workload_ids"] == his
+
+    js = d.jetstream(alice_nc)  # replayed through a consumer of her own (of all her nodes): hers only
+    stream, mine = f"{d.prefix}-events", f"{d.prefix}.events.resource.workload.alice."
+    info = await js.add_consumer(stream, ConsumerConfig(name="alice-3", filter_subject=f"{mine}>",
+                                                        ack_policy=AckPolicy.NONE))
+    pull = await js.pull_subscribe_bind(info.name, stream=stream)
+    replayed = await pull.fetch(100, timeout=10)
+    assert all(m.subject.startswith(mine) for m in replayed)
+    assert [m.subject for m in replayed if m.subject.startswith(own)] == [m.subject for m in got]
+    await js.delete_consumer(stream, "alice-3")
+    with pytest.raises((NoRespondersError, NatsError)):  # nor may she filter bob's
+        await js.add_consumer(stream, ConsumerConfig(
+            name="alice-3", filter_subject=f"{d.prefix}.events.resource.workload.bob.>"))
+
+
 # -- JetStream: consumers of one's own -----------------------------------------------------------------
 
 

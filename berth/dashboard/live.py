@@ -37,7 +37,7 @@ from nats.js.errors import NotFoundError
 
 from berth.dashboard.charts import AgentCharts
 from berth.dashboard.feed import Feed
-from berth.dashboard.views import CHARTS, event_view, node_view, services_view, sse
+from berth.dashboard.views import CHARTS, event_view, node_view, services_view, shown, sse
 from bus import discovery
 from bus.client import BusClient
 from bus.codec import decode_stored
@@ -338,6 +338,8 @@ class Live:
         if not isinstance(body, dict):
             return
         subject = msg.subject.removeprefix(self._events_root)
+        if not shown(subject):
+            return
         tokens = subject.split(".")
         if tokens[0] == "metrics" and body.get("type") == "metric":
             self.charts.add_sample(tokens[1], body)
@@ -370,9 +372,9 @@ class Live:
                     msg = await js.get_msg(stream, seq)
                 except NotFoundError:
                     continue  # deleted
-                body = decode_stored(msg.data)
-                if isinstance(body, dict):
-                    past.append(event_view(msg.subject.removeprefix(self._events_root), body))
+                body, subject = decode_stored(msg.data), msg.subject.removeprefix(self._events_root)
+                if isinstance(body, dict) and shown(subject):
+                    past.append(event_view(subject, body))
         except Exception as error:  # no stream yet, or not allowed to read it
             log.info("past events not read: %r", error)
             return

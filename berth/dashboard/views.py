@@ -8,6 +8,7 @@ from datetime import UTC
 from typing import Any
 
 from berth.registry import SERVICES as KNOWN
+from schemas.allocation import WORKLOAD_EVENTS
 
 # Every service berth knows, as `berth up` starts them (an agent process also serves its node's
 # metrics, so `berth up` shows one metrics instance per agent and no metrics worker).
@@ -102,6 +103,13 @@ def _instance(stats) -> dict[str, Any]:
         "avg_ms": round(busy_ns / requests / 1e6, 3) if requests else 0.0,
         "node": (stats.metadata or {}).get("node"),
     }
+
+
+def shown(subject: str) -> bool:
+    """Whether the page lists an event (`subject` after `<prefix>.events.`): not an owner's copy of
+    a node's event (`resource.workload.<owner>.<node>.<kind>`), which repeats one it lists."""
+    tokens = subject.split(".")
+    return not (len(tokens) == 5 and tokens[0] == "resource" and tokens[1] == WORKLOAD_EVENTS)
 
 
 def event_view(subject: str, body: dict[str, Any]) -> dict[str, Any]:

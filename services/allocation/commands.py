@@ -117,6 +117,10 @@ def node_scoped(commands: list[Command]) -> list[Command]:
 MANAGER_COMMANDS = plugin_commands(None) + MANAGER_ONLY_COMMANDS
 MANAGER_COMMANDS += node_scoped(MANAGER_COMMANDS)
 COMMANDS = MANAGER_COMMANDS + [command for plugin in PLUGIN_NAMES for command in plugin_commands(plugin)]
-EVENTS = {"resource.<node>.<added|removed|capacity|usage|allocated|released|labels|down|up|draining>": NodeEvent}
+EVENTS = {
+    "resource.<node>.<added|removed|capacity|usage|allocated|released|labels|down|up|draining>": NodeEvent,
+    # the same change to one owner's workloads, naming only those (what a tenant may follow)
+    "resource.workload.<owner>.<node>.<allocated|released|usage>": NodeEvent,
+}
 # Change events are kept a day for replay, in the stream all services' change events share.
 STREAM = StreamSpec("events", ("resource.>",), max_age=24 * 3600, max_bytes=1 << 30)

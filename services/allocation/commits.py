@@ -26,7 +26,7 @@ from bus.codec import encode
 from bus.failpoints import failpoint
 from bus.idempotency import Claim, own_claim, taken_over
 from bus.outbox import VersionedOutboxes, journal
-from schemas.allocation import Allocation, node_event
+from schemas.allocation import Allocation, workload_events
 from schemas.errors import BerthError
 from services.allocation import telemetry
 from services.allocation.errors import node_busy, node_moved, node_not_found, not_schedulable, workload_exists
@@ -262,7 +262,7 @@ class DeployBatches:
             owners = {wid: d.owner for d in placed if d.owner is not None for wid in d.ids}
             fence = min((d.claim.lease_end for d in placed if d.claim is not None), default=0)
             change = Change(plugins=after, ledger_add=ledger, owners=owners, index=ids, fence=fence,
-                            journal=journal([node_event(node, "allocated", workload_ids=ids)]))
+                            journal=journal(workload_events(node, "allocated", ids, owners)))
             return Attempt(record, change, (placed, refused), deciding=[d.outcome for d in placed])
 
         async def conflict(error: BaseException, step: Attempt[tuple]) -> None:

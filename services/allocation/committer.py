@@ -25,7 +25,7 @@ from bus.callers import current_caller
 from bus.codec import decode_stored, encode
 from bus.idempotency import Claim, own_claim, taken_over
 from bus.outbox import VersionedOutboxes, journal
-from schemas.allocation import Allocation, node_event
+from schemas.allocation import Allocation, workload_events
 from schemas.common import Event
 from schemas.errors import BerthError
 from services.allocation import telemetry
@@ -181,11 +181,13 @@ class Committer:
         """Release those of `ids` the node holds for an owner `mine` accepts; returns them, and the
         ids it holds for other owners (as the computation that committed saw them)."""
         theirs: set[str] = set()  # not part of the result: a retry's kept answer names only what went
+        owners: dict[str, str] = {}  # of the ids read, for their owners' own events
 
         async def compute():
             record, ledger = await self.store.load_with_ledger(node, ids)
             theirs.clear()
             theirs.update(wid for wid in ledger.resources if not mine(ledger.owner(wid)))
+            owners.update(ledger.owners)
             ours = [wid for wid in ledger.resources if wid not in theirs]
             if record is None or not ours:
                 return record, Change(), []
@@ -195,7 +197,7 @@ class Committer:
 
         released, _ = await self.mutate(
             node, compute, retry_ledger=True, once=list[str] if once else None,
-            events=lambda ids: [node_event(node, "released", workload_ids=ids)],
+            events=lambda ids: workload_events(node, "released", ids, owners),
         )
         telemetry.RELEASED.inc(len(released))
         return released, theirs

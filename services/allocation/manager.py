@@ -19,7 +19,7 @@ from bus.callers import Caller, current_caller
 from bus.events import EventBus
 from bus.outbox import VersionedOutboxes
 from bus.tasks import cancel_and_wait, every
-from schemas.allocation import Allocation, node_event
+from schemas.allocation import Allocation, node_event, workload_events
 from schemas.errors import BerthError
 from services.allocation.committer import Committer
 from services.allocation.errors import no_node_matches, no_room, node_not_found, not_yours, workload_not_found
@@ -372,11 +372,13 @@ class AllocationManager:
             raise workload_not_found(workload_id)
         names = list(self.plugins)
         caller = current_caller.get()
+        owners: dict[str, str] = {}  # for the owner's own event
 
         async def compute():
             record, ledger = await self.store.load_with_ledger(node, [workload_id])
             if record is None or workload_id not in ledger.resources:
                 raise workload_not_found(workload_id)
+            owners.update(ledger.owners)
             if not caller.holds(ledger.owner(workload_id)):
                 raise not_yours("workload_id", workload_id)
             states = self.plugins.states(record, names)
@@ -389,10 +391,10 @@ class AllocationManager:
 
         (_, result), _ = await self.committer.mutate(
             node, compute, retry_ledger=True, once=tuple[Raw, Reallocation],
-            events=lambda realloc: [node_event(
-                node, "usage", workload_ids=[workload_id], before={"workload_resource": realloc[0]},
+            events=lambda realloc: workload_events(
+                node, "usage", [workload_id], owners, before={"workload_resource": realloc[0]},
                 after={"workload_resource": realloc[1].workload_resource},
-            )],
+            ),
         )
         return node, result
 
