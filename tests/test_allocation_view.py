@@ -197,3 +197,44 @@ def test_draws_replace_nodes_already_drawn_until_every_node_with_room_was_offere
     assert sorted(view.draw(random.Random(1), 16, drawn)) == ["e28", "e29"]
     assert view.draw(random.Random(1), 16, drawn) == []  # nothing left to offer
     assert sampled_placement(view, random.Random(1), 16) in ("e28", "e29")
+
+
+# -- sampled spread's estimate of nodes other workers changed ---------------------------------------
+
+
+def test_instances_another_worker_placed_or_released_are_estimated_not_read():
+    """Another worker placed 2 instances on a node at its next version, then released them: the view
+    counts them as instances of its own request (usage and room move), keeps the node stale for
+    the strategies that read, and a draw need not read it; the plan's version is the estimate's."""
+    view = view_of("n5-0", "n5-1")
+    view.take_stale(owned_only=False)  # both read
+    view.learn("n5-0", 2, 2)
+    assert view.entries["n5-0"].capacity == DeployCapacity(3, 0.2, 0.1, 1.0)
+    view.learn("n5-0", 3, -2)
+    assert view.entries["n5-0"].capacity == DeployCapacity(5, 0.0, 0.1, 1.0)
+    assert "n5-0" in view.stale and view.take_unestimated_of(["n5-0", "n5-1"]) == []
+    assert view.version_of("n5-0") == 3
+    plan, reservation = view.plan("spread", 1)
+    assert plan == {"n5-0": 1} and reservation.versions == {"n5-0": 3}
+
+
+def test_a_change_the_view_cannot_count_or_a_missed_version_is_read_again():
+    nodes = ("n5-0", "n6-0", "n7-0")
+    view = view_of(*nodes)
+    view.take_stale(owned_only=False)
+    view.learn("n5-0", 2, None)  # a change of capacity, labels, a realloc: no count of instances
+    view.learn("n6-0", 3, 1)  # version 2 was not seen: the count would miss its change
+    view.learn("n7-0", 2, 1)
+    view.learn("n7-0", 3, None)  # an estimate that a later change spoils is dropped
+    for node in nodes:
+        assert view.entries[node].capacity == view.entries[node].base
+        assert view.version_of(node) == 1
+    assert view.take_unestimated_of(nodes) == list(nodes)
+
+
+def test_reading_an_estimated_node_replaces_the_estimate():
+    view = view_of("n5-0")
+    view.learn("n5-0", 2, 3)
+    view.update([NodeRecord("n5-0", 2, {}, {})])
+    assert view.entries["n5-0"].capacity == DeployCapacity(5, 0.0, 0.1, 1.0)  # the record's, nothing added
+    assert view.version_of("n5-0") == 2 and not view.estimated and not view.foreign

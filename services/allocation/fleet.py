@@ -34,10 +34,20 @@ log = logging.getLogger("berth.allocation")
 
 
 class Changed(msgspec.Struct):
-    """What following a node event needs of it: the version it made (every worker gets every
-    worker's events; decoding only this is a fraction of the whole event's cost)."""
+    """What following a node event needs of it: the version it made, and the workloads it placed
+    or released (every worker gets every worker's events; decoding only this is a fraction of the
+    whole event's cost)."""
 
     version: int | None = None
+    workload_ids: list[str] | None = None
+
+    def placed(self, kind: str) -> int | None:
+        """Instances the change placed (released: negative), None for any other change."""
+        if self.workload_ids is None or kind not in ("allocated", "released"):
+            return None
+        return len(self.workload_ids) if kind == "allocated" else -len(self.workload_ids)
+
+
 REFRESH_CHUNK = 1000  # nodes read and recomputed at a time
 
 
@@ -123,8 +133,11 @@ class Fleet:
         self, view: CapacityView, nodes: Selection, count: int, sample: SpreadSample
     ) -> tuple[dict[str, int], Reservation]:
         """Sampled spread: each instance on the least used after placement of `sample.size` nodes
-        drawn uniformly from those with room, the stale ones among them read first (a node that
-        turns out full is replaced by a further draw). Refused only when no node has room."""
+        drawn uniformly from those with room, the stale ones among them read first, unless the
+        view estimates them from the instances other workers' events say they placed or released
+        there (`CapacityView.learn`: with many workers, reading each drawn node another worker
+        changed cost a record read and a planner run per instance). A node that turns out full is
+        replaced by a further draw. Refused only when no node has room."""
         plan: dict[str, int] = {}
         try:
             for placed in range(count):
@@ -141,7 +154,7 @@ class Fleet:
         drawn: set[str] = set()
         candidates: list[str] = []
         while fresh := view.draw(sample.rng, sample.size - len(candidates), drawn):
-            if view.stale and (stale := view.take_stale_of(fresh)):
+            if view.stale and (stale := view.take_unestimated_of(fresh)):
                 await self._refresh_some(view, nodes, stale)
                 fresh = [node for node in fresh if view.has_room(node)]  # read again: some may be full
             candidates += fresh
@@ -226,8 +239,10 @@ class Fleet:
         async def changed(subject: str, event: Changed) -> None:
             _, node, kind = subject.rsplit(".", 2)
             version = event.version or 0
-            if not version or version > self.views.known_version(node):  # not our own, already shown
+            if not version:
                 self.views.invalidate(node)
+            elif version > self.views.known_version(node):  # not our own, already shown
+                self.views.learn(node, version, event.placed(kind))
             self.directory.changed(node, kind, version)
 
         self._subscription = await events.subscribe("resource.*.*", Changed, cb=changed)

@@ -45,7 +45,7 @@ class Reservation:
         self.view = view
         self.left = dict(plan)
         # The version of each planned node the plan was made on (see DeployBatches.deploy's `unmoved`).
-        self.versions = {node: view.seen.get(node, 0) for node in plan} if view is not None else {}
+        self.versions = {node: view.version_of(node) for node in plan} if view is not None else {}
 
     @classmethod
     def none(cls) -> "Reservation":
@@ -91,6 +91,10 @@ class CapacityView:
     stale_roomless: set[str] = field(default_factory=set)  # stale nodes without room: see take_stale_without_room
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one refresh at a time
     pending: dict[str, int] = field(default_factory=dict)  # instances reserved by plans, per node
+    # Sampled spread's estimate of a stale node (`learn`): the instances other workers placed there
+    # (released: negative) since it was read, and the version their events bring it to.
+    foreign: dict[str, int] = field(default_factory=dict)
+    estimated: dict[str, int] = field(default_factory=dict)
     ready: bool = False  # computed once: from then on requests need not wait for a refresh
     _heaps: dict[str, list[tuple]] = field(default_factory=dict)  # per strategy: nodes with room, best first
     _stamps: int = 0
@@ -110,11 +114,42 @@ class CapacityView:
     def mark_stale(self, node: str, *, urgent: bool = False) -> None:
         """`node` changed: read it again before planning on it (`urgent`: before the next plan,
         owned or not: a commit to it was just refused)."""
+        self._forget_estimate(node)
+        self._stale(node, urgent)
+
+    def _stale(self, node: str, urgent: bool = False) -> None:
         self.stale.add(node)
         if node not in self._roomy_at:
             self.stale_roomless.add(node)
         if urgent or self.owned(node):
             self.stale_owned.add(node)
+
+    def learn(self, node: str, version: int, placed: int | None) -> None:
+        """Another worker's change to `node` (an event making `version`): stale, as any change. When
+        it placed (`placed` > 0) or released (< 0) instances, and the view knows the node at the
+        version before, sampled spread also estimates it instead of reading it: as if those were
+        instances of this view's request (exact for equal workloads; the commit re-checks the node
+        either way, and refuses it if it moved past `version`: `version_of`)."""
+        if placed is not None and node in self.entries and version == self.version_of(node) + 1:
+            self.foreign[node] = self.foreign.get(node, 0) + placed
+            self.estimated[node] = version
+            self._refresh(node)
+        else:
+            self._forget_estimate(node)
+        self._stale(node)
+
+    def version_of(self, node: str) -> int:
+        """The node's version as the view holds it: read, or estimated from events since."""
+        return self.estimated.get(node) or self.seen.get(node, 0)
+
+    def take_unestimated_of(self, nodes: Iterable[str]) -> list[str]:
+        """Those of `nodes` that are stale and not estimated (`learn`), to read again."""
+        return self.take_stale_of([node for node in nodes if node not in self.estimated])
+
+    def _forget_estimate(self, node: str) -> None:
+        self.estimated.pop(node, None)
+        if self.foreign.pop(node, 0) and node in self.entries:
+            self._refresh(node)
 
     def take_stale_of(self, nodes: Iterable[str]) -> list[str]:
         """Those of `nodes` that are stale, to read again; no longer stale."""
@@ -156,11 +191,15 @@ class CapacityView:
         self._spread.pop(node, None)
         self.seen.pop(node, None)
         self.pending.pop(node, None)
+        self.foreign.pop(node, None)
+        self.estimated.pop(node, None)
 
     def update(self, records: Iterable[NodeRecord]) -> None:
         """Recompute the given (freshly loaded) nodes; reservations still in flight stay counted."""
         for record in records:
             self.seen[record.name] = record.version
+            self.foreign.pop(record.name, None)
+            self.estimated.pop(record.name, None)
             base = self.compute(record) if record.schedulable else None
             if base is None or base.capacity <= 0:
                 self.entries.pop(record.name, None)
@@ -302,9 +341,10 @@ class CapacityView:
             self._refresh(node)
 
     def _refresh(self, node: str) -> None:
-        """The node's capacity net of its reservations, and its new place in every strategy's heap."""
+        """The node's capacity net of its reservations (and of others' instances sampled spread
+        estimates: `learn`), and its new place in every strategy's heap."""
         entry = self.entries[node]
-        base, taken = entry.base, self.pending.get(node, 0)
+        base, taken = entry.base, self.pending.get(node, 0) + self.foreign.get(node, 0)
         entry.capacity = DeployCapacity(base.capacity - taken, base.usage + base.rate * taken, base.rate, base.weight)
         self._stamps += 1
         entry.stamp = self._stamps
@@ -431,6 +471,14 @@ class Views:
         for view in self._views.values():
             if node in view.members:
                 view.mark_stale(node, urgent=urgent)
+
+    def learn(self, node: str, version: int, placed: int | None) -> None:
+        """Another worker changed `node` (its event): `CapacityView.learn` in every view holding it."""
+        self._records.pop(node, None)
+        self._known.pop(node, None)
+        for view in self._views.values():
+            if node in view.members:
+                view.learn(node, version, placed)
 
     def relabelled(self, node: str, labels: dict[str, str] | None) -> None:
         """A node appeared, went away or changed labels: it joins or leaves the label selections."""
