@@ -35,6 +35,10 @@ from services.processes.procfs import DEPLOYMENT
 
 log = logging.getLogger("berth")
 
+# The labels of `berth up`'s own node: the capacity block ("linux/local") its broker's pools draw
+# from when they launch through the local agent (docs/broker.md's walk asks for it).
+LOCAL_LABELS = {"city": "local", "platform": "linux"}
+
 
 def _url_args(args: argparse.Namespace) -> tuple[list[str], dict[str, str] | None]:
     """Worker arguments and environment for the URLs: on the command line, unless a URL carries a
@@ -70,8 +74,24 @@ def _catalog_args(args: argparse.Namespace, service: str) -> list[str]:
 
 
 def _agent_args(state: Path, service: str) -> list[str]:
-    """The local machine's agent keeps what it runs in the state folder."""
-    return ["--state", str(state / "agent"), "--node", _local_node()] if service == "agent" else []
+    """The local machine's agent keeps what it runs in the state folder, labels its node as the
+    capacity block of this machine (`LOCAL_LABELS`), and stops what it runs when `berth up` stops
+    (through its own stop, which also removes the instances' cgroups)."""
+    if service != "agent":
+        return []
+    labels = [arg for key, value in LOCAL_LABELS.items() for arg in ("--label", f"{key}={value}")]
+    return ["--state", str(state / "agent"), "--node", _local_node(), *labels, "--stop-on-exit"]
+
+
+def _operator_args(service: str, services: dict[str, str]) -> list[str]:
+    """Where `berth up` runs the local agent and allocation, its broker launches through them: a pool
+    server is a placement on this machine's node, pinned, run by its agent, as on any host of a
+    fleet. The broker's own setting (env BERTH_BROKER_OPERATOR) decides when it is given."""
+    if service != "broker" or not {"agent", "allocation"} <= services.keys():
+        return []
+    from services.broker.config import OPERATOR_ENV  # the broker is installed
+
+    return [] if os.environ.get(OPERATOR_ENV) else ["--operator", "allocation"]
 
 
 def _local_node() -> str:
@@ -176,7 +196,8 @@ def _up(args: argparse.Namespace, state: Path, lock) -> int:
             creds.write_contexts(args.nats, str(tls.ca) if tls else None)
         supervisor = Supervisor()
         scraped: list[str] = []  # the workers serving Prometheus metrics, in start order
-        for name, module in _services_to_start().items():
+        services = _services_to_start()
+        for name, module in services.items():
             if creds is None:
                 argv, env = _url_args(args)
             else:  # its own NATS user (a creds file) and Redis user (REDIS_URL in its environment)
@@ -186,7 +207,8 @@ def _up(args: argparse.Namespace, state: Path, lock) -> int:
             env = {**os.environ, **(env or {}), **tls_env, DEPLOYMENT: str(state)}
             metrics = [] if args.no_metrics else _metrics_args(args.metrics_base_port or 0, len(scraped), args.metrics_addr)
             scraped += [name] if metrics else []
-            own = _durable_args(args, name, own_redis) + _catalog_args(args, name) + _agent_args(state, name)
+            own = (_durable_args(args, name, own_redis) + _catalog_args(args, name) + _agent_args(state, name)
+                   + _operator_args(name, services))
             supervisor.add(name, worker_argv(module, argv + metrics + own), env)
         if not supervisor.children:
             print("no service is installed yet; serving NATS and Redis only", flush=True)
@@ -210,7 +232,7 @@ def _up(args: argparse.Namespace, state: Path, lock) -> int:
             where = (", ".join(f"{name} http://{host}:{args.metrics_base_port + i}/metrics" for i, name in enumerate(scraped))
                      if args.metrics_base_port else f"each worker on a free port of {host}, named in its ready line")
             print(f"metrics: {where}", flush=True)
-        if started := list(_services_to_start()):  # once they answer: what to do next
+        if started := list(services):  # once they answer: what to do next
             node = _local_node() if "agent" in started and "allocation" in started else None
             lines = next_steps(berth=berth_command(), where=_where_commands_find_it(state, up_env), node=node,
                                dashboard=None if args.no_dashboard else f"http://127.0.0.1:{port}/")
@@ -292,8 +314,9 @@ def _print_connection(args: argparse.Namespace, state: Path, creds, tls) -> Path
 
 
 def _stop_launched(state: Path) -> None:
-    """Stop what the broker launched for this deployment (the `process` operator's processes run
-    in sessions of their own, to outlive a broker restart), once its workers have stopped."""
+    """Stop what was launched for this deployment and still runs once its workers have stopped: the
+    `process` operator's processes (in sessions of their own, to outlive a broker restart), and any
+    instance the local agent could not stop itself (it was killed past the grace)."""
     from services.broker.operators.process import stop_deployment
 
     if stopped := asyncio.run(stop_deployment(str(state))):

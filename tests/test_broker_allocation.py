@@ -5,6 +5,7 @@ the service was away)."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 from bus.idempotency import IdempotencyStore
@@ -155,6 +156,33 @@ async def test_a_failed_release_is_retried_until_the_allocations_are_freed(
         return (await b("get-resource", {"user": U, "resource_id": "job"}))["status"] == "released"
 
     await eventually(released, timeout=10)
+    assert await allocations(client, "n1") == []
+
+
+async def test_a_release_waits_for_an_allocation_service_that_is_starting(
+    serve, redis, events, prefix, client, start_broker, broker_call, start_agent
+):
+    """`berth up` starts allocation beside the broker, whose first pool round releases the servers
+    lost while it was stopped: a release finds no allocation service yet and waits for one (within
+    the allocation timeout) rather than fail, which would leave a pool's own server `deleting`."""
+    allocation = await start_allocation(serve, redis, events, prefix)
+    await add_node(start_agent, "n1", "sz")
+    await start_broker(operator="allocation", instance_types=TYPES, allocation_timeout=60)
+    b = broker_call
+    await b("init", {"user": U, "resource_id": "job", "param": param()})
+    await b("launch", {"user": U, "resource_id": "job", "filter": ONE})
+    await b.wait_running(U, "job")
+
+    await allocation.drain(timeout=5)  # not there yet
+    release = asyncio.create_task(b("release", {"user": U, "resource_id": "job"}, timeout=120))
+
+    async def stopped():  # by its agent: the release goes on to free the allocation, which nobody serves
+        return not marked(prefix)
+
+    await eventually(stopped)
+    await start_allocation(serve, redis, events, prefix)  # it starts
+    assert await release == {}
+    assert (await b("get-resource", {"user": U, "resource_id": "job"}))["status"] == "released"
     assert await allocations(client, "n1") == []
 
 

@@ -134,7 +134,8 @@ def test_schema_export_of_a_service_module():
 
 def test_ctrl_c_on_up_stops_the_processes_the_broker_launched(tmp_path):
     """The `process` operator starts each instance in a session of its own (to outlive a broker
-    restart); `berth up` stopping must stop them too."""
+    restart); `berth up` stopping must stop them too. Its broker runs them itself when told so (env
+    BERTH_BROKER_OPERATOR, which wins over `berth up`'s choice of its local agent)."""
     from services.processes.procfs import (
         DEPLOYMENT,
         is_running,
@@ -144,7 +145,8 @@ def test_ctrl_c_on_up_stops_the_processes_the_broker_launched(tmp_path):
     )
 
     state = tmp_path / "state"
-    env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "REDIS_URL")}
+    env = {**{k: v for k, v in os.environ.items() if k not in ("NATS_URL", "REDIS_URL")},
+           "BERTH_BROKER_OPERATOR": "process"}
     up = subprocess.Popen(
         [*BERTH, "up", "--no-dashboard", "--no-metrics", "--state", str(state)], cwd=ROOT, stdout=subprocess.PIPE,
         text=True, env=env, start_new_session=True,

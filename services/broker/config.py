@@ -12,6 +12,8 @@ from bus.settings import Env, own_fields
 from schemas.broker import InstanceType
 from schemas.sizes import parse_size
 
+OPERATOR_ENV = "BERTH_BROKER_OPERATOR"  # where instances run, unless --operator says
+
 
 @dataclass(frozen=True)
 class Timing:
@@ -89,7 +91,7 @@ class BrokerServiceConfig:
     @staticmethod
     def add_flags(parser: argparse.ArgumentParser, env: Env) -> None:
         parser.add_argument("--operator", choices=["process", "allocation"],
-                            default=env.get("BERTH_BROKER_OPERATOR", "process"),
+                            default=env.get(OPERATOR_ENV, "process"),
                             help="where instances run (env BERTH_BROKER_OPERATOR)")
         parser.add_argument("--max-instances", type=int, default=int(env.get("BERTH_BROKER_MAX_INSTANCES", "64")),
                             help="process operator: instances it runs at most")

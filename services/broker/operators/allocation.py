@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +41,7 @@ from schemas.agent import (
 )
 from schemas.allocation import AllocateReply, ListNodesReply, NodeSummary
 from schemas.broker import BlockDetail, Endpoint, ResourceParam, ServiceInfo
-from schemas.errors import BusError
+from schemas.errors import BusError, NoResponders
 from services.broker.config import InstanceTypes
 from services.broker.operators.allocation_store import Placement, PlacementTable
 from services.broker.operators.base import LaunchSpec, OperatorError, service_info
@@ -51,6 +52,7 @@ PAGE = 1000
 # An agent's error codes that say "nobody answers there", not "it refused".
 UNREACHABLE = ("no_responders", "timeout")
 RUNNING_STATES = ("starting", "ready", "unready")
+SERVED_POLL = 0.1  # seconds between looks for an allocation service to serve, while waiting for one
 
 
 def workload_id(user: str, resource_id: str, index: int) -> str:
@@ -129,11 +131,17 @@ class AllocationOperator:
             }
         }
 
-    async def _call(self, command: str, payload: dict[str, Any], reply: type):
-        try:
-            return await self.client.request(f"resource.{command}", payload, reply)
-        except BusError as error:
-            raise OperatorError(f"allocation service, {command}: {error.code}: {error.message}") from None
+    async def _call(self, command: str, payload: dict[str, Any], reply: type, *, wait: float = 0.0):
+        """`wait`: seconds to wait, while no allocation service serves, for one to (it may be starting)."""
+        give_up = time.monotonic() + wait
+        while True:
+            try:
+                return await self.client.request(f"resource.{command}", payload, reply)
+            except BusError as error:
+                if isinstance(error, NoResponders) and time.monotonic() < give_up:
+                    await asyncio.sleep(SERVED_POLL)
+                    continue
+                raise OperatorError(f"allocation service, {command}: {error.code}: {error.message}") from None
 
     async def _nodes(self, labels: dict[str, str] | None = None, names: list[str] | None = None) -> list[NodeSummary]:
         nodes: list[NodeSummary] = []
@@ -321,5 +329,8 @@ class AllocationOperator:
         # Also ids of a launch that allocated but died before recording it: release skips unknown ids.
         ids = sorted({workload_id(user, resource_id, i) for i in set(placed) | set(range(instances))})
         if ids:
-            await self._call("release", {"workload_ids": ids}, dict)
+            # An allocation service starting beside the broker (`berth up` starts them together, and
+            # a pool's first round releases the servers lost while it was stopped) is waited for: a
+            # pool server whose release fails is not retried, and would hold its CPUs for good.
+            await self._call("release", {"workload_ids": ids}, dict, wait=self.client.timeout)
         await self.table.forget(user, resource_id, {p.nodename for p in placed.values()})
