@@ -27,6 +27,18 @@ log = logging.getLogger("berth.bus")
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 
 
+def _not_tls_eof_notice(record: logging.LogRecord) -> bool:
+    """False for asyncio's "returning true from eof_received() has no effect when using ssl": nats-py
+    upgrades a connection to TLS after connecting, so its stream protocol does not know it is over
+    TLS, and asyncio says so each time a server closes a TLS connection (every clean stop of
+    `berth up`, every worker's or client's close). Harmless, and it would reach every user of the
+    Python client through logging's last-resort handler."""
+    return not str(record.msg).startswith("returning true from eof_received()")
+
+
+logging.getLogger("asyncio").addFilter(_not_tls_eof_notice)
+
+
 def nats_url(explicit: str | None = None) -> str:
     return explicit or os.environ.get("NATS_URL") or DEFAULT_NATS_URL
 

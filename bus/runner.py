@@ -59,14 +59,6 @@ def configure_logging(level: str = "INFO") -> None:
         format="%(asctime)s level=%(levelname)s logger=%(name)s pid=%(process)d msg=%(message)s",
         stream=sys.stderr,
     )
-    logging.getLogger("asyncio").addFilter(_tls_eof_warning)
-
-
-def _tls_eof_warning(record: logging.LogRecord) -> bool:
-    """False for asyncio's "returning true from eof_received() has no effect when using ssl": nats-py
-    upgrades a connection to TLS after connecting, so its stream protocol does not know it is over
-    TLS, and asyncio says so each time a server closes a TLS connection (every clean stop). Harmless."""
-    return not str(record.msg).startswith("returning true from eof_received()")
 
 
 def nats_options(common: CommonConfig, service: str, node: str | None = None) -> dict[str, str]:

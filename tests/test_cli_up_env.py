@@ -129,6 +129,18 @@ def test_nothing_answers_names_the_server_and_prefix(tmp_path):
         nats.stop()
 
 
+PYTHON_CLIENT = """
+import asyncio
+from berth import Client
+
+async def main():
+    async with await Client.connect() as berth:
+        print(len((await berth.allocation.list_nodes()).nodes))
+
+asyncio.run(main())
+"""
+
+
 def test_up_writes_the_file_status_reads_it_and_a_stop_removes_it(tmp_path):
     """`berth up` in a folder, `berth status` in the same folder with nothing set: it asks the
     servers `berth up` started (over TLS, as the admin identity) and says so on its first line."""
@@ -157,6 +169,11 @@ def test_up_writes_the_file_status_reads_it_and_a_stop_removes_it(tmp_path):
         source = "from .berth/up.env, written by `berth up`"
         assert first == f"asked {values['NATS_URL']} (prefix upenv; {source})"
         assert any(line.startswith("upenv-allocation ") for line in rest), status.stdout
+        # the Python client finds it the same way, and its close over TLS is quiet too
+        client = subprocess.run([sys.executable, "-c", PYTHON_CLIENT], cwd=tmp_path, capture_output=True, text=True,
+                                timeout=60, env={**CLEAN, "PYTHONPATH": str(ROOT)})
+        assert (client.returncode, client.stderr) == (0, ""), client.stderr
+        assert int(client.stdout) >= 0
         # --nats beats the file: a server that is not there is asked, and named
         elsewhere = f"nats://127.0.0.1:{free_port()}"
         result = berth("status", "--nats", elsewhere, cwd=tmp_path)
