@@ -226,7 +226,7 @@ def _up(args: argparse.Namespace, state: Path, lock) -> int:
             env = {**os.environ, **tls_env, **js_env, "NATS_URL": dashboard_url, DEPLOYMENT: str(state)}
             supervisor.add("dashboard", dashboard, env, client=True)  # stopped before the services it asks
             print(f"dashboard: http://127.0.0.1:{port}/", flush=True)
-        print("berth is up; Ctrl-C stops everything", flush=True)
+        print("berth is starting (it says when it is ready); Ctrl-C stops everything", flush=True)
         if scraped:  # Prometheus metrics of every worker (bus/telemetry.py)
             host = args.metrics_addr
             where = (", ".join(f"{name} http://{host}:{args.metrics_base_port + i}/metrics" for i, name in enumerate(scraped))

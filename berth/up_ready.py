@@ -1,7 +1,7 @@
 """What `berth up` prints last: once every service it started answers, that it is ready and what to
 do next (the commands to try, the dashboard, how to stop).
 
-The workers log as they start, after "berth is up": the next steps come once they answer
+The workers log as they start, after "berth is starting": the next steps come once they answer
 `$SRV.PING` (asked as the dashboard's reader identity, or as given), so that they end the start-up
 output instead of scrolling away under it. If some service does not answer within `WAIT_SECONDS`,
 they come anyway, naming it.
@@ -39,7 +39,7 @@ def next_steps(*, berth: str, where: str, node: str | None, dashboard: str | Non
     """The lines after "berth is ready": `where` says from where the commands find the deployment."""
     tries = [(f"{berth} status", "the services, their instances and requests"),
              (f"{berth} nodes", "the nodes and what they hold"),
-             (f"{berth} events 'resource.>' --since 10m", "the allocation events so far, then live")]
+             (f"{berth} events 'resource.*.*' --since 10m", "the nodes' allocation events so far, then live")]
     width = max(len(command) for command, _ in tries)
     lines = [f"next, from another shell {where}:", *(f"  {command:<{width}}  {what}" for command, what in tries)]
     if node:
@@ -111,7 +111,7 @@ def announce(url: str, tls_ca: str | None, prefix: str, started: list[str], node
         ready = ", ".join(service for each in started for service in served(each))
         registered = f"; node {node} is this machine" if node else ""
         head = (f"berth is ready: {ready} answer{registered}" if not left else
-                f"berth is up, but after {wait:g} s still waits for {', '.join(left)} (see the log above)")
+                f"berth started, but after {wait:g} s still waits for {', '.join(left)} (see the log above)")
         print("\n".join([head, *lines]), flush=True)
 
     thread = threading.Thread(target=run, name="berth-up-ready", daemon=True)

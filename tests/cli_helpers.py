@@ -54,7 +54,7 @@ def berth_up(state: Path, *flags: str, env: dict[str, str] | None = None):
     up = subprocess.Popen([*BERTH, "up", "--no-dashboard", "--no-metrics", "--state", str(state), *flags], cwd=ROOT,
                           stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
     try:
-        lines = read_until(up, "berth is up")
+        lines = read_until(up, "berth is starting")
         yield printed_variables(lines), "\n".join(lines)
     finally:
         os.killpg(up.pid, signal.SIGINT)

@@ -43,7 +43,7 @@ def test_up_starts_everything_status_lists_it_and_ctrl_c_leaves_nothing(tmp_path
         start_new_session=True,
     )
     try:
-        lines = read_until(up, "berth is up")
+        lines = read_until(up, "berth is starting")
         urls = printed_variables(lines)
         # credentials and TLS by default: the admin identity's creds file and the CA, never a password
         assert urls["NATS_URL"].startswith("tls://127.0.0.1:") and urls["REDIS_URL"].startswith("rediss://127.0.0.1:")
@@ -172,7 +172,7 @@ def test_ctrl_c_on_up_stops_the_processes_the_broker_launched(tmp_path):
             await nc.close()
 
     try:
-        urls = printed_variables(read_until(up, "berth is up"))
+        urls = printed_variables(read_until(up, "berth is starting"))
         asyncio.run(launch(client_options(urls)))
         launched = set(marked_processes(f"berth/{user}/r1/").values())
         assert len(launched) == 2 and all("http_server.py" in _cmdline(pid) for pid in launched)

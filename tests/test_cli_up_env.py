@@ -151,7 +151,7 @@ def test_up_writes_the_file_status_reads_it_and_a_stop_removes_it(tmp_path):
                               env={**CLEAN, "PYTHONPATH": str(ROOT)})
     path = tmp_path / ".berth" / "up.env"
     try:
-        lines = read_until(up, "berth is up")
+        lines = read_until(up, "berth is starting")
         values = read_up_env(path)
         printed = dict(line.split("=", 1) for line in lines if "=" in line and line.split("=")[0].isupper())
         assert values is not None and {k: values[k] for k in printed} == printed

@@ -78,7 +78,7 @@ def _up_cluster(state):
         text=True, env=env, start_new_session=True,
     )
     try:
-        lines = read_until(up, "berth is up")
+        lines = read_until(up, "berth is starting")
         urls = printed_variables(lines)
         redis_nodes = urls["REDIS_URL"].split("://", 1)[1].split(",")
         yield urls, redis_nodes

@@ -61,7 +61,7 @@ def test_a_second_up_on_a_folder_in_use_refuses_at_once_and_a_killed_one_blocks_
     first = _up(state, log)
     third = None
     try:
-        read_until(first, "berth is up")
+        read_until(first, "berth is starting")
         _status_lists_allocation(state)  # its workers have started
         up_env = (state / "up.env").read_text()
         values = read_up_env(state / "up.env")
@@ -91,7 +91,7 @@ def test_a_second_up_on_a_folder_in_use_refuses_at_once_and_a_killed_one_blocks_
         os.kill(first.pid, signal.SIGKILL)
         first.wait(10)
         third = _up(state, log)
-        lines = read_until(third, "berth is up")
+        lines = read_until(third, "berth is starting")
         assert any(f"the `berth up` of pid {first.pid}" in line and "ended without stopping" in line
                    for line in lines), lines
         assert not [pid for pid, at in since.items() if at is not None and is_running(pid, at)]
