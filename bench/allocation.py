@@ -13,7 +13,9 @@ spliced in per call), replies decoded only to read an error code. What it measur
 2. calculate-deploy over the bus, p50/p99, beside the raw NATS round trip of a same-sized request.
 3. get-nodes-deploy-capacity over 1,000 and 5,000 nodes, first call and again (eru Go: 1.2 s / 5-8 s).
 4. list-nodes: a full pass over every page of 5,000 nodes.
-5. allocate, 1.5 bound CPUs + 2 GiB, deploy_count 1, from `--clients` concurrent clients: spread and
+5. Where one worker's CPU per pack placement goes: a bare echo, the service framework alone, the
+   placement without a `request_id` and with one (CPU per 1,000 requests of each).
+6. allocate, 1.5 bound CPUs + 2 GiB, deploy_count 1, from `--clients` concurrent clients: spread and
    pack, selecting nodes by a list of every name (93 KiB per request at 5,000 nodes) or by a label,
    with 1, 2 and 3 worker processes: placements/s, p50/p99/p99.9, errors by code, and each
    process's CPU use meanwhile (% of one core). Anchors from the same run: the same requests from
@@ -352,6 +354,7 @@ async def bench_bus(table: Table, args, nats_url: str, redis_url: str, servers: 
         table.add(f"add-node x {args.nodes} (64 concurrent)", f"{args.nodes / (time.perf_counter() - started):,.0f} nodes/s", "-")
         await bench_capacity(table, nc, prefix, names)
         await bench_list_nodes(table, nc, prefix, args.nodes)
+        await bench_request_path(table, args, nc, prefix, echo, workers)
         await bench_allocate(table, args, nc, prefix, names, workers, echo, servers, redis)
 
 
@@ -431,6 +434,27 @@ async def bench_allocate(table: Table, args, nc, prefix, names, workers: Workers
                 spent = worker_cpu.per_thousand(len(run.latencies))
                 table.add(what, f"{run.row()}; worker CPU {spent:.3f} s / 1,000",
                           f"raw NATS {raw.rate:,.0f}/s ({run.rate / raw.rate:.2f} of it); CPU: {cpu.row()}")
+
+
+async def bench_request_path(table: Table, args, nc, prefix: str, echo: EchoResponders, workers: Workers) -> None:
+    """Where one worker's CPU per pack placement by label goes, step by step: a bare echo, the
+    service framework alone (`resource.plugins`: decode, dispatch, answer, no store), the placement
+    without a `request_id` (no claim, no look for earlier runs, no kept answer), and with one."""
+    placing = {"labels": LABELS, "strategy": "pack", "deploy_count": 1, "workload_resource_request": REQUEST}
+    steps = [
+        ("bare echo of the request", echo.subject, lambda: msgpack.packb(placing), echo.procs),
+        ("the service framework alone (resource.plugins)", f"{prefix}.resource.plugins", lambda: b"\x80",
+         workers.procs),
+        ("allocate pack by label, no request_id", f"{prefix}.resource.allocate", lambda: msgpack.packb(placing),
+         workers.procs),
+        ("allocate pack by label, a request_id each", f"{prefix}.resource.allocate", Requests(placing).next,
+         workers.procs),
+    ]
+    for what, subject, make, procs in steps:
+        cpu = ProcessCpu([p.pid for p in procs])
+        run = await load(nc, subject, make, args.placements, args.clients)
+        table.add(f"request path, 1 process: {what}", f"{cpu.per_thousand(len(run.latencies)):.3f} s CPU / 1,000",
+                  f"{run.rate:,.0f}/s, errors: {dict(run.errors) or 'none'}")
 
 
 async def raw_lua_rate(redis, prefix: str, clients: int, total: int) -> float:
