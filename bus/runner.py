@@ -155,17 +155,6 @@ async def _serve(module: ServiceModule, common: CommonConfig, config: Any, metri
         await redis.aclose()
 
 
-def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop's event loop where it is installed (a dependency of berth): a worker spends a share of
-    each request in the event loop, and uvloop's costs about 7% less CPU per allocate than
-    asyncio's (bench/allocation.py, docs/benchmarks.md); else asyncio's own."""
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
-
-
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
@@ -177,8 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     # ones (capacity views, memos). With the default threshold (700) the cycle collector runs
     # every few requests and walks them all (docs/benchmarks.md, "Measurements behind the code").
     gc.set_threshold(50_000, 20, 100)
-    with asyncio.Runner(loop_factory=loop_factory()) as runner:
-        runner.run(run(module, common, config))
+    asyncio.run(run(module, common, config))
 
 
 if __name__ == "__main__":
