@@ -131,6 +131,45 @@ async def test_a_warm_pool_on_the_allocation_operator(
     await eventually(freed)
 
 
+async def test_a_warming_server_lost_with_its_node_is_replaced_without_cooling_down(
+    serve, redis, events, prefix, client, start_broker, broker_call, start_agent, tmp_path
+):
+    """A node can go at any time (`berth up` stops its agent's instances on Ctrl-C): a server lost
+    with it while warming is the platform's failure, not the image's, so the pool launches another
+    at once. Cooling down would leave the pool empty for `cooling_seconds`."""
+    await start_allocation(serve, redis, events, prefix)
+    await add_node(start_agent, "n1", "sz")
+    await start_broker(operator="allocation", instance_types=TYPES)
+    b = broker_call
+    opened = tmp_path / "open"  # the gated server listens once this file exists
+    await b("add-broker", {"user": U, "name": "warm", "strategy": {"type": "const", "num": 1},
+                           "param": param("http-server-gated", env={"WAIT_FILE": str(opened)})})
+
+    async def warming_on_n1() -> list[str]:
+        return await allocations(client, "n1")
+
+    [first] = await eventually(warming_on_n1)
+    # Its agent no longer runs it (as after its node stopped): its status says so.
+    assert await client.request("agent.n1.stop", {"instance": first}, dict)
+
+    async def replaced() -> list[str]:
+        placed = await allocations(client, "n1")
+        return placed if placed and first not in placed else []
+
+    [second] = await eventually(replaced)
+    pool = await b.pool(U, "warm")
+    assert (pool["cooling_until"], pool["warming"]) == (0, 1), pool
+    opened.touch()
+    assert (await b.wait_idle(U, "warm", 1))["cooling_until"] == 0
+    assert await allocations(client, "n1") == [second]
+    await b("remove-broker", {"user": U, "name": "warm"})
+
+    async def freed():
+        return await allocations(client, "n1") == []
+
+    await eventually(freed)
+
+
 async def test_a_failed_release_is_retried_until_the_allocations_are_freed(
     serve, redis, events, prefix, client, start_broker, broker_call, start_agent
 ):

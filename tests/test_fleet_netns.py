@@ -245,7 +245,7 @@ async def scenario(options: dict, bridge: Bridge) -> None:
     async def pool():
         return (await call(options, "broker.list-brokers", {"user": "team-f"}))["brokers"]
 
-    async def one_on_each():  # and the pool warm: a server still warming when its node goes is a failed launch
+    async def one_on_each():  # and the pool warm, so that what host-b loses is an idle server
         a, b = await running(options, "host-a"), await running(options, "host-b")
         idle = (await pool())[0]["idle"]
         return (a, b) if len(a) == 1 and len(b) == 1 and idle == 2 else None

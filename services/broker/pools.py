@@ -5,7 +5,8 @@ continues (no in-memory counter to drift or to recover).
 A tick, in order:
 1. readiness gate: a warming resource that finished deploying joins the idle pool if more than
    half of its instances answer; one that failed, or is not ready by its deadline, is released
-   and the broker cools down (no launches for `cooling_seconds`);
+   and the broker cools down (no launches for `cooling_seconds`), unless its instances were only
+   lost with their nodes (then step 4 replaces it at once);
 2. idle resources whose processes died (below the gate's threshold) are released: a caller must
    never get a dead server;
 3. idle recycling: with `idle_keep_seconds`, at most one resource idle longer than that is
@@ -128,7 +129,7 @@ class PoolKeeper:
                     await self._accept(broker, record)
                 else:
                     reason = info.message or f"{info.current_instances} of {broker.instance} instances ready"
-                    await self._reject(broker, state, record, reason)
+                    await self._reject(broker, state, record, reason, cool=not model.lost_with_nodes(info))
                 return
         if now() > record.deadline:
             await self._reject(broker, state, record, f"not ready within {self.timing.ready_timeout:g} s")
@@ -140,16 +141,20 @@ class PoolKeeper:
         except Stale:
             return  # changed meanwhile (released); the next tick sees it as it is now
 
-    async def _reject(self, broker: BrokerConfig, state: BrokerState, record: Resource, reason: str) -> None:
+    async def _reject(
+        self, broker: BrokerConfig, state: BrokerState, record: Resource, reason: str, *, cool: bool = True
+    ) -> None:
         log.warning(
-            "broker %s/%s: %s rejected (%s): releasing it and cooling down",
+            "broker %s/%s: %s rejected (%s): releasing it%s",
             broker.user,
             broker.name,
             record.resource_id,
             reason,
+            " and cooling down" if cool else "",
         )
         await self._release(record)
-        await self._cool(broker, state, record.resource_id)
+        if cool:
+            await self._cool(broker, state, record.resource_id)
 
     async def _cool(self, broker: BrokerConfig, state: BrokerState, resource_id: str) -> None:
         state.cooling_until = now() + self.timing.cooling_seconds

@@ -303,10 +303,10 @@ class AllocationOperator:
             for index, info in states.items()
             if isinstance(info, InstanceInfo) and info.state == "ready"
         ]
-        dead = sum(1 for info in states.values()
-                   if info == "lost" or (isinstance(info, InstanceInfo) and info.state == "exited"))
-        starting = len(placed) - len(endpoints) - dead
-        return service_info(endpoints, len(placed), starting, dead, "exited or were lost with their node")
+        exited = sum(1 for info in states.values() if isinstance(info, InstanceInfo) and info.state == "exited")
+        lost = sum(1 for info in states.values() if info == "lost")
+        starting = len(placed) - len(endpoints) - exited - lost
+        return service_info(endpoints, len(placed), starting, exited, lost)
 
     async def running_instances(self, user: str, resource_ids: list[str]) -> list[int]:
         async def running(resource_id: str) -> int:

@@ -14,16 +14,18 @@ from typing import Protocol
 from schemas.broker import BlockDetail, Endpoint, ResourceParam, ServiceInfo
 
 
-def service_info(endpoints: list[Endpoint], instances: int, starting: int, dead: int, why_dead: str) -> ServiceInfo:
+def service_info(endpoints: list[Endpoint], instances: int, starting: int, exited: int, lost: int = 0) -> ServiceInfo:
     """crm's service status from what the instances do: `staging` while one is still starting,
-    then `failed` if one is dead (`why_dead` says how they died), else `running`."""
+    then `failed` if one exited or was lost with its node, else `running`."""
     if not instances or starting:
         status, message = "staging", f"{len(endpoints)} of {instances} instances ready"
-    elif dead:
-        status, message = "failed", f"{dead} of {instances} instances {why_dead}"
+    elif exited or lost:
+        status = "failed"
+        message = "; ".join(f"{count} of {instances} instances {how}" for count, how in
+                            ((exited, "exited"), (lost, "were lost with their node")) if count)
     else:
         status, message = "running", ""
-    return ServiceInfo(status, message, instances, len(endpoints), endpoints)
+    return ServiceInfo(status, message, instances, len(endpoints), endpoints, lost_instances=lost)
 
 
 class OperatorError(Exception):

@@ -203,7 +203,7 @@ class ProcessOperator:
             for (index, slot), state in zip(slots.items(), states)
             if state == "ready"
         ]
-        return service_info(endpoints, len(slots), states.count("starting"), states.count("dead"), "exited")
+        return service_info(endpoints, len(slots), states.count("starting"), states.count("dead"))
 
     async def running_instances(self, user: str, resource_ids: list[str]) -> list[int]:
         every = await self.table.load_many(user, resource_ids)
