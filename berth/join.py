@@ -22,6 +22,7 @@ Tokens are kept in `<state>/credentials/tokens.json` (owner only).
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import fcntl
 import hashlib
@@ -44,6 +45,7 @@ VERSION = 1
 TOKEN_SECONDS = 600.0
 # The public user of account JOIN (berth/accounts.py): it may only ask to redeem a token.
 JOIN_USER = JOIN_PASSWORD = "join"
+JOIN_SERVICE_WAIT = 30.0  # seconds a joining host waits for a deployment that is still starting
 log = logging.getLogger("berth.join")
 
 
@@ -158,6 +160,23 @@ def unseal(token: str, reply: dict) -> dict:
     return json.loads(plain)
 
 
+async def _redeem(nc, subject: str, asked: bytes, wait: float = JOIN_SERVICE_WAIT):
+    """Ask the join service; while none answers (the deployment is starting, as at a fleet's boot),
+    ask again for up to `wait` seconds."""
+    import nats
+
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            return await nc.request(subject, asked, timeout=10)
+        except nats.errors.NoRespondersError:
+            if time.monotonic() > deadline:
+                raise TokenRefused(f"no join service answered {subject} within {wait:g} s: is `berth up` "
+                                   "running there?") from None
+            log.info("no join service answers %s yet; asking again in 1 s", subject)
+            await asyncio.sleep(1.0)
+
+
 def _proof(secret: str, token_id: str) -> str:
     return hmac.new(_key(secret, token_id), b"redeem", hashlib.sha256).hexdigest()
 
@@ -203,7 +222,7 @@ async def fetch(url: str, prefix: str, token: str) -> dict:
     try:
         token_id, _, secret = token.partition(".")
         asked = {"token": token_id, "proof": _proof(secret, token_id)}  # the secret itself never leaves
-        msg = await nc.request(f"{prefix}.join.redeem", json.dumps(asked).encode(), timeout=10)
+        msg = await _redeem(nc, f"{prefix}.join.redeem", json.dumps(asked).encode())
     finally:
         await nc.close()
     reply = json.loads(msg.data)

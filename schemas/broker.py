@@ -92,16 +92,11 @@ class Endpoint(Struct):
 
 
 class ServiceInfo(Struct):
-    """How a resource's instances do. `lost_instances` counts those lost with their node (down,
-    gone, or its agent runs them no more) rather than failed by themselves: a pool replaces such
-    a server at once instead of cooling down."""
-
     status: ServiceStatus
     message: str = ""
     request_instances: int = 0
     current_instances: int = 0
     available_endpoints: list[Endpoint] = []
-    lost_instances: int = 0
 
 
 # -- resource commands ------------------------------------------------------------------------

@@ -64,10 +64,12 @@ async def status(options: dict, node: str) -> str | None:
         await nc.close()
 
 
-async def until(options: dict, node: str, wanted: str, timeout: float) -> None:
+async def until(options: dict, node: str, wanted: str, timeout: float, host: subprocess.Popen | None = None) -> None:
+    """Until `node`'s status is `wanted`; a failure says what the host's agent said if it ended."""
     deadline = time.monotonic() + timeout
     while (seen := await status(options, node)) != wanted:
-        assert time.monotonic() < deadline, seen
+        ended = host is not None and host.poll() is not None
+        assert time.monotonic() < deadline and not ended, (seen, host.communicate() if ended else "")
         await asyncio.sleep(0.2)
 
 
@@ -82,7 +84,7 @@ def test_a_token_joins_a_host_once_and_every_other_token_is_refused_saying_why(t
         host.mkdir()
         joined = agent(host, url, token)
         try:
-            asyncio.run(until(options, "host-j", "up", 30))
+            asyncio.run(until(options, "host-j", "up", 30, joined))
             bundle = host / ".berth" / "agent" / "host-j.bundle"
             assert oct(bundle.stat().st_mode & 0o777) == "0o600"
 
@@ -113,3 +115,24 @@ def test_a_token_joins_a_host_once_and_every_other_token_is_refused_saying_why(t
         finally:
             os.killpg(joined.pid, signal.SIGTERM)
             joined.wait(30)
+
+
+async def test_a_joining_host_waits_for_a_join_service_that_is_starting_and_then_says_none_answered(nc, prefix):
+    """A fleet boots all at once: a host may ask before `berth up` serves joins. It asks again
+    until one answers, and past its wait says that none did (not a bare NoRespondersError)."""
+    from berth import join
+
+    subject = f"{prefix}.join.redeem"
+    asking = asyncio.create_task(join._redeem(nc, subject, b"{}", wait=10))
+    await asyncio.sleep(1.5)  # asked at least once with nobody there
+    assert not asking.done()
+    async def answer(msg) -> None:
+        await msg.respond(b"answered")
+
+    sub = await nc.subscribe(subject, cb=answer)
+    try:
+        assert (await asyncio.wait_for(asking, 15)).data == b"answered"
+    finally:
+        await sub.unsubscribe()
+    with pytest.raises(join.TokenRefused, match="no join service answered .* within 0.5 s"):
+        await join._redeem(nc, subject, b"{}", wait=0.5)

@@ -161,10 +161,11 @@ def ready_enough(instance: int, endpoints: int) -> bool:
     return endpoints > instance // 2
 
 
-def lost_with_nodes(info: ServiceInfo) -> bool:
-    """Every instance that is not ready was lost with its node: the platform's failure, not the
-    resource's, so a pool replaces it without cooling down (a node can go at any time)."""
-    return info.lost_instances > 0 and info.current_instances + info.lost_instances >= info.request_instances
+def lost_with_nodes(info: ServiceInfo, lost: int) -> bool:
+    """Every instance that is not ready was lost with its node (`lost` of them): the platform's
+    failure, not the resource's, so a pool replaces it without cooling down (a node can go at any
+    time)."""
+    return lost > 0 and info.current_instances + lost >= info.request_instances
 
 
 def terminal(info: ServiceInfo) -> bool:

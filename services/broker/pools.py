@@ -129,7 +129,8 @@ class PoolKeeper:
                     await self._accept(broker, record)
                 else:
                     reason = info.message or f"{info.current_instances} of {broker.instance} instances ready"
-                    await self._reject(broker, state, record, reason, cool=not model.lost_with_nodes(info))
+                    lost = await self.resources.operator.lost_instances(record.user, record.resource_id)
+                    await self._reject(broker, state, record, reason, cool=not model.lost_with_nodes(info, lost))
                 return
         if now() > record.deadline:
             await self._reject(broker, state, record, f"not ready within {self.timing.ready_timeout:g} s")

@@ -316,6 +316,10 @@ class AllocationOperator:
 
         return list(await asyncio.gather(*(running(rid) for rid in resource_ids)))
 
+    async def lost_instances(self, user: str, resource_id: str) -> int:
+        states = await self._states(user, resource_id, await self.table.load(user, resource_id))
+        return sum(1 for info in states.values() if info == "lost")
+
     async def release(self, user: str, resource_id: str, instances: int) -> None:
         placed = await self.table.load(user, resource_id)
         stopped = await asyncio.gather(*(

@@ -25,7 +25,7 @@ def service_info(endpoints: list[Endpoint], instances: int, starting: int, exite
                             ((exited, "exited"), (lost, "were lost with their node")) if count)
     else:
         status, message = "running", ""
-    return ServiceInfo(status, message, instances, len(endpoints), endpoints, lost_instances=lost)
+    return ServiceInfo(status, message, instances, len(endpoints), endpoints)
 
 
 class OperatorError(Exception):
@@ -63,6 +63,10 @@ class Operator(Protocol):
     async def running_instances(self, user: str, resource_ids: list[str]) -> list[int]:
         """Instances of each resource still running: a cheap check (no network probe) that they
         have not died, for a whole pool at once."""
+
+    async def lost_instances(self, user: str, resource_id: str) -> int:
+        """Instances of the resource lost with their node (down, gone, or its agent runs them no
+        more): the platform's failure, not the resource's."""
 
     async def release(self, user: str, resource_id: str, instances: int) -> None:
         """Stop and forget every instance; a resource with nothing running is released at once."""

@@ -209,6 +209,9 @@ class ProcessOperator:
         every = await self.table.load_many(user, resource_ids)
         return [sum(1 for slot in slots.values() if alive(slot)) for slots in every]
 
+    async def lost_instances(self, user: str, resource_id: str) -> int:
+        return 0  # this host's own processes: one that is gone exited (its node is the broker's)
+
     async def _state(self, slot: Slot) -> str:
         if not slot.pid:
             return "starting"
