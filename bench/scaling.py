@@ -3,7 +3,7 @@ N machines would be, for spread and pack, by names and by labels.
 
     .venv/bin/python bench/scaling.py [--cpu-quota 0.25] [--workers 1,2,3,4] [--nodes 2000]
                                       [--placements 3000] [--clients 64] [--fixed-clients]
-                                      [--nats URL --redis URL]
+                                      [--isolate] [--nats URL --redis URL]
 
 Each worker process gets a CPU cap of its own (`--cpu-quota` of one core): a cgroup v1 `cpu` group
 with `cpu.cfs_quota_us` (or a cgroup v2 group with `cpu.max`), whichever this host has; when neither
@@ -12,10 +12,17 @@ client is written from the contract: plain msgpack, a unique `request_id` per ca
 2 GiB per placement on `--nodes` nodes of 64 cores. The load grows with the workers, as it does
 when one adds machines because there is more to place: `--clients` concurrent callers and
 `--placements` per worker (`--fixed-clients`: `--clients` in all, so each of N workers sees 1/N
-of the callers; a worker batches fewer commits then, and spends more CPU per placement). Each row
+of the callers; a worker batches fewer commits then, and spends more CPU per placement: the last
+column is one worker with that share of the callers alone). Each row
 is placements/s with N workers and its efficiency, rate(N) / (N x rate(1)); beside them, the
 workers' CPU per 1,000 placements (from their own /proc stat) and, in the same run and under the
 same caps, the rate of as many bare echo responders.
+
+With `--isolate`, the capped processes run on the last core and everything else (the servers this
+script starts and the load client) on the others, as on N machines, where a worker shares its core
+with neither NATS, Redis nor the callers. Without it they all share every core: on a small host the
+servers and the client then take CPU from the workers, the more the busier they are, and even the
+echo responders do not add up.
 """
 
 from __future__ import annotations
@@ -42,11 +49,22 @@ V2 = Path("/sys/fs/cgroup")
 PERIOD_US = 100_000
 
 
-class CpuCaps:
-    """A cgroup per capped process under a parent of this run's own; removed at the end."""
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of `pid` onto `cpus` (threads made later inherit their maker's)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            os.sched_setaffinity(int(task.name), cpus)
+        except ProcessLookupError:
+            pass  # a thread that ended meanwhile
 
-    def __init__(self, quota: float) -> None:
+
+class CpuCaps:
+    """A cgroup per capped process under a parent of this run's own; removed at the end. With
+    `cpus`, a capped process also runs on those CPUs only."""
+
+    def __init__(self, quota: float, cpus: set[int] | None = None) -> None:
         self.quota = quota
+        self.cpus = cpus
         self.name = f"berth-scaling-{os.getpid()}"
         if (V1 / "cpu.cfs_quota_us").exists():
             self.kind, self.parent = "cgroup v1 cpu.cfs_quota_us", V1 / self.name
@@ -74,6 +92,8 @@ class CpuCaps:
             (group / "cpu.max").write_text(f"{quota} {PERIOD_US}")
         (group / "cgroup.procs").write_text(str(pid))
         self.groups.append(group)
+        if self.cpus:
+            pin(pid, self.cpus)
 
     def close(self) -> None:
         root = V1 if self.kind.startswith("cgroup v1") else V2
@@ -116,6 +136,13 @@ async def measure(args, caps: CpuCaps, nats_url: str, redis_url: str) -> dict:
                     spent = cpu.per_thousand(len(run.latencies))
                     results[(strategy, selector, count)] = (run.rate, spent, raw.rate, dict(run.errors))
                     print(f"  {count} worker(s), {strategy} by {selector}: {run.row()}", file=sys.stderr, flush=True)
+                    if args.fixed_clients and count == 1:  # one worker's share of the callers at the most workers
+                        share = max(1, clients // args.workers[-1])
+                        cpu = ProcessCpu([p.pid for p in workers.procs])
+                        run = await load(nc, subject, requests.next, args.placements, share)
+                        results[(strategy, selector, "share")] = (run.rate, cpu.per_thousand(len(run.latencies)))
+                        print(f"  1 worker, {share} callers, {strategy} by {selector}: {run.row()}", file=sys.stderr,
+                              flush=True)
         finally:
             workers.stop()
             echo.stop()
@@ -128,10 +155,11 @@ def table(args, results: dict, kind: str) -> None:
     callers = f"{args.clients} clients in all" if args.fixed_clients else f"{args.clients} clients per worker"
     print(f"allocate, each worker capped at {args.cpu_quota:g} CPU ({kind}), {args.nodes:,} nodes, "
           f"{callers}, a unique request_id per call")
+    share = f"1 worker, {args.clients // args.workers[-1]} callers: placements/s, CPU s / 1,000"
     print("| allocate | " + " | ".join(f"{n} worker{'s' if n > 1 else ''}" for n in args.workers) + " | efficiency at "
           + ", ".join(str(n) for n in args.workers[1:]) + " | worker CPU s / 1,000 placements | "
-          + "bare echo, same caps |")
-    print("|---" * (len(args.workers) + 4) + "|")
+          + "bare echo, same caps |" + (f" {share} |" if args.fixed_clients else ""))
+    print("|---" * (len(args.workers) + 4 + args.fixed_clients) + "|")
     for strategy in ("spread", "pack"):
         for selector in ("names", "labels"):
             rates = [results[(strategy, selector, n)][0] for n in args.workers]
@@ -139,9 +167,13 @@ def table(args, results: dict, kind: str) -> None:
             efficiency = [f"{rate / (n * base):.2f}" for rate, n in zip(rates[1:], args.workers[1:])]
             cpu = " / ".join(f"{results[(strategy, selector, n)][1]:.3f}" for n in args.workers)
             echo = [f"{results[(strategy, selector, n)][2]:,.0f}" for n in args.workers]
+            alone = ""
+            if args.fixed_clients:
+                rate, spent = results[(strategy, selector, "share")]
+                alone = f" {rate:,.0f}/s, {spent:.3f} |"
             print(f"| {strategy}, by {selector} | " + " | ".join(f"{r:,.0f}/s" for r in rates) + " | "
-                  + ", ".join(efficiency) + f" | {cpu} | " + " / ".join(echo) + " |")
-    errors = {key: err for key, (_, _, _, err) in results.items() if err}
+                  + ", ".join(efficiency) + f" | {cpu} | " + " / ".join(echo) + " |" + alone)
+    errors = {key: result[3] for key, result in results.items() if len(result) > 3 and result[3]}
     if errors:
         print("errors:", errors)
 
@@ -157,12 +189,22 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=64, help="concurrent callers per worker")
     parser.add_argument("--fixed-clients", action="store_true",
                         help="--clients in all, whatever the number of workers (each sees less load)")
+    parser.add_argument("--isolate", action="store_true",
+                        help="the capped processes on the last core, the servers and the client on the others")
     args = parser.parse_args()
-    caps = CpuCaps(args.cpu_quota)
+    cores = sorted(os.sched_getaffinity(0))
+    if args.isolate and (len(cores) < 2 or args.nats or args.redis):
+        raise SystemExit("--isolate needs two cores or more, and servers this script starts (no --nats/--redis)")
+    capped, rest = ({cores[-1]}, set(cores[:-1])) if args.isolate else (None, None)
+    caps = CpuCaps(args.cpu_quota, capped)
     try:
-        with given_or_started(args):
+        with given_or_started(args) as servers:
+            if rest:
+                for pid in (os.getpid(), *(server.proc.pid for server in servers)):
+                    pin(pid, rest)
             results = asyncio.run(measure(args, caps, args.nats, args.redis))
-        table(args, results, caps.kind)
+        table(args, results, caps.kind + (f", capped processes on CPU {cores[-1]}, the rest on the others"
+                                          if args.isolate else ""))
     finally:
         caps.close()
 

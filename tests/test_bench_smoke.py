@@ -4,6 +4,7 @@ only that every row is there and no placement failed."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -57,6 +58,26 @@ def test_scaling_prints_the_efficiency_of_capped_workers(nats_url, redis_url):
     assert "| allocate | 1 worker | 2 workers | efficiency at 2 |" in done.stdout
     rows = [line for line in done.stdout.splitlines() if line.startswith(("| spread", "| pack"))]
     assert len(rows) == 4 and "errors:" not in done.stdout
+
+
+def test_scaling_with_fixed_callers_on_a_core_of_their_own_prints_one_worker_with_a_share():
+    """`--fixed-clients` adds one worker alone with a share of the callers; `--isolate` pins the
+    capped processes to the last core and the servers it starts and the client to the others."""
+    if (why := cannot_cap_workers()) is not None:
+        pytest.skip(f"bench/scaling.py: {why}")
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("bench/scaling.py --isolate needs two cores")
+    done = subprocess.run(
+        [sys.executable, "bench/scaling.py", "--workers", "1,2", "--fixed-clients", "--isolate",
+         "--nodes", "40", "--placements", "32", "--clients", "4", "--cpu-quota", "0.5"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    last = max(os.sched_getaffinity(0))
+    assert f"capped processes on CPU {last}, the rest on the others" in done.stdout
+    assert "| 1 worker, 2 callers: placements/s, CPU s / 1,000 |" in done.stdout
+    rows = [line for line in done.stdout.splitlines() if line.startswith(("| spread", "| pack"))]
+    assert len(rows) == 4 and all(row.count("|") == 8 for row in rows) and "errors:" not in done.stdout
 
 
 def test_allocation_bench_prints_cpu_per_placement_beside_the_echo(nats_url, redis_url):
