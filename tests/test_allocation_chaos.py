@@ -3,7 +3,8 @@
 Three worker processes, 48 clients, 8 small nodes kept nearly full (most allocates are refused for
 capacity), clients that allocate and release with a unique `request_id` each and send a request
 once more with the same id whenever it timed out. Every so often one worker is SIGKILLed (and a new
-one started), or SIGSTOPped for longer than the claim lease and then resumed. At the end:
+one started; stopped for a moment before, so that it dies holding requests), or SIGSTOPped for
+longer than the claim lease and then resumed. At the end:
 - every placement a client was answered with is in its node's ledger, unless a release named it;
 - every id a release named was one a client had been answered with, and is in no ledger;
 - no id is in two ledgers, usage equals the ledger, nothing is over-committed;
@@ -29,6 +30,7 @@ CORES = 4
 CLIENTS = 48
 RETRIED = {"timeout", "busy", "unavailable", "no_responders"}  # not answered yet: send it again
 TIMEOUT = 2.0  # the client's patience; a stall (3 s) outlasts it and the claim lease (2 s)
+KILL_AFTER_STOP = 0.3  # seconds a worker is held stopped before it is killed
 
 
 class Ledger:
@@ -106,8 +108,13 @@ async def chaos(spawn_worker, workers: list, stop_at: float, stall: bool, faults
             await asyncio.sleep(3.0)
             victim.signal(signal.SIGCONT)
         else:
-            victim.signal(signal.SIGKILL)
+            # Stopped first: it dies in the state the stop caught it in (a kill at that very point),
+            # holding the requests routed to it meanwhile, so the kill hits requests in flight even
+            # at a moment when it held none (CI once killed a worker that did).
+            victim.signal(signal.SIGSTOP)
             faults.append(time.monotonic())
+            await asyncio.sleep(KILL_AFTER_STOP)
+            victim.signal(signal.SIGKILL)
             workers.remove(victim)
             workers.append(await asyncio.to_thread(spawn_worker, "services.allocation.worker"))
         await asyncio.sleep(rng.uniform(1.0, 2.0))
