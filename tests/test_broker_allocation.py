@@ -240,3 +240,29 @@ async def test_a_command_line_is_refused_before_anything_is_allocated(
     assert (await b.error("launch", {"user": U, "resource_id": "evil", "filter": ONE})).code == "resource_not_found"
     assert await allocations(client, "n1") == []
     assert not target.exists() and not marked(prefix)
+
+
+async def test_a_server_whose_agent_cannot_start_it_cools_the_broker_down(
+    serve, redis, events, prefix, client, start_broker, broker_call, start_agent
+):
+    """The image's own failure (its program is missing, so the agent refuses to start it) still
+    cools the broker down, as in crm: its instances were never lost with a node, so a pool does not
+    launch it again every round."""
+    await start_allocation(serve, redis, events, prefix)
+    await add_node(start_agent, "n1", "sz")
+    await start_broker(operator="allocation", instance_types=TYPES)
+    b = broker_call
+    await b("add-broker", {"user": U, "name": "broken", "strategy": {"type": "const", "num": 1},
+                           "param": param("missing-binary")})
+
+    async def cooling() -> dict | None:
+        pool = await b.pool(U, "broken")
+        return pool if pool["cooling_until"] > 0 else None
+
+    await eventually(cooling, 20)
+    await b("remove-broker", {"user": U, "name": "broken"})
+
+    async def freed():
+        return await allocations(client, "n1") == []
+
+    await eventually(freed)

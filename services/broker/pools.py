@@ -129,7 +129,10 @@ class PoolKeeper:
                     await self._accept(broker, record)
                 else:
                     reason = info.message or f"{info.current_instances} of {broker.instance} instances ready"
-                    lost = await self.resources.operator.lost_instances(record.user, record.resource_id)
+                    # A launch that failed (record.message) is the resource's own failure, whatever
+                    # became of its instances.
+                    lost = 0 if record.message else await self.resources.operator.lost_instances(
+                        record.user, record.resource_id)
                     await self._reject(broker, state, record, reason, cool=not model.lost_with_nodes(info, lost))
                 return
         if now() > record.deadline:
