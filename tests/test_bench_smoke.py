@@ -85,3 +85,18 @@ def test_allocation_bench_prints_cpu_per_placement_beside_the_echo(nats_url, red
                       "--placements", "64", "--clients", "4", "--workers", "1")
     assert table.count("worker CPU") == 4 and table.count("echo CPU") == 2
     assert "errors: none" in table
+
+
+def test_compare_measures_two_trees_in_the_same_rounds_and_leaves_no_worktree(nats_url, redis_url):
+    """bench/compare.py against HEAD (an A/A run here, where the checkout is HEAD): every row with
+    both trees' figures and their ratio, and the temporary worktree removed afterwards."""
+    table = run_bench("compare.py", "--nats", nats_url, "--redis", redis_url, "--against", "HEAD", "--rounds", "2",
+                      "--nodes", "20", "--placements", "32", "--clients", "4")
+    assert "| row | this checkout | HEAD | this / that |" in table
+    rows = [line.split("|")[1:-1] for line in table.splitlines() if line.startswith("| allocate ")]
+    assert sorted(row[0].strip() for row in rows) == sorted(
+        f"allocate {strategy} by {selector}" for strategy in ("spread", "pack") for selector in ("names", "labels"))
+    assert all(float(row[3]) > 0 for row in rows)
+    assert "| anchor: bare echo of the labelled request |" in table
+    listed = subprocess.run(["git", "worktree", "list"], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert "berth-compare-" not in listed.stdout
