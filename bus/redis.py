@@ -213,7 +213,8 @@ class RespConnections:
         while len(replies) < len(commands):
             reply = reader.gets()
             if reply is False:
-                data = await asyncio.wait_for(conn._reader.read(self.READ), self.reply_timeout)
+                async with asyncio.timeout(self.reply_timeout):  # not wait_for: no task per read
+                    data = await conn._reader.read(self.READ)
                 if not data:
                     raise asyncio.IncompleteReadError(b"", None)
                 reader.feed(data)
