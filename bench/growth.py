@@ -2,7 +2,7 @@
 in one table, with the anchors measured in the same run.
 
     .venv/bin/python bench/growth.py [--sizes 5000,50000] [--placements 3000] [--clients 64]
-                                     [--nats URL --redis URL]
+                                     [--idle 15] [--nats URL --redis URL]
 
 For each size, a fresh namespace and a fresh worker process (uncapped), then:
 - add-node for every node (64 concurrent callers; nodes of 64 cores in 2 NUMA nodes, one label);
@@ -10,7 +10,9 @@ For each size, a fresh namespace and a fresh worker process (uncapped), then:
 - allocate by the label, spread and pack, 1.5 bound CPUs + 2 GiB, from `--clients` callers;
 - a full `list-nodes` pass (pages of 1,000);
 - the worker's resident memory per node: its RSS after all of the above less its RSS before the
-  first node was added, divided by the nodes.
+  first node was added, divided by the nodes;
+- the worker's CPU while nothing is asked of it for `--idle` seconds (default 15: three of its
+  sweeps, which compare every node's version with the store to catch a lost event), % of one core.
 The NATS server it starts takes messages of up to 8 MiB (a capacity answer over 50,000 nodes is
 about 3 MiB; over the default 1 MiB it is refused, naming the selection). Anchors: a bare NATS echo
 responder answering the same allocate request, and the raw Redis Lua rate (a minimal
@@ -30,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.allocation import (  # noqa: E402
-    LABELS, REQUEST, ProcessCpu, Requests, add_nodes, call, load, namespace, raw_lua_rate,
+    LABELS, REQUEST, ProcessCpu, Requests, add_nodes, call, cpu_seconds, load, namespace, raw_lua_rate,
 )
 from bench.servers import given_or_started  # noqa: E402
 from bench.stats import percentile  # noqa: E402
@@ -92,6 +94,9 @@ async def one_size(args, size: int, nats_url: str, redis_url: str) -> dict[str, 
 
         row["list-nodes, every page"] = f"{await timed(list_all):.3f} s"
         row["worker memory per node (RSS)"] = f"{(rss_bytes(pid) - empty) / size:,.0f} B"
+        before = cpu_seconds(pid)
+        await asyncio.sleep(args.idle)
+        row["worker CPU while idle"] = f"{(cpu_seconds(pid) - before) / args.idle * 100:.1f} % of a core"
         lua = await raw_lua_rate(redis, prefix, args.clients, 20000)
         row["anchor: raw Redis Lua check-and-increment"] = f"{lua:,.0f}/s"
     return row
@@ -104,6 +109,7 @@ def main() -> None:
     parser.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=[5000, 50000])
     parser.add_argument("--placements", type=int, default=3000)
     parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--idle", type=float, default=15.0, help="seconds the worker is watched while idle")
     args = parser.parse_args()
     # A capacity answer over 50,000 nodes takes about 3 MiB: more than NATS's default 1 MiB.
     rows = {}

@@ -23,11 +23,11 @@ def run_bench(script: str, *args: str) -> str:
 
 def test_growth_prints_every_measure_at_each_size(nats_url, redis_url):
     table = run_bench("growth.py", "--nats", nats_url, "--redis", redis_url, "--sizes", "40,80",
-                      "--placements", "64", "--clients", "4")
+                      "--placements", "64", "--clients", "4", "--idle", "1")
     assert "| measure | 40 nodes | 80 nodes |" in table
     for measure in ("add-node", "capacity over every node, first call", "allocate spread by label",
                     "allocate pack by label", "list-nodes, every page", "worker memory per node",
-                    "bare echo", "raw Redis Lua"):
+                    "worker CPU while idle", "bare echo", "raw Redis Lua"):
         assert measure in table, measure
 
 

@@ -190,25 +190,25 @@ class NodeStore:
         return {node: self._parse(node, fields) for node, fields in zip(nodes, results)}
 
     async def versions(self, nodes: list[str]) -> list[int]:
-        """Each node's version (0 for a missing node): a cheap way to see which records changed."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for node in nodes:
-                pipe.hget(self.record_key(node), "v")
-            results = await pipe.execute()
-        return [int(v) if v else 0 for v in results]
+        """Each node's version (0 for a missing node): a cheap way to see which records changed. In
+        the shared batch: redis-py's own pipeline packs and parses each command in Python, which made
+        the periodic sweep over 2,000 nodes most of an idle worker's CPU."""
+        found = await asyncio.gather(*(self.batch.execute_command("HGET", self.record_key(node), "v") for node in nodes))
+        return [int(v) if v else 0 for v in found]
 
     async def directory_entries(self, nodes: list[str]) -> list[tuple[int, dict[str, str], str] | None]:
         """Each node's (version, labels, status), None for a node without a record."""
         found: list[tuple[int, dict[str, str], str] | None] = []
         for start in range(0, len(nodes), 1000):
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for node in nodes[start:start + 1000]:
-                    pipe.hmget(self.record_key(node), ["v", "labels", "gone", "status"])
-                for version, labels, gone, status in await pipe.execute():
-                    if version is None or gone is not None:
-                        found.append(None)
-                    else:
-                        found.append((int(version), _decode_map(labels) if labels else {}, (status or b"up").decode()))
+            read = await asyncio.gather(*(
+                self.batch.execute_command("HMGET", self.record_key(node), "v", "labels", "gone", "status")
+                for node in nodes[start:start + 1000]
+            ))
+            for version, labels, gone, status in read:
+                if version is None or gone is not None:
+                    found.append(None)
+                else:
+                    found.append((int(version), _decode_map(labels) if labels else {}, (status or b"up").decode()))
         return found
 
     async def load_with_ledger(
