@@ -38,6 +38,7 @@ log = logging.getLogger("berth.outbox")
 # How long the acknowledgements of one change's events are waited for; past it they stay in the
 # outbox for a sweep.
 ACK_TIMEOUT = 5.0
+SWEEP_SLICE = 500  # outboxes a sweep reads at once (one batch; requests' commands go between slices)
 _entries = decoder(list[tuple[str, dict[str, Any]]])
 
 
@@ -145,14 +146,23 @@ class VersionedOutboxes(Outbox):
 
     async def sweep(self, grace: float = 5.0) -> int:
         """Publish what outboxes still hold `grace` seconds after their last commit; how many
-        versions. Every worker may run it at once: JetStream drops the second copies."""
+        versions. Every worker may run it at once: JetStream drops the second copies.
+
+        Nearly every outbox named is empty (its worker published and dropped the events): each
+        slice of them is read, and the empty ones forgotten, in one batch, not one round trip per
+        outbox (a spread over 50,000 nodes names thousands of them every few seconds)."""
         delivered = 0
         stale = await self.batch.redis.zrangebyscore(self.pending_key, 0, time.time() - grace, withscores=True)
-        for owner, score in stale:
-            count, emptied = await self._deliver_held(self.outbox_key(owner.decode()), lambda f: True, int)
-            delivered += count
-            if emptied:
-                await self.batch.script(self._forget, [self.pending_key], [owner, repr(score)])
+        for start in range(0, len(stale), SWEEP_SLICE):
+            part = stale[start:start + SWEEP_SLICE]
+            swept = await asyncio.gather(
+                *(self._deliver_held(self.outbox_key(owner.decode()), lambda f: True, int) for owner, _ in part)
+            )
+            delivered += sum(count for count, _ in swept)
+            await asyncio.gather(*(
+                self.batch.script(self._forget, [self.pending_key], [owner, repr(score)])
+                for (owner, score), (_, emptied) in zip(part, swept) if emptied
+            ))
         return delivered
 
 

@@ -5,12 +5,13 @@ once the stream is there."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from nats.js.errors import NoStreamResponseError
 
 from bus.events import StreamSpec
-from bus.outbox import Journal, journal
+from bus.outbox import SWEEP_SLICE, Journal, VersionedOutboxes, journal
 from bus.redis import Pipelined
 from schemas.common import Event
 from tests.bus_helpers import eventually
@@ -61,3 +62,33 @@ async def test_an_acknowledgement_says_stored_duplicate_refused_or_no_stream(eve
     assert (await nc.jetstream().stream_info(stream)).state.messages == 1
     with pytest.raises(RuntimeError, match="refused"):  # over the stream's message size
         await asyncio.wait_for(await events.publish_acked("acks.one", b"x" * 100, "id-3"), 5)
+
+
+async def test_a_sweep_over_many_outboxes_publishes_what_they_hold_and_forgets_every_emptied_one(
+    events, redis, nc, prefix
+):
+    """Outboxes named in `pending` for longer than the grace, over more than two slices of the
+    sweep: the three that hold a version are published (each body stamped with it) and emptied,
+    and every one of them is forgotten; one committed within the grace stays, untouched."""
+    await events.ensure_stream(SPEC, memory=True)
+    sub = await nc.jetstream().subscribe(events.subject("outbox.>"), ordered_consumer=True)
+    pending = f"{prefix}:outboxes"
+    outboxes = VersionedOutboxes(events, Pipelined.of(redis), pending, lambda owner: f"{prefix}:outbox:{owner}")
+    owners = [f"n{i:04d}" for i in range(2 * SWEEP_SLICE + 201)]
+    holding = {owners[0], owners[SWEEP_SLICE], owners[-1]}
+    await redis.zadd(pending, {owner: time.time() - 60 for owner in owners})
+    for owner in holding:
+        await redis.hset(outboxes.outbox_key(owner), "7", journal([(f"outbox.{owner}.made", Event(type=""))]))
+    await redis.zadd(pending, {"recent": time.time()})
+    await redis.hset(outboxes.outbox_key("recent"), "3", journal([("outbox.recent.made", Event(type=""))]))
+
+    assert await outboxes.sweep(grace=5) == len(holding)
+
+    assert await redis.zrange(pending, 0, -1) == [b"recent"]
+    assert all([await held(redis, outboxes.outbox_key(owner)) == {} for owner in holding])
+    assert list(await held(redis, outboxes.outbox_key("recent"))) == [b"3"]
+    published = [await sub.next_msg(timeout=5) for _ in holding]
+    assert sorted(m.subject for m in published) == sorted(events.subject(f"outbox.{o}.made") for o in holding)
+    assert all(b"version" in m.data for m in published)
+    with pytest.raises(asyncio.TimeoutError):
+        await sub.next_msg(timeout=0.5)  # nothing else: not the recent one
