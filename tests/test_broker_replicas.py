@@ -193,6 +193,9 @@ async def test_every_status_recovers_after_all_replicas_are_killed(
         await eventually(lambda rid=rid: running(rid), timeout=20)
     pool = await b.wait_idle(U, "warmup", 2, timeout=20)  # warming ones were accepted after all
     assert pool["warming"] == 0
+    # The ready pool's replacement for the server sold may have been launched only by the new
+    # replicas: counted below once it runs (a launch in flight has a process and no pid recorded yet).
+    await b.wait_idle(U, "ready", 1, timeout=20)
     assert await status("fresh") == "init" and await status("gone") == "released"
     assert [p for p in marked_pids(prefix) if "/steady/" in p[0]] == steady_before
     assert (await b("get-resource", {"user": U, "resource_id": sold}))["broker_sold"] is True
