@@ -73,6 +73,11 @@ def start_worker(tree: Path, nats_url: str, redis_url: str, prefix: str) -> subp
     return proc
 
 
+def placing(chosen: dict, strategy: str) -> Requests:
+    """Allocate requests of one instance on the `chosen` nodes, as bench/allocation.py sends them."""
+    return Requests({**chosen, "strategy": strategy, "deploy_count": 1, "workload_resource_request": REQUEST})
+
+
 class Side:
     """One tree's worker in a namespace of its own, on nodes of its own, and a client for it."""
 
@@ -90,8 +95,7 @@ class Side:
         await add_nodes(self.nc, self.prefix, self.names, 64, LABELS)
 
     def requests(self, strategy: str, selector: str) -> Requests:
-        chosen = {"nodenames": self.names} if selector == "names" else {"labels": LABELS}
-        return Requests({**chosen, "strategy": strategy, "deploy_count": 1, "workload_resource_request": REQUEST})
+        return placing({"nodenames": self.names} if selector == "names" else {"labels": LABELS}, strategy)
 
     async def stretch(self, requests: Requests, args) -> float:
         """CPU s per 1,000 placements of `args.placements` placements."""
@@ -117,7 +121,7 @@ class Side:
 
 
 async def echo_stretch(args, echo: EchoResponders, nc) -> float:
-    requests = Requests({"labels": LABELS, "strategy": "pack", "deploy_count": 1, "workload_resource_request": REQUEST})
+    requests = placing({"labels": LABELS}, "pack")
     cpu = ProcessCpu([p.pid for p in echo.procs])
     run = await load(nc, echo.subject, requests.next, args.placements, args.clients)
     return cpu.per_thousand(len(run.latencies))
@@ -183,7 +187,8 @@ def main() -> None:
     args = parser.parse_args()
     placed, room = len(ROWS) * args.turns * args.placements, args.nodes * PER_NODE
     if placed > room:
-        parser.error(f"{placed:,} placements a tree, but {args.nodes:,} nodes hold {room:,}: fewer turns or placements")
+        parser.error(f"{placed:,} placements a tree, but {args.nodes:,} nodes hold {room:,}: "
+                     "fewer turns or placements")
     with contextlib.ExitStack() as stack:
         other = stack.enter_context(worktree(args.against))
         this = stack.enter_context(worktree(args.this)) if args.this else ROOT

@@ -193,7 +193,9 @@ class NodeStore:
         """Each node's version (0 for a missing node): a cheap way to see which records changed. In
         the shared batch: redis-py's own pipeline packs and parses each command in Python, which made
         the periodic sweep over 2,000 nodes most of an idle worker's CPU."""
-        found = await asyncio.gather(*(self.batch.execute_command("HGET", self.record_key(node), "v") for node in nodes))
+        found = await asyncio.gather(
+            *(self.batch.execute_command("HGET", self.record_key(node), "v") for node in nodes)
+        )
         return [int(v) if v else 0 for v in found]
 
     async def directory_entries(self, nodes: list[str]) -> list[tuple[int, dict[str, str], str] | None]:
