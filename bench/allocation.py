@@ -139,16 +139,21 @@ class Workers:
 
     def __init__(
         self, nats_url: str, redis_url: str, prefix: str, started: Callable[[int], None] = lambda pid: None,
-        options: Sequence[str] = (),
+        options: Sequence[str] = (), tree: Path = ROOT,
     ) -> None:
-        self.argv = [sys.executable, "-m", "bus.runner", "services.allocation.worker",
+        # `tree`: whose code the workers run (bench/compare.py: another commit's; its runner moved
+        # from services/ to bus/ once)
+        runner = "bus.runner" if (tree / "bus" / "runner.py").exists() else "services.runner"
+        self.argv = [sys.executable, "-m", runner, "services.allocation.worker",
                      "--nats", nats_url, "--redis", redis_url, "--prefix", prefix, "--memory-stream", *options]
+        self.tree = tree
         self.started = started
         self.procs: list[subprocess.Popen] = []
 
     def scale(self, count: int) -> None:
         while len(self.procs) < count:
-            proc = subprocess.Popen(self.argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            proc = subprocess.Popen(self.argv, cwd=self.tree, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                    text=True)
             self.started(proc.pid)
             if not proc.stdout.readline().startswith("ready"):
                 raise RuntimeError("an allocation worker did not start")

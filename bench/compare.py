@@ -37,7 +37,8 @@ sys.path.insert(0, str(ROOT))
 import nats  # noqa: E402
 
 from bench.allocation import (  # noqa: E402
-    LABELS, REQUEST, EchoResponders, ProcessCpu, Requests, add_nodes, delete_namespace, delete_stream, load,
+    LABELS, REQUEST, EchoResponders, ProcessCpu, Requests, Workers, add_nodes, delete_namespace, delete_stream,
+    load,
 )
 from bench.servers import given_or_started  # noqa: E402
 from bus.redis import connect_redis  # noqa: E402
@@ -59,20 +60,6 @@ def worktree(revision: str):
         subprocess.run(["git", "worktree", "remove", "--force", str(path)], cwd=ROOT, capture_output=True)
 
 
-def start_worker(tree: Path, nats_url: str, redis_url: str, prefix: str) -> subprocess.Popen:
-    """One allocation worker of `tree`'s own code (its runner moved from services/ to bus/ once)."""
-    runner = "bus.runner" if (tree / "bus" / "runner.py").exists() else "services.runner"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", runner, "services.allocation.worker", "--nats", nats_url, "--redis", redis_url,
-         "--prefix", prefix, "--memory-stream"],
-        cwd=tree, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )
-    if not proc.stdout.readline().startswith("ready"):
-        proc.kill()
-        raise SystemExit(f"an allocation worker of {tree} did not start")
-    return proc
-
-
 def placing(chosen: dict, strategy: str) -> Requests:
     """Allocate requests of one instance on the `chosen` nodes, as bench/allocation.py sends them."""
     return Requests({**chosen, "strategy": strategy, "deploy_count": 1, "workload_resource_request": REQUEST})
@@ -85,12 +72,14 @@ class Side:
         self.name = name
         self.tree = tree
         self.prefix = f"compare{uuid.uuid4().hex[:8]}"
-        self.worker: subprocess.Popen | None = None
+        self.workers: Workers | None = None
+        self.nc = self.redis = None
 
     async def start(self, args, nats_url: str, redis_url: str) -> None:
         self.nc = await nats.connect(nats_url, name="bench-compare", max_reconnect_attempts=3)
         self.redis = connect_redis(redis_url)
-        self.worker = start_worker(self.tree, nats_url, redis_url, self.prefix)
+        self.workers = Workers(nats_url, redis_url, self.prefix, tree=self.tree)
+        self.workers.scale(1)
         self.names = [f"c{i:05d}" for i in range(args.nodes)]
         await add_nodes(self.nc, self.prefix, self.names, 64, LABELS)
 
@@ -99,7 +88,7 @@ class Side:
 
     async def stretch(self, requests: Requests, args) -> float:
         """CPU s per 1,000 placements of `args.placements` placements."""
-        cpu = ProcessCpu([self.worker.pid])
+        cpu = ProcessCpu([p.pid for p in self.workers.procs])
         run = await load(self.nc, f"{self.prefix}.resource.allocate", requests.next, args.placements, args.clients)
         if run.errors:
             raise SystemExit(f"{self.name}: allocate failed: {dict(run.errors)}")
@@ -110,12 +99,12 @@ class Side:
             await self.nc.request(f"{self.prefix}.resource.allocate", requests.next(), timeout=60)
 
     async def stop(self) -> None:
-        if self.worker is not None:
-            self.worker.terminate()
-            self.worker.wait(30)
-        with contextlib.suppress(AttributeError):
+        if self.workers is not None:
+            self.workers.stop()
+        if self.nc is not None:
             await delete_stream(self.nc, self.prefix)
             await self.nc.close()
+        if self.redis is not None:
             await delete_namespace(self.redis, self.prefix)
             await self.redis.aclose()
 
