@@ -158,7 +158,7 @@ def redis_cluster_to_fail(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("wait_replicas", [1, 0], ids=["wait-replicas-1", "no-wait"])
 async def test_a_redis_primary_fails_over_under_load(
-    nats_url, nc, redis, redis_cluster_to_fail, wait_replicas, record_property
+    redis_cluster_to_fail, nats_url, nc, redis, wait_replicas, record_property
 ):
     """The replica of one primary lags (stopped, its link cut) from the start of the load; some way in,
     the primary dies, the replica resumes and is promoted, and the dead primary comes back as its
@@ -167,7 +167,11 @@ async def test_a_redis_primary_fails_over_under_load(
     the placements answered on that primary's nodes before it died are gone (the loss window)."""
     cluster, prefix = redis_cluster_to_fail, new_prefix()
     options = ("--wait-replicas", str(wait_replicas)) if wait_replicas else ()
-    workers = [start_worker("services.allocation.worker", nats_url, cluster.url, prefix, *options) for _ in range(3)]
+    # The cluster is made before the NATS connection, and workers start and stop in threads: a test
+    # whose event loop is stuck for seconds misses the server's pings, and its connection is
+    # dropped with a request in it (CI saw add-node go unanswered so).
+    workers = [await asyncio.to_thread(start_worker, "services.allocation.worker", nats_url, cluster.url, prefix,
+                                       *options) for _ in range(3)]
     client = BusClient(nc, prefix=prefix, timeout=5)
     try:
         await add_nodes(client)
@@ -191,8 +195,8 @@ async def test_a_redis_primary_fails_over_under_load(
         # A run that stalled in the failover may still hold what it placed after a retry took its
         # claim over and answered; it gives that back once it finds its claim gone. Drain the
         # workers so every such run has finished, then check what is left with a fresh one.
-        stop_workers(workers)
-        workers = [start_worker("services.allocation.worker", nats_url, cluster.url, prefix)]
+        await asyncio.to_thread(stop_workers, workers)
+        workers = [await asyncio.to_thread(start_worker, "services.allocation.worker", nats_url, cluster.url, prefix)]
         placed, held = await check_answers(client, answers)
         lost = placed - held  # answered, then lost with writes the replica had not received
         # The loss window, for the README (--junitxml keeps these): answered placements lost, of
@@ -208,7 +212,7 @@ async def test_a_redis_primary_fails_over_under_load(
             assert lost, "the stopped replica missed writes: answered placements must be lost"
             assert {placement_node(answers, wid) for wid in lost} <= on_victim
     finally:
-        stop_workers(workers)
+        await asyncio.to_thread(stop_workers, workers)
         await clean_namespace(nc, redis, prefix)  # its events streams (the cluster goes with the test)
 
 
